@@ -1,0 +1,53 @@
+# Every target installs what it needs into .venv/ first, so a fresh machine needs only python3 and make.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH_PIN := torch==2.13.0
+# The repository has an `operator/` folder: with the working directory on sys.path (`python -m` does that)
+# it would shadow the standard library's `operator`. PYTHONSAFEPATH keeps it off.
+export PYTHONSAFEPATH := 1
+
+.PHONY: all venv test test-unit demo bench lint crds check-crds control-plane-up control-plane-down clean
+
+all: test
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# The pinned CPU torch first: nixl-cu12 asks for an unpinned torch, which would otherwise be a CUDA build.
+	$(PY) -m pip install --quiet $(TORCH_PIN)
+	$(PY) -m pip install --quiet -e '.[worker,dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+test-unit: $(STAMP)
+	$(PY) -m pytest tests -m "not nixl and not cluster and not helm"
+
+demo: $(STAMP)
+	$(VENV)/bin/disagg demo
+
+bench: $(STAMP)
+	$(VENV)/bin/disagg bench
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check operator worker tests
+	$(VENV)/bin/ruff format --check operator worker tests
+	$(VENV)/bin/mypy operator worker
+
+crds: $(STAMP)
+	$(VENV)/bin/disagg crd generate
+
+control-plane-up:
+	bash hack/control-plane.sh start
+
+control-plane-down:
+	bash hack/control-plane.sh stop
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

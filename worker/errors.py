@@ -1,0 +1,98 @@
+"""Typed errors shared by the worker and the operator.
+
+Every refusal carries a CamelCase `reason` that is stable across the code base: the worker raises it at
+startup or handshake, the sidecar writes it into its Pod condition, and the operator uses the same reasons
+for pre-flight checks and the aggregated `KVTransferReady` condition. The message says what is wrong and,
+where it can, what to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken compatibility rule: a CamelCase reason and a message a person can act on."""
+
+    reason: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.reason}: {self.message}"
+
+
+class DisaggError(Exception):
+    """Base of every refusal with a reason."""
+
+    reason: str = "Error"
+
+    def __init__(self, message: str, *, reason: str | None = None) -> None:
+        super().__init__(message)
+        if reason is not None:
+            self.reason = reason
+        self.message = message
+
+    @property
+    def violation(self) -> Violation:
+        return Violation(self.reason, self.message)
+
+
+class CompatibilityError(DisaggError):
+    """A topology that cannot work (startup gate or pre-flight rule)."""
+
+    reason = "Incompatible"
+
+    @classmethod
+    def from_violation(cls, violation: Violation) -> CompatibilityError:
+        return cls(violation.message, reason=violation.reason)
+
+
+class HandshakeError(DisaggError):
+    """A peer refused at handshake, before any NIXL agent for it is added."""
+
+    reason = "HandshakeFailed"
+
+
+class WireFormatError(HandshakeError):
+    """Bytes that are not a valid payload of the expected connector version."""
+
+    reason = "ConnectorVersionMismatch"
+
+
+class CompatibilityHashMismatch(HandshakeError):
+    reason = "CompatibilityHashMismatch"
+
+
+class EngineIdMismatch(HandshakeError):
+    reason = "EngineIdMismatch"
+
+
+class MissingLayers(HandshakeError):
+    """A local transfer layer the remote does not advertise (or advertises twice, or no layers at all)."""
+
+    reason = "MissingLayers"
+
+
+class BlockSizeMismatch(HandshakeError):
+    reason = "BlockSizeMismatch"
+
+
+class RegionGeometryMismatch(HandshakeError):
+    """Per-region lists of different lengths, block lengths or strides that cannot pair."""
+
+    reason = "RegionGeometryMismatch"
+
+
+class PeerUnreachable(HandshakeError):
+    reason = "PeerUnreachable"
+
+
+class TransferFailed(DisaggError):
+    reason = "TransferFailed"
+
+
+def require(violation: Violation | None) -> None:
+    """Raise the violation as a CompatibilityError; do nothing when the rule holds."""
+    if violation is not None:
+        raise CompatibilityError.from_violation(violation)
