@@ -92,6 +92,18 @@ class TransferFailed(DisaggError):
     reason = "TransferFailed"
 
 
+class LayoutError(DisaggError):
+    """A model geometry, partition or KV layout that cannot be built (a local configuration error)."""
+
+    reason = "InvalidKVLayout"
+
+
+class BlockIdOutOfRange(TransferFailed):
+    """A block id that does not fit the capacity of the region it would be written to or read from."""
+
+    reason = "BlockIdOutOfRange"
+
+
 def require(violation: Violation | None) -> None:
     """Raise the violation as a CompatibilityError; do nothing when the rule holds."""
     if violation is not None:
