@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 COMMAND_MODULES: tuple[str, ...] = (
+    "disagg.worker.cli_wire",
 )
 
 
