@@ -20,7 +20,9 @@ COMMAND_MODULES: tuple[str, ...] = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="disagg",
-        description="Disaggregated prefill/decode serving on Kubernetes: pre-flight checks, operator, KV worker.",
+        description=(
+            "Disaggregated prefill/decode serving on Kubernetes: pre-flight checks, operator, KV worker."
+        ),
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
