@@ -53,7 +53,7 @@ _NATURAL_SPLIT = re.compile(r"(\d+)")
 
 
 def natural_sort_key(name: str) -> tuple[tuple[int, int | str], ...]:
-    """Sort key that orders digit runs numerically: `layers.2` before `layers.10` (vLLM's `_region_sort_key`)."""
+    """Orders digit runs numerically, `layers.2` before `layers.10` (vLLM's `_region_sort_key`)."""
     return tuple(
         (0, int(part)) if part.isdigit() else (1, part) for part in _NATURAL_SPLIT.split(name) if part
     )

@@ -22,8 +22,8 @@ def decode_pipeline_parallel(decode_pp: int) -> Violation | None:
         return None
     return Violation(
         "DecodePipelineParallel",
-        f"decode pipelineParallelSize is {decode_pp}; the push connector counts completions per consumer rank "
-        "and supports only pipelineParallelSize 1 on decode: set decode pipelineParallelSize to 1",
+        f"decode pipelineParallelSize is {decode_pp}; the push connector counts completions per consumer "
+        "rank and supports only pipelineParallelSize 1 on decode: set decode pipelineParallelSize to 1",
     )
 
 
@@ -33,8 +33,8 @@ def pull_connector_with_hma_pp(transfer_mode: str, hma: bool, prefill_pp: int) -
         return None
     return Violation(
         "PullConnectorWithHybridPP",
-        f"the {transfer_mode} connector does not support prefill pipelineParallelSize {prefill_pp} with a hybrid "
-        "KV cache (HMA): use the push connector, or set prefill pipelineParallelSize to 1",
+        f"the {transfer_mode} connector does not support prefill pipelineParallelSize {prefill_pp} with a "
+        "hybrid KV cache (HMA): use the push connector, or set prefill pipelineParallelSize to 1",
     )
 
 
@@ -78,37 +78,38 @@ def tp_not_divisible(prefill_tp: int, decode_tp: int) -> Violation | None:
         return None
     return Violation(
         "TensorParallelNotDivisible",
-        f"prefill tensorParallelSize {prefill_tp} and decode tensorParallelSize {decode_tp} must be positive and "
-        "one must divide the other: choose sizes such as 4 and 2, or 2 and 2",
+        f"prefill tensorParallelSize {prefill_tp} and decode tensorParallelSize {decode_tp} must be positive "
+        "and one must divide the other: choose sizes such as 4 and 2, or 2 and 2",
     )
 
 
 def invalid_layer_partition(
     num_layers: int, pp_size: int, partition: Sequence[int] | None
 ) -> Violation | None:
-    """An explicit partition (VLLM_PP_LAYER_PARTITION style) must give every stage layers and cover the model."""
+    """An explicit partition (VLLM_PP_LAYER_PARTITION style) must give every stage layers, covering all."""
     if pp_size < 1:
         return Violation("InvalidLayerPartition", f"pipelineParallelSize must be at least 1, got {pp_size}")
     if partition is None:
         if num_layers < pp_size:
             return Violation(
                 "InvalidLayerPartition",
-                f"{num_layers} layers cannot fill {pp_size} pipeline stages: lower pipelineParallelSize to at "
-                f"most {num_layers}",
+                f"{num_layers} layers cannot fill {pp_size} pipeline stages: lower pipelineParallelSize to "
+                f"at most {num_layers}",
             )
         return None
     stages = list(partition)
     if len(stages) != pp_size:
         return Violation(
             "InvalidLayerPartition",
-            f"layerPartition {stages} has {len(stages)} entries but pipelineParallelSize is {pp_size}: give one "
-            "layer count per stage",
+            f"layerPartition {stages} has {len(stages)} entries but pipelineParallelSize is {pp_size}: "
+            "give one layer count per stage",
         )
     empty = [stage for stage, size in enumerate(stages) if size < 1]
     if empty:
         return Violation(
             "InvalidLayerPartition",
-            f"layerPartition {stages} leaves stage(s) {empty} without layers: give every stage at least one layer",
+            f"layerPartition {stages} leaves stage(s) {empty} without layers: "
+            "give every stage at least one layer",
         )
     if sum(stages) != num_layers:
         return Violation(

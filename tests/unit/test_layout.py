@@ -1,4 +1,4 @@
-"""KV layout: grouping, pooling and PP projection, against the worked examples of vllm-hma-kv-cache-layout.md."""
+"""KV layout: grouping, pooling and PP projection, against the worked examples of the HMA layout note."""
 
 from __future__ import annotations
 
@@ -125,7 +125,9 @@ def test_30_layer_pp2_split_12_18_matches_decoder_slots() -> None:
 
 def test_gpt_oss_pp2_slots_are_pairs() -> None:
     for rank in (0, 1):
-        layout = build_stage_layout(gpt_oss_24(), pp_rank=rank, pp_size=2, tp_size=1, block_size=16, num_blocks=8)
+        layout = build_stage_layout(
+            gpt_oss_24(), pp_rank=rank, pp_size=2, tp_size=1, block_size=16, num_blocks=8
+        )
         start = 12 * rank
         assert members(layout.region_members) == [[start + 2 * i, start + 2 * i + 1] for i in range(6)]
 

@@ -1,0 +1,135 @@
+"""Startup gates and handshake-time rules of the push connector (vllm-nixl-push-connector.md §4)."""
+
+from __future__ import annotations
+
+import pytest
+
+from disagg.worker import rules
+from disagg.worker.errors import CompatibilityError, Violation, require
+from disagg.worker.rules import RoleTopology, check_topology
+
+
+def test_decode_pp_must_be_one() -> None:
+    assert rules.decode_pipeline_parallel(1) is None
+    violation = rules.decode_pipeline_parallel(2)
+    assert violation is not None
+    assert violation.reason == "DecodePipelineParallel"
+    assert "set decode pipelineParallelSize to 1" in violation.message
+
+
+@pytest.mark.parametrize(
+    ("mode", "hma", "pp", "refused"),
+    [("pull", True, 2, True), ("push", True, 2, False), ("pull", False, 2, False), ("pull", True, 1, False)],
+)
+def test_pull_with_hma_and_pp(mode: str, hma: bool, pp: int, refused: bool) -> None:
+    violation = rules.pull_connector_with_hma_pp(mode, hma, pp)
+    assert (violation is not None) == refused
+    if violation is not None:
+        assert violation.reason == "PullConnectorWithHybridPP"
+        assert "push connector" in violation.message
+
+
+def test_mamba_under_pp() -> None:
+    assert rules.mamba_under_pp(True, 1) is None
+    assert rules.mamba_under_pp(False, 4) is None
+    violation = rules.mamba_under_pp(True, 2)
+    assert violation is not None and violation.reason == "MambaUnderPipelineParallel"
+
+
+def test_block_sizes_must_match_only_under_routing() -> None:
+    assert rules.block_size_mismatch(False, 16, 32) is None
+    assert rules.block_size_mismatch(True, 16, 16) is None
+    violation = rules.block_size_mismatch(True, 16, 32)
+    assert violation is not None and violation.reason == "BlockSizeMismatch"
+    assert "16" in violation.message and "32" in violation.message
+
+
+def test_decode_tp_above_prefill_tp() -> None:
+    assert rules.decode_tp_exceeds_prefill_tp(False, 2, 2, True) is None
+    assert rules.decode_tp_exceeds_prefill_tp(True, 1, 2, True) is None  # MLA is replicated
+    assert rules.decode_tp_exceeds_prefill_tp(False, 1, 2, False) is None  # region-index path
+    violation = rules.decode_tp_exceeds_prefill_tp(False, 1, 4, True)
+    assert violation is not None and violation.reason == "DecodeTPExceedsPrefillTP"
+    assert "at most 1" in violation.message
+
+
+@pytest.mark.parametrize(
+    ("p", "d", "ok"), [(4, 2, True), (2, 4, True), (3, 2, False), (6, 4, False), (0, 1, False)]
+)
+def test_tp_divisibility(p: int, d: int, ok: bool) -> None:
+    violation = rules.tp_not_divisible(p, d)
+    assert (violation is None) == ok
+    if violation is not None:
+        assert violation.reason == "TensorParallelNotDivisible"
+
+
+@pytest.mark.parametrize(
+    ("partition", "fragment"),
+    [((10, 10), "sums to 20"), ((30, 0), "without layers"), ((10, 10, 10), "3 entries")],
+)
+def test_invalid_layer_partition(partition: tuple[int, ...], fragment: str) -> None:
+    violation = rules.invalid_layer_partition(30, 2, partition)
+    assert violation is not None and violation.reason == "InvalidLayerPartition"
+    assert fragment in violation.message
+    assert rules.invalid_layer_partition(30, 2, (12, 18)) is None
+    assert rules.invalid_layer_partition(30, 2, None) is None
+    assert rules.invalid_layer_partition(3, 4, None) is not None
+
+
+@pytest.mark.parametrize(
+    ("mode", "hma", "packed", "mamba", "pp", "expected"),
+    [
+        ("push", True, False, False, 2, True),
+        ("push", False, True, False, 2, True),
+        ("push", True, False, False, 1, False),
+        ("push", False, False, False, 2, False),
+        ("push", True, False, True, 2, False),
+        ("pull", True, False, False, 2, False),
+    ],
+)
+def test_layer_name_routing_gate(
+    mode: str, hma: bool, packed: bool, mamba: bool, pp: int, expected: bool
+) -> None:
+    assert rules.requires_layer_name_routing(mode, hma, packed, mamba, pp) is expected
+
+
+def test_check_topology_reports_every_violation() -> None:
+    found = check_topology(
+        transfer_mode="push",
+        hma=True,
+        has_mamba=False,
+        is_mla=False,
+        num_layers=30,
+        prefill=RoleTopology(pp_size=2, tp_size=1, block_size=16, layer_partition=(10, 10)),
+        decode=RoleTopology(pp_size=2, tp_size=2, block_size=32),
+    )
+    assert [v.reason for v in found] == [
+        "DecodePipelineParallel",
+        "BlockSizeMismatch",
+        "DecodeTPExceedsPrefillTP",
+        "InvalidLayerPartition",
+    ]
+
+
+def test_check_topology_accepts_the_supported_topology() -> None:
+    assert (
+        check_topology(
+            transfer_mode="push",
+            hma=True,
+            has_mamba=False,
+            is_mla=False,
+            num_layers=30,
+            prefill=RoleTopology(pp_size=2, tp_size=2, block_size=16),
+            decode=RoleTopology(pp_size=1, tp_size=1, block_size=16),
+        )
+        == []
+    )
+
+
+def test_require_raises_the_reason() -> None:
+    violation = rules.mamba_under_pp(True, 2)
+    with pytest.raises(CompatibilityError) as info:
+        require(violation)
+    assert info.value.violation == violation
+    require(None)
+    assert isinstance(violation, Violation)
