@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 COMMAND_MODULES: tuple[str, ...] = (
     "disagg.worker.cli_wire",
+    "disagg.operator.cli_check",
 )
 
 

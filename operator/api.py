@@ -1,0 +1,445 @@
+"""The `DisaggDeployment` API (`disagg.io/v1alpha1`): pydantic models that are the single source of truth.
+
+`crds/` is generated from these models (`disagg.operator.crd`): field descriptions become `kubectl explain`
+text; the cross-field rules live in `crd.SPEC_RULES` (CEL) and `disagg.operator.compat` (Python). Python
+names are snake_case, the wire names camelCase (`alias_generator=to_camel`, `populate_by_name=True`).
+Optional fields are omitted, never null, so the generated schema stays structural.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import datetime
+from typing import Annotated, Any, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic.alias_generators import to_camel
+
+from disagg.worker import layout
+
+GROUP: Final = "disagg.io"
+VERSION: Final = "v1alpha1"
+API_VERSION: Final = f"{GROUP}/{VERSION}"
+KIND: Final = "DisaggDeployment"
+PLURAL: Final = "disaggdeployments"
+SINGULAR: Final = "disaggdeployment"
+SHORT_NAMES: Final = ("disagg",)
+DEFAULT_SIDE_CHANNEL_PORT: Final = 5600
+# Bounds on lists that CEL rules iterate: without maxItems the API server's CEL cost estimate is unbounded
+# and it refuses the CRD.
+MAX_LAYERS: Final = 4096
+MAX_STAGES: Final = 256
+
+# Kubernetes objects the operator passes through untouched (ResourceRequirements, Affinity, Toleration):
+# typing them here would copy the core API into this CRD and drift from it.
+FreeForm = Annotated[
+    dict[str, Any],
+    WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True}),
+]
+
+
+class ApiModel(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        frozen=True,
+    )
+
+
+class AttentionKind(enum.StrEnum):
+    """What a layer keeps in the KV cache; decides HMA, MLA (replicated cache) and Mamba handling."""
+
+    FULL = "Full"
+    SLIDING_WINDOW = "SlidingWindow"
+    MLA = "MLA"
+    MAMBA = "Mamba"
+
+    def to_layout(self) -> layout.AttentionKind:
+        return _LAYOUT_KINDS[self]
+
+
+_LAYOUT_KINDS: Final = {
+    AttentionKind.FULL: layout.AttentionKind.FULL,
+    AttentionKind.SLIDING_WINDOW: layout.AttentionKind.SLIDING_WINDOW,
+    AttentionKind.MLA: layout.AttentionKind.MLA,
+    AttentionKind.MAMBA: layout.AttentionKind.MAMBA,
+}
+
+
+class ModelDType(enum.StrEnum):
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    FLOAT32 = "float32"
+
+    @property
+    def num_bytes(self) -> int:
+        return 4 if self is ModelDType.FLOAT32 else 2
+
+
+class KVCacheDType(enum.StrEnum):
+    """vLLM's `--kv-cache-dtype` spellings; `auto` follows the model dtype."""
+
+    AUTO = "auto"
+    FP8 = "fp8"
+    FP8_E4M3 = "fp8_e4m3"
+    FP8_E5M2 = "fp8_e5m2"
+
+
+class HybridKVCacheManager(enum.StrEnum):
+    """vLLM's hybrid KV cache manager (HMA); `Disabled` is `--disable-hybrid-kv-cache-manager`."""
+
+    ENABLED = "Enabled"
+    DISABLED = "Disabled"
+
+
+class KVCacheLayout(enum.StrEnum):
+    """`LayerOutermost` is one region per layer (LBHNC); `BlockOutermost` packs every layer's page of a block
+    together (BLHNC, vLLM #50499) and, like HMA, needs layer-name routing under PP."""
+
+    LAYER_OUTERMOST = "LayerOutermost"
+    BLOCK_OUTERMOST = "BlockOutermost"
+
+
+class Connector(enum.StrEnum):
+    """`Push`: prefill WRITEs KV into decode (NixlPushConnector). `Pull`: decode READs it (NixlConnector)."""
+
+    PUSH = "Push"
+    PULL = "Pull"
+
+    @property
+    def transfer_mode(self) -> Literal["push", "pull"]:
+        return "push" if self is Connector.PUSH else "pull"
+
+    @property
+    def vllm_class(self) -> str:
+        return "NixlPushConnector" if self is Connector.PUSH else "NixlConnector"
+
+
+class NixlBackend(enum.StrEnum):
+    UCX = "UCX"
+    LIBFABRIC = "LIBFABRIC"
+    GDS = "GDS"
+
+
+class LayerPattern(ApiModel):
+    """A periodic attention pattern (Gemma-style): layer i is Full iff (i + 1) % fullEvery == 0."""
+
+    full_every: int = Field(
+        ge=1, description="Period of full-attention layers: 6 gives the 5:1 sliding/full mix."
+    )
+    other_kind: AttentionKind = Field(
+        default=AttentionKind.SLIDING_WINDOW,
+        description="Kind of every layer that is not a full-attention layer.",
+    )
+
+
+class ModelSpec(ApiModel):
+    """The served model's KV-cache geometry, identical on prefill and decode."""
+
+    name: str = Field(min_length=1, description="Model name or path as the engine loads it (hashed by vLLM).")
+    revision: str | None = Field(
+        default=None, min_length=1, description="Model revision (commit or tag) to pin weights."
+    )
+    dtype: ModelDType = Field(
+        default=ModelDType.BFLOAT16, description="Resolved model dtype (vLLM hashes it)."
+    )
+    num_layers: int = Field(
+        ge=1, description="Total hidden layers of the model (not a pipeline stage's share)."
+    )
+    num_kv_heads: int = Field(
+        ge=1, description="Total KV heads of the model, before tensor-parallel splitting."
+    )
+    head_size: int = Field(ge=1, description="Size of one KV head (for MLA: the latent width).")
+    kv_cache_dtype: KVCacheDType = Field(
+        default=KVCacheDType.AUTO, description="KV cache dtype (--kv-cache-dtype)."
+    )
+    attention_kind: AttentionKind = Field(
+        default=AttentionKind.FULL,
+        description="Kind of every layer when neither layerPattern nor attentionKinds is given.",
+    )
+    layer_pattern: LayerPattern | None = Field(
+        default=None, description="Periodic attention pattern; exclusive with attentionKinds."
+    )
+    attention_kinds: list[AttentionKind] | None = Field(
+        default=None,
+        max_length=MAX_LAYERS,
+        description="Attention kind of each layer, one entry per layer; exclusive with layerPattern.",
+    )
+    layer_name_template: str = Field(
+        default=layout.DEFAULT_LAYER_NAME_TEMPLATE,
+        pattern=r".*\{i\}.*",
+        description="Engine layer name with {i} for the layer index; names route KV between PP stages.",
+    )
+
+    @model_validator(mode="after")
+    def _one_layer_description(self) -> ModelSpec:
+        if self.layer_pattern is not None and self.attention_kinds is not None:
+            raise ValueError("give either layerPattern or attentionKinds, not both")
+        if self.attention_kinds is not None and len(self.attention_kinds) != self.num_layers:
+            raise ValueError(
+                f"attentionKinds has {len(self.attention_kinds)} entries but numLayers is {self.num_layers}: "
+                "give one kind per layer"
+            )
+        return self
+
+    def layer_kinds(self) -> tuple[AttentionKind, ...]:
+        if self.attention_kinds is not None:
+            return tuple(self.attention_kinds)
+        if self.layer_pattern is not None:
+            period, other = self.layer_pattern.full_every, self.layer_pattern.other_kind
+            return tuple(
+                AttentionKind.FULL if (i + 1) % period == 0 else other for i in range(self.num_layers)
+            )
+        return (self.attention_kind,) * self.num_layers
+
+
+class EngineSpec(ApiModel):
+    """The inference engine both roles run."""
+
+    image: str = Field(min_length=1, description="Engine container image.")
+    version: str = Field(min_length=1, description="Engine (vLLM) version in the image; part of the hash.")
+    attention_backend: str = Field(
+        default="FLASH_ATTN",
+        min_length=1,
+        description="Attention backend name the engine resolves (hashed by vLLM).",
+    )
+    hybrid_kv_cache_manager: HybridKVCacheManager = Field(
+        default=HybridKVCacheManager.ENABLED,
+        description="Hybrid KV cache manager (HMA) switch; part of the hash.",
+    )
+    kv_cache_layout: KVCacheLayout = Field(
+        default=KVCacheLayout.LAYER_OUTERMOST, description="Physical KV cache layout."
+    )
+    extra_args: list[str] = Field(default_factory=list, description="Extra engine arguments for both roles.")
+
+
+class RDMASpec(ApiModel):
+    """The extended resource that grants a pod RDMA devices."""
+
+    resource_name: str = Field("rdma/ib", min_length=1, description="Extended resource name, e.g. rdma/ib.")
+    count: int = Field(default=1, ge=1, description="RDMA devices requested per engine pod.")
+
+
+class KVTransferSpec(ApiModel):
+    """How KV blocks move from prefill to decode."""
+
+    connector: Connector = Field(
+        default=Connector.PUSH, description="Push (prefill WRITEs) or Pull (decode READs)."
+    )
+    backends: list[NixlBackend] = Field(
+        default_factory=lambda: [NixlBackend.UCX],
+        min_length=1,
+        json_schema_extra={"default": [NixlBackend.UCX.value]},
+        description="NIXL backend plugins, in order.",
+    )
+    side_channel_port: int = Field(
+        default=DEFAULT_SIDE_CHANNEL_PORT, ge=1, le=65535, description="Handshake side-channel TCP port."
+    )
+    lease_seconds: int = Field(
+        default=30,
+        ge=1,
+        description="How long prefill keeps finished KV blocks for decode (kv_lease_duration).",
+    )
+    rdma: RDMASpec | None = Field(
+        default=None, description="RDMA devices per pod; omit on nodes without RDMA."
+    )
+    node_selector: dict[str, str] | None = Field(
+        default=None,
+        description="Labels of nodes that can do the transfer (RDMA-capable), applied to both roles.",
+    )
+
+
+class SchedulingSpec(ApiModel):
+    """Where a role's pods may run."""
+
+    node_selector: dict[str, str] | None = Field(default=None, description="Node labels the pods require.")
+    tolerations: list[FreeForm] | None = Field(
+        default=None, description="Pod tolerations (core/v1 Toleration)."
+    )
+    affinity: FreeForm | None = Field(default=None, description="Pod affinity (core/v1 Affinity).")
+
+
+class RoleOverrides(ApiModel):
+    """Per-role replacements for shared engine and model settings. Any compatibility factor that then differs
+    between prefill and decode makes the deployment incompatible; overrides exist for the fields that may
+    legitimately be spelled differently per role and so must be checked, not assumed, equal."""
+
+    image: str | None = Field(default=None, min_length=1, description="Engine image for this role only.")
+    version: str | None = Field(default=None, min_length=1, description="Engine version for this role only.")
+    attention_backend: str | None = Field(
+        default=None, min_length=1, description="Attention backend for this role only."
+    )
+    revision: str | None = Field(default=None, min_length=1, description="Model revision for this role only.")
+    dtype: ModelDType | None = Field(default=None, description="Model dtype for this role only.")
+    kv_cache_dtype: KVCacheDType | None = Field(
+        default=None, description="KV cache dtype for this role only."
+    )
+
+
+class RoleSpec(ApiModel):
+    """One role (prefill or decode): its parallel layout, size and placement."""
+
+    replicas: int = Field(
+        default=1, ge=0, description="Engine instances; a prefill instance is one pod per PP stage."
+    )
+    pipeline_parallel_size: int = Field(
+        default=1, ge=1, description="Pipeline stages per instance (decode: must be 1)."
+    )
+    tensor_parallel_size: int = Field(
+        default=1, ge=1, description="Tensor-parallel ranks per stage (GPUs per pod)."
+    )
+    block_size: int = Field(default=16, ge=1, description="KV cache block size in tokens.")
+    layer_partition: list[int] | None = Field(
+        default=None,
+        max_length=MAX_STAGES,
+        description="Layers per pipeline stage (VLLM_PP_LAYER_PARTITION); omitted: vLLM's even split.",
+    )
+    extra_args: list[str] = Field(default_factory=list, description="Extra engine arguments for this role.")
+    overrides: RoleOverrides | None = Field(default=None, description="Per-role engine and model settings.")
+    resources: FreeForm | None = Field(default=None, description="Engine container resources (core/v1).")
+    scheduling: SchedulingSpec | None = Field(default=None, description="Node selection for this role.")
+
+
+class WorkerSpec(ApiModel):
+    """The KV-transfer worker sidecar injected into every engine pod."""
+
+    image: str = Field(min_length=1, description="Sidecar container image.")
+    resources: FreeForm | None = Field(default=None, description="Sidecar container resources (core/v1).")
+    metrics_port: int = Field(
+        default=9400, ge=1, le=65535, description="Port of the sidecar's Prometheus metrics."
+    )
+
+
+class DisaggDeploymentSpec(ApiModel):
+    """A prefill/decode pair serving one model, with KV pushed from prefill stages to decode."""
+
+    model: ModelSpec = Field(description="The served model's KV-cache geometry.")
+    engine: EngineSpec = Field(description="The inference engine both roles run.")
+    kv_transfer: KVTransferSpec = Field(
+        default_factory=lambda: KVTransferSpec(),
+        json_schema_extra={"default": {}},
+        description="KV transfer settings.",
+    )
+    prefill: RoleSpec = Field(description="Prefill role: computes KV; may be pipeline-parallel.")
+    decode: RoleSpec = Field(description="Decode role: receives KV and generates tokens; PP must be 1.")
+    worker: WorkerSpec = Field(description="The KV-transfer worker sidecar.")
+
+
+class ConditionStatus(enum.StrEnum):
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+class Condition(ApiModel):
+    """One aspect of the object's state (metav1.Condition)."""
+
+    type: str = Field(
+        min_length=1, max_length=316, description="Condition type, CamelCase (e.g. Compatible)."
+    )
+    status: ConditionStatus = Field(description="True, False or Unknown.")
+    reason: str = Field(
+        min_length=1,
+        max_length=1024,
+        pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$",
+        description="CamelCase reason for the last transition, for machines.",
+    )
+    message: str = Field(
+        default="", max_length=32768, description="What happened and what to change, for people."
+    )
+    observed_generation: int | None = Field(
+        default=None,
+        ge=0,
+        json_schema_extra={"format": "int64"},
+        description="Spec generation this was computed from.",
+    )
+    last_transition_time: datetime = Field(description="When status last changed.")
+
+
+class RoleStatus(ApiModel):
+    """Observed pods of one role."""
+
+    replicas: int = Field(default=0, ge=0, description="Engine pods that exist.")
+    ready_replicas: int = Field(
+        default=0, ge=0, description="Engine pods that are ready (readiness gate included)."
+    )
+
+
+class RoutingMode(enum.StrEnum):
+    """How a prefill stage pairs its KV regions with decode's."""
+
+    LAYER_NAME = "layer-name"
+    REGION_INDEX = "region-index"
+
+
+class StageStatus(ApiModel):
+    """One prefill pipeline stage: its layers [startLayer, endLayer) and how they are routed."""
+
+    stage: int = Field(ge=0, description="Pipeline rank (the StatefulSet pod ordinal).")
+    start_layer: int = Field(ge=0, description="First layer of the stage.")
+    end_layer: int = Field(ge=1, description="One past the last layer of the stage.")
+    routing_mode: RoutingMode = Field(description="layer-name or region-index.")
+
+
+class TopologyStatus(ApiModel):
+    """The computed prefill-to-decode topology."""
+
+    routing_mode: RoutingMode = Field(description="Routing mode of the prefill stages.")
+    stages: list[StageStatus] = Field(default_factory=list, description="Prefill stages in rank order.")
+
+
+class RoleHashes(ApiModel):
+    """vLLM NIXL compatibility hash each role will advertise."""
+
+    prefill: str = Field(description="sha256 of the prefill role's factors.")
+    decode: str = Field(description="sha256 of the decode role's factors.")
+
+
+class DisaggDeploymentStatus(ApiModel):
+    """Observed state; conditions are the summary, there is no phase."""
+
+    observed_generation: int | None = Field(
+        default=None,
+        ge=0,
+        json_schema_extra={"format": "int64"},
+        description="Spec generation last reconciled.",
+    )
+    conditions: list[Condition] | None = Field(
+        default=None,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+        description="Compatible, Available, Progressing and KVTransferReady.",
+    )
+    prefill: RoleStatus | None = Field(default=None, description="Observed prefill pods.")
+    decode: RoleStatus | None = Field(default=None, description="Observed decode pods.")
+    topology: TopologyStatus | None = Field(default=None, description="Computed stage-to-layer topology.")
+    compatibility_hashes: RoleHashes | None = Field(
+        default=None, description="Compatibility hashes per role."
+    )
+
+
+class ObjectMeta(BaseModel):
+    """The metadata fields the operator reads; the rest is kept as given."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    name: str | None = None
+    namespace: str | None = None
+    uid: str | None = None
+    generation: int | None = None
+    labels: dict[str, str] | None = None
+    annotations: dict[str, str] | None = None
+
+
+class DisaggDeployment(ApiModel):
+    """A whole `DisaggDeployment` object as read from a file or the API server."""
+
+    api_version: Literal["disagg.io/v1alpha1"] = "disagg.io/v1alpha1"
+    kind: Literal["DisaggDeployment"] = "DisaggDeployment"
+    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
+    spec: DisaggDeploymentSpec
+    status: DisaggDeploymentStatus | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """camelCase JSON-ready dict without omitted fields, as the API server would store it."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)

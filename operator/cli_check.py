@@ -1,0 +1,287 @@
+"""`disagg check`, `disagg plan` and `disagg crd generate`: the offline side of the operator.
+
+Exit codes: 0 the spec is compatible (or the command succeeded), 1 the spec breaks a compatibility rule (or
+the committed CRD is stale), 2 the file is not a valid DisaggDeployment (YAML or schema error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from disagg.operator.api import DisaggDeployment
+    from disagg.operator.compat import CompatReport
+
+EXIT_OK = 0
+EXIT_INCOMPATIBLE = 1
+EXIT_INVALID = 2
+BUILDERS_MODULE = "disagg.operator.builders"
+
+
+@dataclass(frozen=True)
+class FieldError:
+    path: str
+    message: str
+
+
+class SpecFileError(Exception):
+    """A file that is not a valid DisaggDeployment: unreadable, not YAML, or failing the schema."""
+
+    def __init__(self, summary: str, errors: list[FieldError] | None = None) -> None:
+        super().__init__(summary)
+        self.summary = summary
+        self.errors = errors or []
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path or "(document)"
+
+
+def load_deployment(path: Path) -> DisaggDeployment:
+    """Read and validate one DisaggDeployment document; raises SpecFileError naming each bad field."""
+    import yaml
+    from pydantic import ValidationError
+
+    from disagg.operator.api import DisaggDeployment
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise SpecFileError(f"cannot read {path}: {error.strerror}") from None
+    try:
+        documents = [doc for doc in yaml.safe_load_all(text) if doc is not None]
+    except yaml.YAMLError as error:
+        raise SpecFileError(f"{path} is not valid YAML: {error}") from None
+    if len(documents) != 1:
+        raise SpecFileError(f"{path} must hold exactly one DisaggDeployment document, found {len(documents)}")
+    if not isinstance(documents[0], dict):
+        raise SpecFileError(f"{path} must hold a YAML mapping, found {type(documents[0]).__name__}")
+    try:
+        return DisaggDeployment.model_validate(documents[0])
+    except ValidationError as error:
+        errors = [
+            FieldError(_field_path(tuple(item["loc"])), item["msg"].removeprefix("Value error, "))
+            for item in error.errors(include_url=False)
+        ]
+        raise SpecFileError(f"{path} is not a valid DisaggDeployment", errors) from None
+
+
+def _object_name(dd: DisaggDeployment) -> str:
+    name = dd.metadata.name or "(unnamed)"
+    return f"{dd.metadata.namespace}/{name}" if dd.metadata.namespace else name
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}" if count == 1 else f"{count} {word}s"
+
+
+def _print_invalid(error: SpecFileError, path: Path, output: str, out: TextIO) -> int:
+    if output == "json":
+        errors = [{"path": e.path, "message": e.message} for e in error.errors]
+        json.dump(
+            {"file": str(path), "valid": False, "error": error.summary, "errors": errors}, out, indent=2
+        )
+        out.write("\n")
+    else:
+        out.write(f"{error.summary}\n")
+        for field_error in error.errors:
+            out.write(f"  {field_error.path}: {field_error.message}\n")
+    return EXIT_INVALID
+
+
+def _report_json(path: Path, dd: DisaggDeployment, report: CompatReport) -> dict[str, Any]:
+    return {
+        "file": str(path),
+        "valid": True,
+        "name": dd.metadata.name,
+        "namespace": dd.metadata.namespace,
+        "compatible": report.compatible,
+        "violations": [{"reason": v.reason, "message": v.message} for v in report.violations],
+        "topology": report.plan.to_dict() if report.plan is not None else None,
+        "compatibilityHashes": dict(report.hashes),
+    }
+
+
+def _summary_lines(dd: DisaggDeployment, report: CompatReport) -> list[str]:
+    spec = dd.spec
+    prefill, decode = spec.prefill, spec.decode
+    lines = [
+        f"  prefill: {_plural(prefill.replicas, 'replica')} x "
+        f"{_plural(prefill.pipeline_parallel_size, 'stage')} x TP {prefill.tensor_parallel_size}, "
+        f"block size {prefill.block_size}",
+        f"  decode:  {_plural(decode.replicas, 'replica')} x TP {decode.tensor_parallel_size}, "
+        f"block size {decode.block_size}",
+    ]
+    plan = report.plan
+    if plan is not None:
+        cache = "hybrid KV cache (HMA)" if plan.hma else "uniform KV cache"
+        lines.append(
+            f"  transfer: {plan.transfer_mode} connector, {cache}, {plan.routing_mode.value} routing, "
+            f"{_plural(plan.notifications_per_request, 'completion notification')} per request"
+        )
+    if report.hashes["prefill"] == report.hashes["decode"]:
+        lines.append(f"  compatibility hash: {report.hashes['prefill']} (prefill and decode)")
+    else:
+        lines.append(f"  compatibility hash: prefill {report.hashes['prefill']}")
+        lines.append(f"                      decode  {report.hashes['decode']}")
+    return lines
+
+
+def run_check(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    from disagg.operator.compat import evaluate
+
+    path = Path(args.file)
+    try:
+        dd = load_deployment(path)
+    except SpecFileError as error:
+        return _print_invalid(error, path, args.output, out)
+    report = evaluate(dd.spec)
+    code = EXIT_OK if report.compatible else EXIT_INCOMPATIBLE
+    if args.output == "json":
+        json.dump(_report_json(path, dd, report), out, indent=2)
+        out.write("\n")
+        return code
+    if report.compatible:
+        out.write(f"{path}: DisaggDeployment {_object_name(dd)} is compatible\n")
+    else:
+        count = _plural(len(report.violations), "problem")
+        out.write(f"{path}: DisaggDeployment {_object_name(dd)} is incompatible ({count})\n")
+        for violation in report.violations:
+            out.write(f"  {violation.reason}: {violation.message}\n")
+    for line in _summary_lines(dd, report):
+        out.write(line + "\n")
+    return code
+
+
+def _builders_available() -> bool:
+    return importlib.util.find_spec(BUILDERS_MODULE) is not None
+
+
+def _manifests(dd: DisaggDeployment) -> list[dict[str, Any]]:
+    builders = importlib.import_module(BUILDERS_MODULE)
+    manifests: list[dict[str, Any]] = builders.build_all(dd)
+    return manifests
+
+
+def run_plan(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    import yaml
+
+    from disagg.operator.compat import evaluate
+
+    path = Path(args.file)
+    try:
+        dd = load_deployment(path)
+    except SpecFileError as error:
+        return _print_invalid(error, path, "json" if args.output == "json" else "text", out)
+    report = evaluate(dd.spec)
+    manifests = _manifests(dd) if report.compatible and _builders_available() else None
+    if args.output in ("json", "yaml"):
+        document = {**_report_json(path, dd, report), "manifests": manifests}
+        if args.output == "json":
+            json.dump(document, out, indent=2)
+            out.write("\n")
+        else:
+            yaml.safe_dump(document, out, sort_keys=False, width=110)
+    else:
+        _print_plan_text(dd, report, out)
+        if manifests:
+            out.write(yaml.safe_dump_all(manifests, sort_keys=False, width=110, explicit_start=True))
+    if report.compatible and manifests is None:
+        err.write(f"note: {BUILDERS_MODULE} is not installed; only the topology is shown\n")
+    return EXIT_OK if report.compatible else EXIT_INCOMPATIBLE
+
+
+def _print_plan_text(dd: DisaggDeployment, report: CompatReport, out: TextIO) -> None:
+    verdict = "compatible" if report.compatible else "incompatible"
+    out.write(f"# DisaggDeployment {_object_name(dd)} ({verdict})\n")
+    for violation in report.violations:
+        out.write(f"#   {violation.reason}: {violation.message}\n")
+    for line in _summary_lines(dd, report):
+        out.write(f"#{line}\n")
+    plan = report.plan
+    if plan is None:
+        out.write("# no topology: the prefill layers cannot be split into stages\n")
+        return
+    for stage in plan.stages:
+        first, last = stage.layers.start, stage.layers.stop - 1
+        out.write(
+            f"# prefill stage {stage.stage}: layers {first}-{last} ({_plural(len(stage.layers), 'layer')}), "
+            f"{stage.routing_mode.value} routing\n"
+        )
+        wrapped = textwrap.wrap(", ".join(stage.layer_names), width=106, break_on_hyphens=False)
+        for line in wrapped:
+            out.write(f"#     {line}\n")
+    out.write(f"# decode: every layer (0-{plan.stages[-1].layers.stop - 1}), region-index routing\n")
+
+
+def run_crd_generate(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    from disagg.operator import crd
+
+    if args.output_dir is None:
+        out.write(crd.render(crd.build_crd(with_cel=args.cel)))
+        return EXIT_OK
+    output_dir = Path(args.output_dir)
+    if args.check:
+        stale = [
+            str(output_dir / relative)
+            for relative, text in crd.rendered_files().items()
+            if not (output_dir / relative).is_file() or (output_dir / relative).read_text("utf-8") != text
+        ]
+        for name in stale:
+            out.write(
+                f"{name} differs from the models: run `disagg crd generate --output-dir {output_dir}`\n"
+            )
+        return EXIT_INCOMPATIBLE if stale else EXIT_OK
+    for written in crd.write_all(output_dir):
+        out.write(f"wrote {written}\n")
+    return EXIT_OK
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    check = subparsers.add_parser(
+        "check",
+        help="pre-flight compatibility of a DisaggDeployment file",
+        description="Check a DisaggDeployment file against every prefill/decode compatibility rule. "
+        "Exit 0: compatible; 1: incompatible (reasons printed); 2: not a valid DisaggDeployment.",
+    )
+    check.add_argument("file", help="DisaggDeployment YAML file")
+    check.add_argument("-o", "--output", choices=("text", "json"), default="text", help="output format")
+    check.set_defaults(func=run_check)
+
+    plan = subparsers.add_parser(
+        "plan",
+        help="the topology and the manifests a DisaggDeployment would create",
+        description="Print the prefill stages (layer names, routing mode) and, where the manifest builders "
+        "are installed, the Kubernetes objects the operator would apply. Exit codes as for `check`.",
+    )
+    plan.add_argument("file", help="DisaggDeployment YAML file")
+    plan.add_argument(
+        "-o", "--output", choices=("text", "json", "yaml"), default="text", help="output format"
+    )
+    plan.set_defaults(func=run_plan)
+
+    crd_parser = subparsers.add_parser("crd", help="the DisaggDeployment CustomResourceDefinition")
+    crd_commands = crd_parser.add_subparsers(dest="crd_command", metavar="COMMAND", required=True)
+    generate = crd_commands.add_parser(
+        "generate",
+        help="generate the CRD from the API models",
+        description="Without --output-dir, print one CRD variant; with it, write both (crds/ without CEL "
+        "rules for Kubernetes 1.20+, crds/cel/ with CEL rules for clusters that enforce them).",
+    )
+    generate.add_argument("--output-dir", help="write both variants under this directory (e.g. crds)")
+    generate.add_argument("--cel", action="store_true", help="print the variant with CEL validation rules")
+    generate.add_argument(
+        "--check", action="store_true", help="with --output-dir: exit 1 if the files there are stale"
+    )
+    generate.set_defaults(func=run_crd_generate)

@@ -1,0 +1,131 @@
+"""The topology a `DisaggDeploymentSpec` describes: which layers each prefill stage holds, and how it routes.
+
+Pure: the layer split is the worker's own (`disagg.worker.layout.pp_partition`, vLLM's even split or an
+explicit partition), and the routing decision is the worker's rule (`requires_layer_name_routing`), so the
+operator's plan and what the sidecars do cannot disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from disagg.operator.api import (
+    DisaggDeploymentSpec,
+    HybridKVCacheManager,
+    KVCacheLayout,
+    RoutingMode,
+    StageStatus,
+    TopologyStatus,
+)
+from disagg.worker.layout import ModelGeometry, pp_partition
+from disagg.worker.rules import requires_layer_name_routing
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One prefill pipeline stage (the pod with this StatefulSet ordinal)."""
+
+    stage: int
+    layers: range
+    layer_names: tuple[str, ...]
+    routing_mode: RoutingMode
+
+
+@dataclass(frozen=True)
+class TopologyPlan:
+    transfer_mode: Literal["push", "pull"]
+    hma: bool
+    packed: bool
+    has_mamba: bool
+    is_mla: bool
+    prefill_tp: int
+    decode_tp: int
+    stages: tuple[StagePlan, ...]
+    routing_mode: RoutingMode
+
+    @property
+    def pp_size(self) -> int:
+        return len(self.stages)
+
+    @property
+    def notifications_per_request(self) -> int:
+        """Completion notifications a decode rank waits for per request: one per stage and prefill TP peer."""
+        return self.pp_size * max(1, self.prefill_tp // self.decode_tp)
+
+    def to_status(self) -> TopologyStatus:
+        return TopologyStatus(
+            routing_mode=self.routing_mode,
+            stages=[
+                StageStatus(
+                    stage=stage.stage,
+                    start_layer=stage.layers.start,
+                    end_layer=stage.layers.stop,
+                    routing_mode=stage.routing_mode,
+                )
+                for stage in self.stages
+            ],
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form for `disagg plan -o json` and the topology ConfigMap."""
+        return {
+            "transferMode": self.transfer_mode,
+            "hma": self.hma,
+            "packed": self.packed,
+            "routingMode": self.routing_mode.value,
+            "prefillTensorParallelSize": self.prefill_tp,
+            "decodeTensorParallelSize": self.decode_tp,
+            "notificationsPerRequest": self.notifications_per_request,
+            "stages": [
+                {
+                    "stage": stage.stage,
+                    "startLayer": stage.layers.start,
+                    "endLayer": stage.layers.stop,
+                    "routingMode": stage.routing_mode.value,
+                    "layers": list(stage.layer_names),
+                }
+                for stage in self.stages
+            ],
+        }
+
+
+def model_geometry(spec: DisaggDeploymentSpec) -> ModelGeometry:
+    """The worker's view of the model; raises `LayoutError` for a geometry no engine can build."""
+    model = spec.model
+    return ModelGeometry(
+        kinds=tuple(kind.to_layout() for kind in model.layer_kinds()),
+        num_kv_heads=model.num_kv_heads,
+        head_size=model.head_size,
+        dtype_bytes=model.dtype.num_bytes,
+        layer_name_template=model.layer_name_template,
+        hma=spec.engine.hybrid_kv_cache_manager is HybridKVCacheManager.ENABLED,
+    )
+
+
+def plan_topology(spec: DisaggDeploymentSpec, geometry: ModelGeometry | None = None) -> TopologyPlan:
+    """Stage → layers and routing mode; raises `LayoutError` when the layer partition is invalid."""
+    geometry = geometry if geometry is not None else model_geometry(spec)
+    prefill = spec.prefill
+    transfer_mode = spec.kv_transfer.connector.transfer_mode
+    packed = spec.engine.kv_cache_layout is KVCacheLayout.BLOCK_OUTERMOST
+    routing = requires_layer_name_routing(
+        transfer_mode, geometry.hma_required, packed, geometry.has_mamba, prefill.pipeline_parallel_size
+    )
+    mode = RoutingMode.LAYER_NAME if routing else RoutingMode.REGION_INDEX
+    ranges = pp_partition(geometry.num_layers, prefill.pipeline_parallel_size, prefill.layer_partition)
+    stages = tuple(
+        StagePlan(rank, layers, tuple(geometry.layer_name(i) for i in layers), mode)
+        for rank, layers in enumerate(ranges)
+    )
+    return TopologyPlan(
+        transfer_mode=transfer_mode,
+        hma=geometry.hma_required,
+        packed=packed,
+        has_mamba=geometry.has_mamba,
+        is_mla=geometry.is_mla,
+        prefill_tp=prefill.tensor_parallel_size,
+        decode_tp=spec.decode.tensor_parallel_size,
+        stages=stages,
+        routing_mode=mode,
+    )
