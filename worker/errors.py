@@ -92,6 +92,12 @@ class TransferFailed(DisaggError):
     reason = "TransferFailed"
 
 
+class RegistrationTimeout(TransferFailed):
+    """A decoder's push registration that no prefill worker completed before the watchdog fired."""
+
+    reason = "RegistrationTimeout"
+
+
 class LayoutError(DisaggError):
     """A model geometry, partition or KV layout that cannot be built (a local configuration error)."""
 

@@ -1,0 +1,102 @@
+"""Byte-exact KV pushes between processes: PP2 + HMA with layer-name routing, legacy paths, TP 2 -> 1."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from _procs import HOST, Cluster, check_push, free_port, layout_of, read_pool
+
+HYBRID = {"num_layers": 12, "period": 4, "num_kv_heads": 4, "head_size": 16, "dtype_bytes": 2, "hma": True}
+DENSE = {"num_layers": 6, "period": 1, "num_kv_heads": 4, "head_size": 16, "dtype_bytes": 2, "hma": False}
+
+
+def remote(engine: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "engine_id": engine["engine_id"],
+        "host": HOST,
+        "port": engine["port"],
+        "tp_size": engine["tp_size"],
+        "pp_size": engine["pp_size"],
+    }
+
+
+def push_once(
+    procs: Cluster,
+    prefill: list[dict[str, Any]],
+    decode: dict[str, Any],
+    p_blocks: list[list[int]],
+    d_blocks: list[list[int]],
+    req: str = "req-1",
+) -> None:
+    peers = procs.start_all([*prefill, decode])
+    producers, consumer = peers[:-1], peers[-1]
+    consumer.send(cmd="expect", req=req, blocks=d_blocks, remote=remote(prefill[0]))
+    for producer in producers:
+        producer.wait("registered", req)
+        producer.send(cmd="finish", req=req, blocks=p_blocks)
+    for producer in producers:
+        producer.wait("sent", req)
+    consumer.wait("finished", req)
+    checked = check_push(decode, read_pool(decode), [(spec, p_blocks, d_blocks) for spec in prefill])
+    assert checked > 0
+
+
+def prefill_specs(
+    procs: Cluster, model: dict[str, Any], pp: int = 1, tp: int = 1, **extra: Any
+) -> list[dict[str, Any]]:
+    port = free_port()
+    return [
+        procs.spec(
+            "prefill",
+            role="producer",
+            serve_port=port,
+            model=model,
+            pp_rank=p,
+            pp_size=pp,
+            tp_rank=t,
+            tp_size=tp,
+            **extra,
+        )
+        for p in range(pp)
+        for t in range(tp)
+    ]
+
+
+def test_pp2_hma_prefill_into_pp1_decoder_with_other_pooling_and_capacities(procs: Cluster) -> None:
+    prefill = prefill_specs(procs, HYBRID, pp=2)
+    decode = procs.spec(
+        "decode", role="consumer", serve_port=free_port(), model=HYBRID, capacities=[64, 80, 72]
+    )
+    # Each stage pools its own layers: stage 1 shares slots among layers 6-9 and 10-11, the decoder among
+    # 4-7 and 8-11, so region indices cannot be paired; only layer names can.
+    stage_regions = {r.members for spec in prefill for r in layout_of(spec).regions}
+    decode_regions = {r.members for r in layout_of(decode).regions}
+    assert stage_regions - decode_regions and decode_regions - stage_regions
+    assert len({r.num_blocks for r in layout_of(decode).regions}) > 1
+    # Four KV cache groups (three sliding, one full); ids are unique across groups, as HMA allocates them.
+    p_blocks = [[3, 4, 5], [10, 11], [20, 21, 22, 23], [30]]
+    d_blocks = [[40, 7, 8], [60, 61], [1, 2, 3, 50], [63]]
+    push_once(procs, prefill, decode, p_blocks, d_blocks)
+
+
+def test_pp1_without_hma(procs: Cluster) -> None:
+    prefill = prefill_specs(procs, DENSE)
+    decode = procs.spec("decode", role="consumer", serve_port=free_port(), model=DENSE, num_blocks=48)
+    push_once(procs, prefill, decode, [[5, 6, 7, 30]], [[0, 9, 10, 47]])
+
+
+def test_pp2_without_hma(procs: Cluster) -> None:
+    prefill = prefill_specs(procs, DENSE, pp=2)
+    decode = procs.spec("decode", role="consumer", serve_port=free_port(), model=DENSE, num_blocks=40)
+    push_once(procs, prefill, decode, [[1, 2, 3]], [[39, 20, 4]])
+
+
+@pytest.mark.parametrize("model", [DENSE, HYBRID], ids=["dense", "hybrid"])
+def test_tp2_prefill_into_tp1_decoder_per_head_slice(procs: Cluster, model: dict[str, Any]) -> None:
+    prefill = prefill_specs(procs, model, tp=2)
+    decode = procs.spec("decode", role="consumer", serve_port=free_port(), model=model)
+    groups = len(layout_of(decode).groups)
+    p_blocks = [[2 * g + 1, 2 * g + 2] for g in range(groups)]
+    d_blocks = [[60 - 2 * g, 30 - g] for g in range(groups)]
+    push_once(procs, prefill, decode, p_blocks, d_blocks)

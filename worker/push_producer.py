@@ -1,0 +1,434 @@
+"""The prefill side of the push connector: match registrations to finished blocks and WRITE them.
+
+Flow per request (vLLM `push_worker`): the engine reports finished blocks (`request_finished`), which are
+held under a lease; the decoder's `PUSH_REG:` registration names its blocks; the producer handshakes the
+decoder's side channel if needed, validates and aligns its metadata (layer-name routing under PP + HMA),
+adds its NIXL agent only then, and WRITEs every layer's blocks with the completion notif
+`f"{D_request_id}:{P_tp_size}"`. Heartbeats extend a lease; an expired lease frees the blocks with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from disagg.worker import rules, wire
+from disagg.worker.errors import (
+    BlockSizeMismatch,
+    DisaggError,
+    HandshakeError,
+    RegionGeometryMismatch,
+    TransferFailed,
+)
+from disagg.worker.push import (
+    Clock,
+    Failure,
+    HandshakeJobs,
+    LocalKV,
+    RemoteEngine,
+    agent_name,
+    as_disagg_error,
+    base_request_id,
+    group_arrays,
+)
+from disagg.worker.routing import (
+    BlockIds,
+    DescArray,
+    IdArray,
+    RegionGeometry,
+    align_remote_regions,
+    compute_desc_ids,
+    expand_logical_blocks,
+    rank_offset_factor,
+    region_capacities,
+    remote_descs,
+    slice_pp_regions,
+)
+from disagg.worker.side_channel import PeerHandshake, handshake_targets
+from disagg.worker.transport import PreppedList, Xfer, XferState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Held:
+    block_ids: list[IdArray]
+    deadline: float
+    writing: bool = False
+
+
+@dataclass
+class _DecodeRank:
+    """One decode worker this producer writes to: its agent, aligned geometry and prepared descriptors."""
+
+    agent: str
+    geometry: RegionGeometry
+    prepped: PreppedList
+
+
+@dataclass
+class _DecodeEngine:
+    engine_id: str
+    ranks: list[_DecodeRank]
+    last_active: float
+
+
+@dataclass
+class _Sending:
+    request_id: str
+    engine_id: str
+    xfers: list[Xfer]
+
+
+@dataclass
+class ProducerEvents:
+    """What one `poll()` observed. `sent` and `expired` requests' blocks may be freed by the caller."""
+
+    sent: list[str] = field(default_factory=list)
+    failed: list[Failure] = field(default_factory=list)
+    expired: list[str] = field(default_factory=list)
+    registered: list[str] = field(default_factory=list)
+    """Registrations received (decoder request ids), for observability."""
+
+
+class PushProducer:
+    def __init__(self, local: LocalKV, *, clock: Clock = time.monotonic) -> None:
+        self.local = local
+        self.config = local.config
+        self.transport = local.transport
+        self._clock = clock
+        self._inbox: queue.SimpleQueue[tuple[str, list[IdArray]]] = queue.SimpleQueue()
+        self._held: dict[str, _Held] = {}
+        self._registrations: dict[str, wire.PushRegistration] = {}
+        self._engines: dict[str, _DecodeEngine] = {}
+        self._handshakes = HandshakeJobs(self.config)
+        self._waiting: dict[str, list[tuple[str, wire.PushRegistration]]] = {}
+        self._sending: list[_Sending] = []
+
+    # -- called by the engine (any thread) ------------------------------------------------------------------
+
+    def request_finished(self, request_id: str, block_ids_per_group: BlockIds) -> None:
+        """The request's KV is complete in these logical blocks (one list per KV cache group)."""
+        self._inbox.put((request_id, group_arrays(block_ids_per_group)))
+
+    # -- called by the owner thread --------------------------------------------------------------------------
+
+    def poll(self) -> ProducerEvents:
+        events = ProducerEvents()
+        now = self._clock()
+        while True:
+            try:
+                request_id, blocks = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            self._held[request_id] = _Held(blocks, now + self.config.kv_lease_duration_s)
+        self._read_notifs(now, events)
+        self._apply_handshakes(now, events)
+        self._match(now, events)
+        self._poll_transfers(now, events)
+        self._expire(now, events)
+        self._evict_idle(now)
+        return events
+
+    @property
+    def held_requests(self) -> frozenset[str]:
+        return frozenset(self._held)
+
+    @property
+    def connected_engines(self) -> frozenset[str]:
+        return frozenset(self._engines)
+
+    def close(self) -> None:
+        self._handshakes.close()
+        for engine_id in list(self._engines):
+            self._evict(engine_id)
+
+    # -- steps -----------------------------------------------------------------------------------------------
+
+    def _read_notifs(self, now: float, events: ProducerEvents) -> None:
+        for sender, messages in self.transport.notifs().items():
+            for message in messages:
+                try:
+                    notif = wire.parse_notif(message)
+                except DisaggError as exc:
+                    log.warning("ignoring an unreadable notif from %s: %s", sender, exc)
+                    continue
+                if isinstance(notif, wire.PushRegistration):
+                    self._registrations[notif.request_id] = notif
+                    events.registered.append(notif.request_id)
+                elif isinstance(notif, wire.HeartbeatNotif):
+                    for request_id in notif.req_ids:
+                        held = self._find_held(request_id)
+                        if held is not None:
+                            held.deadline = max(held.deadline, now + self.config.heartbeat_extension_s)
+                else:
+                    log.warning("unexpected completion notif %r from %s on a producer", message[:80], sender)
+
+    def _find_held_id(self, request_id: str) -> str | None:
+        if request_id in self._held:
+            return request_id
+        base = base_request_id(request_id)
+        for held_id in self._held:
+            if base_request_id(held_id) == base:
+                return held_id
+        return None
+
+    def _find_held(self, request_id: str) -> _Held | None:
+        held_id = self._find_held_id(request_id)
+        return None if held_id is None else self._held[held_id]
+
+    def _match(self, now: float, events: ProducerEvents) -> None:
+        for decode_request_id, registration in list(self._registrations.items()):
+            held_id = self._find_held_id(decode_request_id)
+            if held_id is None or self._held[held_id].writing:
+                continue
+            del self._registrations[decode_request_id]
+            self._held[held_id].writing = True
+            engine_id = registration.decode_engine_id
+            if engine_id in self._engines:
+                self._write(held_id, registration, now, events)
+                continue
+            self._waiting.setdefault(engine_id, []).append((held_id, registration))
+            remote = RemoteEngine(
+                engine_id, registration.decode_host, registration.decode_port, registration.decode_tp_size
+            )
+            targets = handshake_targets(self.config.tp_size, self.config.tp_rank, remote.tp_size, 1)
+            self._handshakes.start(remote, targets)
+
+    def _apply_handshakes(self, now: float, events: ProducerEvents) -> None:
+        for engine_id, result in self._handshakes.collect():
+            waiting = self._waiting.pop(engine_id, [])
+            try:
+                if isinstance(result, BaseException):
+                    raise as_disagg_error(result, f"handshake with decode engine {engine_id!r}")
+                decode_tp = waiting[0][1].decode_tp_size if waiting else 1
+                self._connect(engine_id, result, decode_tp, now)
+            except DisaggError as exc:
+                log.warning("decode engine %r refused: %s", engine_id, exc)
+                for held_id, registration in waiting:
+                    self._fail(held_id, registration.request_id, exc, events)
+                continue
+            for held_id, registration in waiting:
+                self._write(held_id, registration, now, events)
+
+    def _connect(self, engine_id: str, peers: Sequence[PeerHandshake], decode_tp: int, now: float) -> None:
+        """Validate and align every decode rank; only when all pass are their NIXL agents added."""
+        planned = [(peer, *self._plan_rank(peer.metadata, decode_tp)) for peer in peers]
+        ranks = []
+        try:
+            for peer, geometry, descs in planned:
+                name = agent_name(engine_id, peer.pp_rank, peer.tp_rank)
+                # A restarted decoder keeps its agent name; its old connection info must go first.
+                self.transport.remove_peer(name)
+                loaded = self.transport.add_peer(peer.metadata.agent_metadata)
+                if loaded != name:
+                    self.transport.remove_peer(loaded)
+                    raise HandshakeError(
+                        f"decode rank (pp {peer.pp_rank}, tp {peer.tp_rank}) of {engine_id!r} runs NIXL "
+                        f"agent {loaded!r}, expected {name!r}"
+                    )
+                ranks.append(
+                    _DecodeRank(name, geometry, self.transport.prep(name, descs, self.config.mem_type))
+                )
+        except DisaggError:
+            for rank in ranks:
+                self.transport.release_prepped(rank.prepped)
+                self.transport.remove_peer(rank.agent)
+            raise
+        self._engines[engine_id] = _DecodeEngine(engine_id, ranks, now)
+
+    def _plan_rank(self, meta: wire.NixlAgentMetadata, remote_tp: int) -> tuple[RegionGeometry, DescArray]:
+        """Every check that can refuse a decode rank, and its destination descriptors; no NIXL call."""
+        local = self.local
+        layout = local.layout
+        model = self.config.model
+        if local.layer_routing:
+            violation = rules.block_size_mismatch(True, layout.block_size, meta.block_size)
+            if violation is not None:
+                raise BlockSizeMismatch(violation.message)
+            violation = rules.decode_tp_exceeds_prefill_tp(model.is_mla, self.config.tp_size, remote_tp, True)
+            if violation is not None:
+                raise HandshakeError(violation.message, reason=violation.reason)
+        elif meta.block_size != layout.block_size:
+            raise BlockSizeMismatch(
+                f"prefill block size {layout.block_size} and decode block size {meta.block_size} differ; "
+                "this connector moves whole blocks: use equal block sizes"
+            )
+        remote = RegionGeometry.from_metadata(meta)
+        if local.transfer_layers is not None:
+            aligned = align_remote_regions(remote, local.transfer_layers.names)
+            local_regions: list[int] = list(local.transfer_layers.region_indices)
+        elif layout.pp_size > 1:
+            aligned = slice_pp_regions(
+                remote,
+                start_layer=layout.layers.start,
+                num_local_layers=len(layout.layers),
+                num_local_regions=len(layout.regions),
+            )
+            local_regions = list(range(len(layout.regions)))
+        else:
+            aligned = remote
+            local_regions = list(range(len(layout.regions)))
+        if len(aligned.kv_caches_base_addr) != len(local_regions):
+            raise RegionGeometryMismatch(
+                f"the decoder has {len(aligned.kv_caches_base_addr)} regions for this stage's "
+                f"{len(local_regions)}"
+            )
+        if aligned.region_mem_types is not None and set(aligned.region_mem_types) != {self.config.mem_type}:
+            raise RegionGeometryMismatch(
+                f"decode regions are {sorted(set(aligned.region_mem_types))}, this worker moves "
+                f"{self.config.mem_type} only (mixed-memory caches are not supported by push)"
+            )
+        replicated = layout.region_replicated
+        local_heads = max(1, model.num_kv_heads // self.config.tp_size)
+        remote_heads = max(1, model.num_kv_heads // remote_tp)
+        for i, r in enumerate(local_regions):
+            local_len = layout.regions[r].block_len
+            want = local_len if replicated[r] else local_len * remote_heads // local_heads
+            got_len, stride = aligned.block_lens[i], aligned.block_strides[i]
+            if got_len != want or stride < got_len:
+                raise RegionGeometryMismatch(
+                    f"decode region for {layout.regions[r].name} has block length {got_len} "
+                    f"(stride {stride}); "
+                    f"this rank ({local_heads} of {model.num_kv_heads} KV heads, block length {local_len}) "
+                    f"needs {want} with stride >= length"
+                )
+        offset_factor = rank_offset_factor(
+            self.config.tp_rank, self.config.tp_size, remote_tp, model.num_kv_heads, model.is_mla
+        )
+        descs = remote_descs(
+            aligned,
+            local.geometry,
+            local_regions=local_regions,
+            replicated=replicated,
+            rank_offset_factor=offset_factor,
+        )
+        return aligned, descs
+
+    def _write(
+        self, held_id: str, registration: wire.PushRegistration, now: float, events: ProducerEvents
+    ) -> None:
+        engine = self._engines.get(registration.decode_engine_id)
+        if engine is None:
+            self._fail(
+                held_id, registration.request_id, HandshakeError("decode engine is not connected"), events
+            )
+            return
+        engine.last_active = now
+        held = self._held[held_id]
+        notif = wire.encode_completion_notif(registration.request_id, self.config.tp_size)
+        xfers: list[Xfer] = []
+        try:
+            local_ids, decode_blocks = self._local_ids(held.block_ids, registration.local_block_ids)
+            for rank in engine.ranks:
+                remote_ids = self._desc_ids(rank.geometry, decode_blocks)
+                if len(remote_ids) != len(local_ids):
+                    raise RegionGeometryMismatch(
+                        f"{len(local_ids)} local blocks against {len(remote_ids)} decode blocks"
+                    )
+                xfers.append(
+                    self.transport.write(self.local.prepped, local_ids, rank.prepped, remote_ids, notif)
+                )
+        except DisaggError as exc:
+            for xfer in xfers:
+                self.transport.release(xfer)
+            if isinstance(exc, TransferFailed):
+                self._evict(engine.engine_id)
+            self._fail(held_id, registration.request_id, exc, events)
+            return
+        self._sending.append(_Sending(held_id, engine.engine_id, xfers))
+
+    def _local_ids(
+        self, held: list[IdArray], decode_ids: Sequence[Sequence[int]]
+    ) -> tuple[IdArray, list[IdArray]]:
+        if len(decode_ids) != len(held):
+            raise RegionGeometryMismatch(
+                f"the decoder named blocks for {len(decode_ids)} KV cache groups, this worker has {len(held)}"
+            )
+        decode = group_arrays(decode_ids)
+        trimmed = []
+        for g, (mine, theirs) in enumerate(zip(held, decode, strict=True)):
+            if len(theirs) > len(mine):
+                raise RegionGeometryMismatch(
+                    f"group {g}: the decoder asks for {len(theirs)} blocks, the request has {len(mine)}"
+                )
+            # A prefix-cache hit on the decoder leaves it needing only the trailing blocks.
+            trimmed.append(mine[len(mine) - len(theirs) :])
+        return self._desc_ids(self.local.geometry, trimmed, local=True), decode
+
+    def _desc_ids(
+        self, geometry: RegionGeometry, block_ids: list[IdArray], *, local: bool = False
+    ) -> IdArray:
+        kernel = expand_logical_blocks(block_ids, geometry.physical_blocks_per_logical_kv_block)
+        layers = self.local.transfer_layers
+        if layers is not None:
+            caps = layers.capacities(geometry) if local else region_capacities(geometry)
+            return compute_desc_ids(kernel, caps, transfer_group_ids=layers.group_ids)
+        return compute_desc_ids(
+            kernel, region_capacities(geometry), region_group_ids=geometry.region_group_ids
+        )
+
+    def _poll_transfers(self, now: float, events: ProducerEvents) -> None:
+        still = []
+        for sending in self._sending:
+            try:
+                states = [self.transport.state(xfer) for xfer in sending.xfers]
+            except TransferFailed as exc:
+                for xfer in sending.xfers:
+                    self.transport.release(xfer)
+                self._evict(sending.engine_id)
+                # The blocks stay held: the lease frees them, as the decoder may still be reading garbage.
+                self._held[sending.request_id].writing = False
+                events.failed.append(Failure.of(sending.request_id, exc))
+                continue
+            if all(state is XferState.DONE for state in states):
+                for xfer in sending.xfers:
+                    self.transport.release(xfer)
+                del self._held[sending.request_id]
+                events.sent.append(sending.request_id)
+                engine = self._engines.get(sending.engine_id)
+                if engine is not None:
+                    engine.last_active = now
+            else:
+                still.append(sending)
+        self._sending = still
+
+    def _fail(self, held_id: str, decode_request_id: str, error: DisaggError, events: ProducerEvents) -> None:
+        log.warning("push of %s to decode request %s failed: %s", held_id, decode_request_id, error)
+        held = self._held.get(held_id)
+        if held is not None:
+            held.writing = False
+        events.failed.append(Failure.of(held_id, error))
+
+    def _expire(self, now: float, events: ProducerEvents) -> None:
+        sending = {s.request_id for s in self._sending}
+        for request_id, held in list(self._held.items()):
+            if held.deadline <= now and request_id not in sending:
+                log.warning(
+                    "Releasing expired KV blocks for request %s: no decoder retrieved them before the lease "
+                    "expired",
+                    request_id,
+                )
+                del self._held[request_id]
+                events.expired.append(request_id)
+
+    def _evict_idle(self, now: float) -> None:
+        busy = {s.engine_id for s in self._sending}
+        for engine_id, engine in list(self._engines.items()):
+            if engine_id not in busy and now - engine.last_active > self.config.engine_ttl_s:
+                log.info("evicting decode engine %r after %.0f s idle", engine_id, now - engine.last_active)
+                self._evict(engine_id)
+
+    def _evict(self, engine_id: str) -> None:
+        engine = self._engines.pop(engine_id, None)
+        if engine is None:
+            return
+        for rank in engine.ranks:
+            try:
+                self.transport.release_prepped(rank.prepped)
+                self.transport.remove_peer(rank.agent)
+            except DisaggError as exc:
+                log.warning("while evicting %s: %s", rank.agent, exc)
