@@ -424,7 +424,7 @@ def remote_descs(
     local: RegionMetadata,
     *,
     local_regions: Sequence[int] | None = None,
-    replicated: Sequence[bool],
+    replicated: Sequence[bool] | None = None,
     block_size_ratio: int = 1,
     num_reads: int = 1,
     rank_offset_factor: int = 0,
@@ -435,7 +435,7 @@ def remote_descs(
     routing, else i). A replicated (MLA) local region takes the whole block; otherwise this rank takes
     `len = local_len / num_reads` at `rank_offset_factor * local_len / ratio` inside the remote block, which
     is a contiguous head slice because heads are outermost in a block (LBHNC). `replicated` is per local
-    region.
+    region (`StageLayout.region_replicated`); None means no MLA region.
     """
     pairs = range(len(remote.kv_caches_base_addr)) if local_regions is None else local_regions
     if len(pairs) != len(remote.kv_caches_base_addr):
@@ -449,7 +449,11 @@ def remote_descs(
         kv_block_len = local_len // block_size_ratio
         if block_size_ratio > 1:
             local_len = kv_block_len
-        reads, offset = (1, 0) if replicated[r] else (num_reads, rank_offset_factor * kv_block_len)
+        reads, offset = (
+            (1, 0)
+            if replicated is not None and replicated[r]
+            else (num_reads, rank_offset_factor * kv_block_len)
+        )
         addrs = (
             remote.kv_caches_base_addr[i]
             + offset

@@ -120,15 +120,22 @@ def invalid_layer_partition(
     return None
 
 
+def tracks_region_layers(transfer_mode: str, hma: bool, packed: bool, has_mamba: bool) -> bool:
+    """vLLM's `_tracks_region_layers`: whether a worker advertises `region_members` (any PP size).
+
+    `hma` means the HMA layout is in use (`ModelGeometry.hma_required`).
+    """
+    return transfer_mode == PUSH and (hma or packed) and not has_mamba
+
+
 def requires_layer_name_routing(
     transfer_mode: str, hma: bool, packed: bool, has_mamba: bool, pp_size: int
 ) -> bool:
     """vLLM's `_requires_layer_name_routing`: push, an HMA or packed cache, no Mamba, and PP > 1.
 
-    `hma` means the HMA layout is in use (`ModelGeometry.hma_required`). Every other case keeps the
-    region-index path.
+    Every other case keeps the region-index path.
     """
-    return transfer_mode == PUSH and (hma or packed) and not has_mamba and pp_size > 1
+    return tracks_region_layers(transfer_mode, hma, packed, has_mamba) and pp_size > 1
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from disagg.worker.errors import BlockIdOutOfRange, MissingLayers, RegionGeometryMismatch
-from disagg.worker.layout import ModelGeometry, StageLayout, build_stage_layout
+from disagg.worker.layout import AttentionKind, ModelGeometry, StageLayout, build_stage_layout
 from disagg.worker.routing import (
     RegionGeometry,
     TransferLayers,
@@ -136,9 +136,7 @@ def test_descriptor_routing_pairs_each_layer_with_itself(case: str) -> None:
         local_ids, remote_ids = the_plan.desc_ids(p_blocks, d_blocks)
         assert len(local_ids) == len(remote_ids)
         src = local_descs(the_plan.local, regions=the_plan.local_regions)
-        dst = remote_descs(
-            the_plan.remote, the_plan.local, local_regions=the_plan.local_regions, replicated=[False] * 99
-        )
+        dst = remote_descs(the_plan.remote, the_plan.local, local_regions=the_plan.local_regions)
         pairs = list(zip(src[local_ids, 0].tolist(), dst[remote_ids, 0].tolist(), strict=True))
         expected = [
             (addr_of(stage, layer, p_blocks[g][j]), addr_of(dec, layer, d_blocks[g][j]))
@@ -196,7 +194,7 @@ def test_non_hma_path_is_unchanged(pp: int) -> None:
         # vLLM v0.11's single-group formula: r * num_blocks + b.
         assert local_ids.tolist() == legacy_desc_ids(blocks[0], n_regions, D_BLOCKS).tolist()
         assert remote_ids.tolist() == local_ids.tolist()
-        dst = remote_descs(the_plan.remote, the_plan.local, replicated=[False] * n_regions)
+        dst = remote_descs(the_plan.remote, the_plan.local)
         first_layer = stage.layout.layers.start
         assert dst[remote_ids[0], 0] == addr_of(dec, name(first_layer), 3)
 
@@ -337,11 +335,35 @@ def test_descriptor_geometry_pull_with_block_size_ratio(case: str) -> None:
         remote,
         d_meta,
         local_regions=[0] * len(remote.kv_caches_base_addr),
-        replicated=[False],
         block_size_ratio=ratio,
     )
     assert dst[3, 0] == P_BASE + 3 * p_layout.block_lens[0]
     assert set(dst[:, 1].tolist()) == {d_len // 2}
+
+
+def test_mla_regions_move_whole_blocks_to_every_rank() -> None:
+    mla = ModelGeometry((AttentionKind.MLA,) * 4, num_kv_heads=1, head_size=576, dtype_bytes=2)
+    layout = build_stage_layout(mla, pp_rank=0, pp_size=2, tp_size=1, block_size=16, num_blocks=4)
+    d_layout = build_stage_layout(mla, pp_rank=0, pp_size=1, tp_size=2, block_size=16, num_blocks=4)
+    meta = RegionGeometry.from_layout(
+        layout, base_addr=0, device_id=0, mem_type="VRAM", advertise_members=True
+    )
+    dec = RegionGeometry.from_layout(
+        d_layout, base_addr=D_BASE, device_id=0, mem_type="VRAM", advertise_members=True
+    )
+    layers = TransferLayers.from_layout(layout)
+    aligned = align_remote_regions(dec, layers.names)
+    assert rank_offset_factor(0, 1, 2, 1, True) == 0 and attention_source_ranks(0, 1, 2, 1, True) == (0,)
+    # Even when asked to split (as for a non-MLA cache), a replicated region keeps the whole block.
+    dst = remote_descs(
+        aligned,
+        meta,
+        local_regions=layers.region_indices,
+        replicated=layout.region_replicated,
+        num_reads=2,
+        rank_offset_factor=1,
+    )
+    assert dst[1].tolist() == [D_BASE + d_layout.block_lens[0], 16 * 576 * 2, 0]
 
 
 def test_desc_id_formulas() -> None:

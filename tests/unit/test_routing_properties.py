@@ -101,7 +101,7 @@ def test_layer_routing_pairs_blocks_of_the_same_layer(
         assert len(local_ids) == len(remote_ids) == len(layers.names) * length
 
         src = local_descs(local, regions=layers.region_indices)
-        dst = remote_descs(aligned, local, local_regions=layers.region_indices, replicated=[False] * 64)
+        dst = remote_descs(aligned, local, local_regions=layers.region_indices)
         assert ((local_ids >= 0) & (local_ids < len(src))).all()
         assert ((remote_ids >= 0) & (remote_ids < len(dst))).all()
 

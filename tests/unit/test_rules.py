@@ -133,3 +133,10 @@ def test_require_raises_the_reason() -> None:
     assert info.value.violation == violation
     require(None)
     assert isinstance(violation, Violation)
+
+
+def test_a_pp1_push_peer_advertises_layers_but_keeps_region_routing() -> None:
+    assert rules.tracks_region_layers("push", True, False, False)
+    assert not rules.requires_layer_name_routing("push", True, False, False, 1)
+    assert not rules.tracks_region_layers("push", True, False, True)
+    assert not rules.tracks_region_layers("pull", True, False, False)
