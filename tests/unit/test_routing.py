@@ -8,6 +8,7 @@ group's block list.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -415,3 +416,18 @@ def test_struct_replace_keeps_the_wire_type() -> None:
     aligned = align_remote_regions(wire, [name(3)])
     assert type(aligned) is NixlAgentMetadata
     assert msgspec.structs.asdict(aligned)["region_members"] == [[name(3)]]
+
+
+def test_aligning_vllm_golden_decoder_metadata() -> None:
+    """vLLM's own encoding of a PP=1 HMA decoder: regions [[L0, L2], [L1, L3], [L4], [L5]]."""
+    golden = Path(__file__).resolve().parents[1] / "golden" / "agent_metadata_pp1_decode_hma.msgpack"
+    meta = decode_agent_metadata(golden.read_bytes())
+    stage_layers = [name(2), name(3), name(4)]  # a stage owning L2-L4; L0, L1, L5 belong to other stages
+    aligned = align_remote_regions(meta, stage_layers)
+    assert aligned.kv_caches_base_addr == [meta.kv_caches_base_addr[r] for r in (0, 1, 2)]
+    assert aligned.region_group_ids == [-1, -1, 0]
+    assert aligned.region_names == stage_layers
+    assert aligned.region_members == [[n] for n in stage_layers]
+    assert decode_agent_metadata(encode_agent_metadata(aligned)) == aligned
+    with pytest.raises(MissingLayers, match=r"model\.layers\.6\.self_attn\.attn"):
+        align_remote_regions(meta, [name(5), name(6)])
