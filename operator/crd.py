@@ -82,10 +82,12 @@ def _same_for_roles(field: str, shared: str, *, optional_shared: bool = False) -
 
 
 def _partition_ok(role: str) -> str:
+    """`sum()` is from the Kubernetes CEL lists library, present wherever CRD validation rules are."""
     partition = f"self.{role}.layerPartition"
     return (
-        f"!has({partition}) || (size({partition}) == self.{role}.pipelineParallelSize && "
-        f"{partition}.all(n, n >= 1))"
+        f"self.{role}.pipelineParallelSize <= self.model.numLayers && (!has({partition}) || "
+        f"(size({partition}) == self.{role}.pipelineParallelSize && {partition}.all(n, n >= 1) && "
+        f"{partition}.sum() == self.model.numLayers))"
     )
 
 
@@ -155,9 +157,9 @@ SPEC_RULES: Final[tuple[CelRule, ...]] = (
     ),
     CelRule(
         "InvalidLayerPartition",
-        f"self.prefill.pipelineParallelSize <= self.model.numLayers && ({_partition_ok('prefill')}) && "
-        f"({_partition_ok('decode')})",
-        "layerPartition needs one count of at least 1 per pipeline stage, and no more stages than layers",
+        f"({_partition_ok('prefill')}) && ({_partition_ok('decode')})",
+        "layerPartition needs one count of at least 1 per pipeline stage, adding up to model.numLayers, and "
+        "pipelineParallelSize may not exceed model.numLayers",
     ),
     CelRule(
         "CompatibilityHashMismatch",
