@@ -64,6 +64,11 @@ def test_layers_sharing_a_region_never_touch_the_same_bytes(model: TinyModel) ->
 
 def test_external_mmap_buffer_holds_the_documented_byte_layout(model: TinyModel, tmp_path: Path) -> None:
     layout = model.kv_layout(6)
+    stage = CONFIG.stage_layout(6)  # what the sidecar registers with NIXL
+    assert layout.region_offsets == tuple(stage.base_offsets) and stage.total_bytes == layout.total_bytes
+    assert [sorted(n for n, r in layout.layer_region.items() if r == i) for i in range(3)] == [
+        sorted(members) for members in stage.region_members
+    ]
     path = tmp_path / "kv"
     path.write_bytes(b"\0" * layout.total_bytes)
     with path.open("r+b") as file:
@@ -92,7 +97,7 @@ def test_layer_block_view_shares_the_buffer(model: TinyModel) -> None:
     view[:] = np.arange(kv.layout.block_len // 4, dtype=np.float32).view(np.uint8)
     keys, _ = kv.gather(layer_name(7), [2], 16)
     assert keys[0, 0, 1].item() == 1.0 and keys[1, 0, 0].item() == 16 * 32
-    # the same slot's block 2 of a layer of another group is other bytes only in the block-id sense:
+    # Layers 6 and 7 share a region: one block id is the same bytes for both, hence one owner group per id.
     assert kv.layout.layer_offset(layer_name(6), 2) == kv.layout.layer_offset(layer_name(7), 2)
     with pytest.raises(KeyError, match="no KV cache in this process"):
         kv.layer_block_view("model.layers.99.self_attn.attn", 0)

@@ -14,6 +14,7 @@ from disagg.worker.layout import (
     ModelGeometry,
     StageLayout,
     build_stage_layout,
+    kv_cache_groups,
     pp_partition,
 )
 
@@ -78,6 +79,10 @@ class TinyConfig:
             head_size=self.head_size,
             dtype_bytes=self.dtype_bytes,
         )
+
+    @property
+    def num_kv_cache_groups(self) -> int:
+        return len(kv_cache_groups(self.geometry))
 
     def stages(self, pp_size: int) -> list[range]:
         """Layers of each PP stage (vLLM's even split)."""

@@ -109,6 +109,12 @@ class KVCacheLayout:
     @classmethod
     def from_stage_layout(cls, stage: StageLayout, *, num_kv_heads: int, head_size: int) -> KVCacheLayout:
         """The engine's view of one worker's `StageLayout` (its TP rank's heads; TP 1 here)."""
+        if stage.physical_blocks_per_logical != 1:
+            raise CompatibilityError(
+                f"the engine pages by the scheduler's block size; the stage splits each block into "
+                f"{stage.physical_blocks_per_logical} kernel blocks",
+                reason="BlockSizeMismatch",
+            )
         strides = {(r.block_len, r.block_stride, r.num_blocks) for r in stage.regions}
         if len(strides) != 1:
             raise CompatibilityError(
@@ -257,11 +263,15 @@ class PagedKVCache:
         self, name: str, block_table: list[int], positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """Store K and V (`[num_kv_heads, len(positions), head_size]`) of the tokens at `positions`."""
-        table = torch.tensor(block_table, dtype=torch.long)
         bs = self.layout.block_size
-        self.layer(name)[table[positions // bs], :, positions % bs] = torch.cat((k, v), dim=-1).transpose(
-            0, 1
-        )
+        last = int(positions.max())
+        if last // bs >= len(block_table):
+            raise IndexError(
+                f"block table of {len(block_table)} blocks cannot hold position {last} of {name}"
+            )
+        table = torch.tensor(block_table, dtype=torch.long)
+        rows = torch.cat((k, v), dim=-1).transpose(0, 1)  # [tokens, heads, K ‖ V]
+        self.layer(name)[table[positions // bs], :, positions % bs] = rows
 
     def gather(self, name: str, block_table: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the first `num_tokens` tokens, read from the cache, each `[num_kv_heads, num_tokens,

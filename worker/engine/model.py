@@ -19,7 +19,6 @@ import torch
 
 from disagg.worker.engine.config import TinyConfig, encode, layer_name
 from disagg.worker.engine.kv_cache import BlockTables, KVCacheLayout, PagedKVCache
-from disagg.worker.errors import CompatibilityError
 
 
 @dataclass(frozen=True)
@@ -131,9 +130,8 @@ class TinyModel:
             raise ValueError("generate needs a non-empty prompt and max_new_tokens >= 1")
         total = len(token_ids) + max_new_tokens - 1
         if kv is None:
-            groups = len(self.config.stage_layout(2).groups)
             blocks_per_group = math.ceil(total / self.config.block_size)
-            kv = PagedKVCache(self.kv_layout(1 + groups * blocks_per_group))
+            kv = PagedKVCache(self.kv_layout(1 + self.config.num_kv_cache_groups * blocks_per_group))
         tables = kv.allocate(total)
         try:
             logits = self.prefill(token_ids, kv, tables)
@@ -155,7 +153,7 @@ class TinyModel:
         c = self.config
         layers = range(c.num_layers) if layers is None else layers
         if not (0 <= layers.start < layers.stop <= c.num_layers and layers.step == 1):
-            raise CompatibilityError(f"layers {layers} is not a contiguous slice of 0..{c.num_layers - 1}")
+            raise ValueError(f"layers {layers} is not a contiguous slice of 0..{c.num_layers - 1}")
         if int(positions[-1]) >= c.max_positions:
             raise ValueError(f"position {int(positions[-1])} exceeds max_positions {c.max_positions}")
         if layers.start == 0:
