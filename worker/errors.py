@@ -110,6 +110,32 @@ class BlockIdOutOfRange(TransferFailed):
     reason = "BlockIdOutOfRange"
 
 
+class WorkerConfigError(DisaggError):
+    """A sidecar configuration (environment, topology file) that is missing, malformed or self-contradictory."""
+
+    reason = "InvalidWorkerConfig"
+
+
+class EngineLayoutMismatch(CompatibilityError):
+    """The layout an engine registers contradicts the sidecar's configuration (names the first difference)."""
+
+    reason = "EngineLayoutMismatch"
+
+
+class EngineProtocolError(DisaggError):
+    """A local-socket message the sidecar cannot act on (malformed, out of order, wrong role)."""
+
+    reason = "InvalidEngineMessage"
+
+
+class UnknownRequest(EngineProtocolError):
+    reason = "UnknownRequest"
+
+
+class DuplicateRequest(EngineProtocolError):
+    reason = "DuplicateRequest"
+
+
 def require(violation: Violation | None) -> None:
     """Raise the violation as a CompatibilityError; do nothing when the rule holds."""
     if violation is not None:
