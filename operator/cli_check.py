@@ -12,6 +12,7 @@ import importlib.util
 import json
 import sys
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -138,7 +139,8 @@ def _summary_lines(dd: DisaggDeployment, report: CompatReport) -> list[str]:
     return lines
 
 
-def run_check(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def run_check(args: argparse.Namespace) -> int:
+    out = sys.stdout
     from disagg.operator.compat import evaluate
 
     path = Path(args.file)
@@ -164,17 +166,18 @@ def run_check(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     return code
 
 
-def _builders_available() -> bool:
-    return importlib.util.find_spec(BUILDERS_MODULE) is not None
+def manifest_builder() -> Callable[[DisaggDeployment], list[dict[str, Any]]] | None:
+    """`build_all(dd)` of the manifest builders, or None where this installation has none."""
+    if importlib.util.find_spec(BUILDERS_MODULE) is None:
+        return None
+    build_all: Callable[[DisaggDeployment], list[dict[str, Any]]] | None = getattr(
+        importlib.import_module(BUILDERS_MODULE), "build_all", None
+    )
+    return build_all
 
 
-def _manifests(dd: DisaggDeployment) -> list[dict[str, Any]]:
-    builders = importlib.import_module(BUILDERS_MODULE)
-    manifests: list[dict[str, Any]] = builders.build_all(dd)
-    return manifests
-
-
-def run_plan(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+def run_plan(args: argparse.Namespace) -> int:
+    out, err = sys.stdout, sys.stderr
     import yaml
 
     from disagg.operator.compat import evaluate
@@ -185,7 +188,8 @@ def run_plan(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = s
     except SpecFileError as error:
         return _print_invalid(error, path, "json" if args.output == "json" else "text", out)
     report = evaluate(dd.spec)
-    manifests = _manifests(dd) if report.compatible and _builders_available() else None
+    build_all = manifest_builder()
+    manifests = build_all(dd) if report.compatible and build_all is not None else None
     if args.output in ("json", "yaml"):
         document = {**_report_json(path, dd, report), "manifests": manifests}
         if args.output == "json":
@@ -198,7 +202,7 @@ def run_plan(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = s
         if manifests:
             out.write(yaml.safe_dump_all(manifests, sort_keys=False, width=110, explicit_start=True))
     if report.compatible and manifests is None:
-        err.write(f"note: {BUILDERS_MODULE} is not installed; only the topology is shown\n")
+        err.write(f"note: {BUILDERS_MODULE}.build_all is not available; only the topology is shown\n")
     return EXIT_OK if report.compatible else EXIT_INCOMPATIBLE
 
 
@@ -225,7 +229,8 @@ def _print_plan_text(dd: DisaggDeployment, report: CompatReport, out: TextIO) ->
     out.write(f"# decode: every layer (0-{plan.stages[-1].layers.stop - 1}), region-index routing\n")
 
 
-def run_crd_generate(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def run_crd_generate(args: argparse.Namespace) -> int:
+    out = sys.stdout
     from disagg.operator import crd
 
     if args.output_dir is None:

@@ -1,0 +1,216 @@
+"""`disagg check`, `disagg plan` and `disagg crd generate`: exit codes and what they print."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from dd_specs import EXAMPLES, VALID_EXAMPLE, valid_document
+
+from disagg.operator import crd
+from disagg.operator.api import DisaggDeployment
+from disagg.operator.cli import main
+from disagg.operator.cli_check import manifest_builder
+
+REPO = Path(__file__).resolve().parents[2]
+BUILDERS = "disagg.operator.builders"
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _write(tmp_path: Path, document: Any, name: str = "dd.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(document if isinstance(document, str) else yaml.safe_dump(document), encoding="utf-8")
+    return path
+
+
+def test_check_a_compatible_file(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "check", str(VALID_EXAMPLE))
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == f"{VALID_EXAMPLE}: DisaggDeployment default/gemma-pp2 is compatible"
+    assert lines[1] == "  prefill: 1 replica x 2 stages x TP 2, block size 32"
+    assert lines[2] == "  decode:  2 replicas x TP 2, block size 32"
+    assert "push connector, hybrid KV cache (HMA), layer-name routing, 2 completion notifications" in lines[3]
+    assert lines[4].startswith("  compatibility hash: ") and lines[4].endswith("(prefill and decode)")
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("bad-decode-pp.yaml", "DecodePipelineParallel"),
+        ("bad-pull-hma-pp.yaml", "PullConnectorWithHybridPP"),
+        ("bad-block-size.yaml", "BlockSizeMismatch"),
+        ("bad-tp-not-divisible.yaml", "TensorParallelNotDivisible"),
+        ("bad-mamba-pp.yaml", "MambaUnderPipelineParallel"),
+        ("bad-layer-partition.yaml", "InvalidLayerPartition"),
+        ("bad-version-mismatch.yaml", "CompatibilityHashMismatch"),
+    ],
+)
+def test_check_an_incompatible_file_exits_1_with_the_reason(
+    capsys: pytest.CaptureFixture[str], name: str, reason: str
+) -> None:
+    code, out, _ = run(capsys, "check", str(EXAMPLES / name))
+    assert code == 1
+    first, second = out.splitlines()[:2]
+    assert " is incompatible (" in first
+    assert second.startswith(f"  {reason}: ")
+
+
+def test_check_json_output(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "check", "-o", "json", str(EXAMPLES / "bad-block-size.yaml"))
+    assert code == 1
+    result = json.loads(out)
+    assert result["valid"] is True and result["compatible"] is False
+    assert [v["reason"] for v in result["violations"]] == ["BlockSizeMismatch"]
+    assert "prefill uses 32 and decode 16" in result["violations"][0]["message"]
+    assert result["topology"]["routingMode"] == "layer-name"
+    assert [s["startLayer"] for s in result["topology"]["stages"]] == [0, 31]
+    assert set(result["compatibilityHashes"]) == {"prefill", "decode"}
+
+
+def test_check_schema_error_exits_2_with_the_field_path(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = _write(
+        tmp_path, valid_document({"prefill": {"tensorParallelSize": 0}, "decode": {"blockSize": "x"}})
+    )
+    code, out, _ = run(capsys, "check", str(path))
+    assert code == 2
+    assert out.splitlines() == [
+        f"{path} is not a valid DisaggDeployment",
+        "  spec.prefill.tensorParallelSize: Input should be greater than or equal to 1",
+        "  spec.decode.blockSize: Input should be a valid integer, unable to parse string as an integer",
+    ]
+
+
+def test_check_schema_error_as_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = _write(tmp_path, valid_document({"kvTransfer": {"connector": "RDMA"}}))
+    code, out, _ = run(capsys, "check", "-o", "json", str(path))
+    assert code == 2
+    result = json.loads(out)
+    assert result["valid"] is False
+    assert result["errors"] == [
+        {"path": "spec.kvTransfer.connector", "message": "Input should be 'Push' or 'Pull'"}
+    ]
+
+
+def test_check_cross_field_model_error_names_the_object(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = _write(tmp_path, valid_document({"model": {"attentionKinds": ["Full"]}}))
+    code, out, _ = run(capsys, "check", str(path))
+    assert code == 2
+    assert "  spec.model: give either layerPattern or attentionKinds, not both" in out.splitlines()
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("spec: [unclosed", "is not valid YAML"),
+        ("- a\n- b\n", "must hold a YAML mapping, found list"),
+        ("a: 1\n---\nb: 2\n", "exactly one DisaggDeployment document, found 2"),
+    ],
+)
+def test_check_unreadable_documents_exit_2(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, content: str, message: str
+) -> None:
+    code, out, _ = run(capsys, "check", str(_write(tmp_path, content)))
+    assert code == 2 and message in out
+
+
+def test_check_a_missing_file_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, _ = run(capsys, "check", str(tmp_path / "absent.yaml"))
+    assert code == 2 and "cannot read" in out
+
+
+def test_plan_prints_stages_with_layer_names(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "plan", str(VALID_EXAMPLE))
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == "# DisaggDeployment default/gemma-pp2 (compatible)"
+    assert "# prefill stage 0: layers 0-30 (31 layers), layer-name routing" in lines
+    assert "# prefill stage 1: layers 31-61 (31 layers), layer-name routing" in lines
+    assert "# decode: every layer (0-61), region-index routing" in lines
+    stage1 = lines.index("# prefill stage 1: layers 31-61 (31 layers), layer-name routing")
+    assert lines[stage1 + 1].startswith(
+        "#     model.layers.31.self_attn.attn, model.layers.32.self_attn.attn"
+    )
+    named = {name.strip(" #,") for line in lines if line.startswith("#     ") for name in line.split(", ")}
+    assert named == {f"model.layers.{i}.self_attn.attn" for i in range(62)}
+    documents = [doc for doc in yaml.safe_load_all(out) if doc is not None]
+    build_all = manifest_builder()
+    if build_all is None:
+        assert documents == []
+        assert f"note: {BUILDERS}.build_all is not available" in err
+    else:
+        dd = DisaggDeployment.model_validate(yaml.safe_load(VALID_EXAMPLE.read_text()))
+        assert documents == json.loads(json.dumps(build_all(dd)))
+
+
+def test_plan_of_an_incompatible_file_exits_1_and_prints_no_manifests(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, err = run(capsys, "plan", str(EXAMPLES / "bad-layer-partition.yaml"))
+    assert code == 1
+    assert "#   InvalidLayerPartition: layerPartition [30, 30] sums to 60" in out
+    assert "# no topology: the prefill layers cannot be split into stages" in out
+    assert [doc for doc in yaml.safe_load_all(out) if doc is not None] == []
+    assert err == ""
+
+
+def test_plan_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", "-o", "json", str(VALID_EXAMPLE))
+    assert code == 0
+    result = json.loads(out)
+    assert result["topology"]["stages"][1]["layers"][0] == "model.layers.31.self_attn.attn"
+    assert "manifests" in result
+
+
+def test_crd_generate_prints_either_variant(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "crd", "generate")
+    assert code == 0 and out == crd.render(crd.build_crd(with_cel=False))
+    code, out, _ = run(capsys, "crd", "generate", "--cel")
+    assert code == 0 and out == crd.render(crd.build_crd(with_cel=True))
+    assert "x-kubernetes-validations" in out
+
+
+def test_crd_generate_writes_and_checks_a_directory(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert run(capsys, "crd", "generate", "--output-dir", str(tmp_path), "--check")[0] == 1
+    code, out, _ = run(capsys, "crd", "generate", "--output-dir", str(tmp_path))
+    assert code == 0 and out.count("wrote ") == 2
+    assert run(capsys, "crd", "generate", "--output-dir", str(tmp_path), "--check")[0] == 0
+    stale = tmp_path / "cel" / crd.CRD_FILENAME
+    stale.write_text(stale.read_text().replace("decode.pipelineParallelSize must be 1", "anything"))
+    code, out, _ = run(capsys, "crd", "generate", "--output-dir", str(tmp_path), "--check")
+    assert code == 1 and str(stale) in out
+
+
+def test_the_installed_command_returns_the_exit_codes(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    command = [sys.executable, "-m", "disagg.operator.cli", "check"]
+    invalid = _write(tmp_path, valid_document({"decode": {"replicas": -1}}))
+    results = {
+        name: subprocess.run(
+            [*command, str(path)], cwd=REPO, env=env, capture_output=True, text=True, check=False
+        )
+        for name, path in {
+            "ok": VALID_EXAMPLE,
+            "incompatible": EXAMPLES / "bad-decode-pp.yaml",
+            "invalid": invalid,
+        }.items()
+    }
+    assert {name: r.returncode for name, r in results.items()} == {"ok": 0, "incompatible": 1, "invalid": 2}
+    assert "spec.decode.replicas: Input should be greater than or equal to 0" in results["invalid"].stdout
