@@ -2,8 +2,8 @@
 
 Each prefill stage owns a contiguous slice of the layers (vLLM's even split) and its own KV buffer laid out
 for those layers only, so its HMA pooling differs from the decoder's. Activations go stage to stage with
-`torch.distributed` point-to-point over gloo on loopback. Both sides use one set of per-group block ids per
-side (P's scheduler serves every stage), and KV moves between them by layer name.
+`torch.distributed` point-to-point over gloo on loopback. A request has one set of per-group block ids on
+each side (P's single scheduler serves every stage), and KV moves between the sides by layer name.
 
 The stage and decoder entry points map their KV buffer from a /dev/shm file, the same file a sidecar maps to
 register the buffer with NIXL.
