@@ -25,8 +25,8 @@ PLURAL: Final = "disaggdeployments"
 SINGULAR: Final = "disaggdeployment"
 SHORT_NAMES: Final = ("disagg",)
 DEFAULT_SIDE_CHANNEL_PORT: Final = 5600
-# Bounds on lists that CEL rules iterate: without maxItems the API server's CEL cost estimate is unbounded
-# and it refuses the CRD.
+# Bounds on lists that CEL rules iterate and strings they compare: without maxItems/maxLength the API
+# server's CEL cost estimate assumes the largest possible request and can refuse the CRD.
 MAX_LAYERS: Final = 4096
 MAX_STAGES: Final = 256
 
@@ -137,15 +137,22 @@ class LayerPattern(ApiModel):
 class ModelSpec(ApiModel):
     """The served model's KV-cache geometry, identical on prefill and decode."""
 
-    name: str = Field(min_length=1, description="Model name or path as the engine loads it (hashed by vLLM).")
+    name: str = Field(
+        min_length=1,
+        max_length=512,
+        description="Model name or path as the engine loads it (hashed by vLLM).",
+    )
     revision: str | None = Field(
-        default=None, min_length=1, description="Model revision (commit or tag) to pin weights."
+        default=None,
+        min_length=1,
+        max_length=256,
+        description="Model revision (commit or tag) to pin weights.",
     )
     dtype: ModelDType = Field(
         default=ModelDType.BFLOAT16, description="Resolved model dtype (vLLM hashes it)."
     )
     num_layers: int = Field(
-        ge=1, description="Total hidden layers of the model (not a pipeline stage's share)."
+        ge=1, le=MAX_LAYERS, description="Total hidden layers of the model (not a pipeline stage's share)."
     )
     num_kv_heads: int = Field(
         ge=1, description="Total KV heads of the model, before tensor-parallel splitting."
@@ -197,11 +204,14 @@ class ModelSpec(ApiModel):
 class EngineSpec(ApiModel):
     """The inference engine both roles run."""
 
-    image: str = Field(min_length=1, description="Engine container image.")
-    version: str = Field(min_length=1, description="Engine (vLLM) version in the image; part of the hash.")
+    image: str = Field(min_length=1, max_length=512, description="Engine container image.")
+    version: str = Field(
+        min_length=1, max_length=64, description="Engine (vLLM) version in the image; part of the hash."
+    )
     attention_backend: str = Field(
         default="FLASH_ATTN",
         min_length=1,
+        max_length=64,
         description="Attention backend name the engine resolves (hashed by vLLM).",
     )
     hybrid_kv_cache_manager: HybridKVCacheManager = Field(
@@ -217,7 +227,9 @@ class EngineSpec(ApiModel):
 class RDMASpec(ApiModel):
     """The extended resource that grants a pod RDMA devices."""
 
-    resource_name: str = Field("rdma/ib", min_length=1, description="Extended resource name, e.g. rdma/ib.")
+    resource_name: str = Field(
+        default="rdma/ib", min_length=1, description="Extended resource name, e.g. rdma/ib."
+    )
     count: int = Field(default=1, ge=1, description="RDMA devices requested per engine pod.")
 
 
@@ -265,12 +277,18 @@ class RoleOverrides(ApiModel):
     between prefill and decode makes the deployment incompatible; overrides exist for the fields that may
     legitimately be spelled differently per role and so must be checked, not assumed, equal."""
 
-    image: str | None = Field(default=None, min_length=1, description="Engine image for this role only.")
-    version: str | None = Field(default=None, min_length=1, description="Engine version for this role only.")
-    attention_backend: str | None = Field(
-        default=None, min_length=1, description="Attention backend for this role only."
+    image: str | None = Field(
+        default=None, min_length=1, max_length=512, description="Engine image for this role only."
     )
-    revision: str | None = Field(default=None, min_length=1, description="Model revision for this role only.")
+    version: str | None = Field(
+        default=None, min_length=1, max_length=64, description="Engine version for this role only."
+    )
+    attention_backend: str | None = Field(
+        default=None, min_length=1, max_length=64, description="Attention backend for this role only."
+    )
+    revision: str | None = Field(
+        default=None, min_length=1, max_length=256, description="Model revision for this role only."
+    )
     dtype: ModelDType | None = Field(default=None, description="Model dtype for this role only.")
     kv_cache_dtype: KVCacheDType | None = Field(
         default=None, description="KV cache dtype for this role only."
@@ -284,7 +302,7 @@ class RoleSpec(ApiModel):
         default=1, ge=0, description="Engine instances; a prefill instance is one pod per PP stage."
     )
     pipeline_parallel_size: int = Field(
-        default=1, ge=1, description="Pipeline stages per instance (decode: must be 1)."
+        default=1, ge=1, le=MAX_STAGES, description="Pipeline stages per instance (decode: must be 1)."
     )
     tensor_parallel_size: int = Field(
         default=1, ge=1, description="Tensor-parallel ranks per stage (GPUs per pod)."
