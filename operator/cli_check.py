@@ -127,10 +127,11 @@ def _summary_lines(dd: DisaggDeployment, report: CompatReport) -> list[str]:
     plan = report.plan
     if plan is not None:
         cache = "hybrid KV cache (HMA)" if plan.hma else "uniform KV cache"
-        lines.append(
-            f"  transfer: {plan.transfer_mode} connector, {cache}, {plan.routing_mode.value} routing, "
-            f"{_plural(plan.notifications_per_request, 'completion notification')} per request"
-        )
+        transfer = f"  transfer: {plan.transfer_mode} connector, {cache}, {plan.routing_mode.value} routing"
+        if plan.transfer_mode == "push":
+            count = _plural(plan.notifications_per_request, "completion notification")
+            transfer += f", {count} per request"
+        lines.append(transfer)
     if report.hashes["prefill"] == report.hashes["decode"]:
         lines.append(f"  compatibility hash: {report.hashes['prefill']} (prefill and decode)")
     else:

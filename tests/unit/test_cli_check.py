@@ -214,3 +214,8 @@ def test_the_installed_command_returns_the_exit_codes(tmp_path: Path) -> None:
     }
     assert {name: r.returncode for name, r in results.items()} == {"ok": 0, "incompatible": 1, "invalid": 2}
     assert "spec.decode.replicas: Input should be greater than or equal to 0" in results["invalid"].stdout
+
+
+def test_completion_counts_are_shown_only_for_the_push_connector(capsys: pytest.CaptureFixture[str]) -> None:
+    _, out, _ = run(capsys, "check", str(EXAMPLES / "bad-pull-hma-pp.yaml"))
+    assert "  transfer: pull connector, hybrid KV cache (HMA), region-index routing\n" in out
