@@ -1,0 +1,366 @@
+"""Manifests for a `DisaggDeployment`: `desired = build(...)`, then the handlers apply each object. Pure.
+
+Per prefill replica: a StatefulSet with one pod per pipeline stage (pod ordinal = PP rank, started in
+parallel) and the headless Service that governs it. Decode: a Deployment and a headless Service. A ConfigMap
+carries the topology plan every sidecar reads. Every engine pod gets the KV worker sidecar (downward-API
+identity, side channel, `IPC_LOCK`, RDMA, shared memory) and a readiness gate on the condition the sidecar
+writes. Everything carries an owner reference to the DisaggDeployment, so deletion is garbage collection, and
+only fields that exist in Kubernetes 1.20 (apps/v1, core/v1).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from disagg.operator.api import API_VERSION, KIND, DisaggDeploymentSpec
+from disagg.operator.builders_engine import (
+    HTTP_PORT,
+    Role,
+    engine_container,
+    is_vllm_image,
+    role_image,
+    stage_dns,
+)
+from disagg.operator.kv_status import POD_CONDITION, ROLE_LABEL
+from disagg.operator.plan import TopologyPlan
+
+FIELD_MANAGER: Final = "disagg-operator"
+NAME_LABEL: Final = "app.kubernetes.io/name"
+INSTANCE_LABEL: Final = "app.kubernetes.io/instance"
+COMPONENT_LABEL: Final = "app.kubernetes.io/component"
+MANAGED_BY_LABEL: Final = "app.kubernetes.io/managed-by"
+PART_OF_LABEL: Final = "app.kubernetes.io/part-of"
+DEPLOYMENT_LABEL: Final = "disagg.io/deployment"
+REPLICA_LABEL: Final = "disagg.io/replica"
+GENERATION_ANNOTATION: Final = "disagg.io/generation"
+HASH_ANNOTATION: Final = "disagg.io/compatibility-hash"
+TOPOLOGY_ANNOTATION: Final = "disagg.io/topology-checksum"
+TOPOLOGY_KEY: Final = "topology.json"
+TOPOLOGY_DIR: Final = "/etc/disagg/topology"
+ENGINE_CONTAINER: Final = "engine"
+SIDECAR_CONTAINER: Final = "kv-worker"
+# A StatefulSet's pods carry `controller-revision-hash: <name>-<10 chars>`, a label value capped at 63.
+MAX_CHILD_NAME: Final = 52
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The DisaggDeployment the children belong to (passed explicitly: builders have no kopf context)."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+
+    def reference(self) -> dict[str, Any]:
+        return {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+def child_name(owner: str, *parts: str) -> str:
+    """`<owner>-<parts>`, shortened with a stable hash when it would exceed what a StatefulSet can carry."""
+    suffix = "-".join(parts)
+    name = f"{owner}-{suffix}"
+    if len(name) <= MAX_CHILD_NAME:
+        return name
+    digest = hashlib.sha256(owner.encode()).hexdigest()[:8]
+    keep = MAX_CHILD_NAME - len(suffix) - len(digest) - 2
+    return f"{owner[:keep].rstrip('-.')}-{digest}-{suffix}"
+
+
+def prefill_name(owner: str, replica: int) -> str:
+    return child_name(owner, "prefill", str(replica))
+
+
+def decode_name(owner: str) -> str:
+    return child_name(owner, "decode")
+
+
+def topology_name(owner: str) -> str:
+    return child_name(owner, "topology")
+
+
+def owner_labels(owner: str) -> dict[str, str]:
+    """Labels on every child; the handlers list children (and kopf watches pods) by these."""
+    return {
+        NAME_LABEL: "disagg",
+        INSTANCE_LABEL: owner,
+        MANAGED_BY_LABEL: FIELD_MANAGER,
+        PART_OF_LABEL: "disagg",
+        DEPLOYMENT_LABEL: owner,
+    }
+
+
+def selector_labels(owner: str, role: Role, replica: int | None = None) -> dict[str, str]:
+    """Immutable selector of one workload: never includes anything a spec change could alter."""
+    labels = {INSTANCE_LABEL: owner, COMPONENT_LABEL: role, ROLE_LABEL: role}
+    if replica is not None:
+        labels[REPLICA_LABEL] = str(replica)
+    return labels
+
+
+def topology_document(owner: Owner, plan: TopologyPlan, hashes: Mapping[str, str]) -> str:
+    return json.dumps(
+        {"deployment": owner.name, **plan.to_dict(), "compatibilityHashes": dict(hashes)},
+        sort_keys=True,
+        indent=2,
+    )
+
+
+def build(
+    spec: DisaggDeploymentSpec, owner: Owner, plan: TopologyPlan, hashes: Mapping[str, str]
+) -> list[dict[str, Any]]:
+    """Every object the deployment needs, in apply order (the ConfigMap before the pods that mount it)."""
+    topology = topology_document(owner, plan, hashes)
+    checksum = hashlib.sha256(topology.encode()).hexdigest()[:16]
+    objects: list[dict[str, Any]] = [
+        _object(
+            "v1", "ConfigMap", topology_name(owner.name), owner, "topology", data={TOPOLOGY_KEY: topology}
+        )
+    ]
+    for replica in range(spec.prefill.replicas):
+        name = prefill_name(owner.name, replica)
+        objects.append(
+            _service(spec, owner, name, selector_labels(owner.name, "prefill", replica), "prefill")
+        )
+        objects.append(_statefulset(spec, owner, plan, hashes["prefill"], checksum, replica))
+    name = decode_name(owner.name)
+    objects.append(_service(spec, owner, name, selector_labels(owner.name, "decode"), "decode"))
+    objects.append(_deployment(spec, owner, plan, hashes["decode"], checksum))
+    return objects
+
+
+def _object(
+    api_version: str, kind: str, name: str, owner: Owner, component: str, **body: Any
+) -> dict[str, Any]:
+    return {
+        "apiVersion": api_version,
+        "kind": kind,
+        "metadata": {
+            "name": name,
+            "namespace": owner.namespace,
+            "labels": {**owner_labels(owner.name), COMPONENT_LABEL: component},
+            "annotations": {GENERATION_ANNOTATION: str(owner.generation)},
+            "ownerReferences": [owner.reference()],
+        },
+        **body,
+    }
+
+
+def _service(
+    spec: DisaggDeploymentSpec, owner: Owner, name: str, selector: dict[str, str], role: Role
+) -> dict[str, Any]:
+    return _object(
+        "v1",
+        "Service",
+        name,
+        owner,
+        role,
+        spec={
+            "clusterIP": "None",
+            # Stages rendezvous and sidecars handshake before any pod is Ready (the gate waits on them).
+            "publishNotReadyAddresses": True,
+            "selector": selector,
+            "ports": [
+                {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+                {
+                    "name": "side-channel",
+                    "port": spec.kv_transfer.side_channel_port,
+                    "targetPort": "side-channel",
+                    "protocol": "TCP",
+                },
+            ],
+        },
+    )
+
+
+def _statefulset(
+    spec: DisaggDeploymentSpec,
+    owner: Owner,
+    plan: TopologyPlan,
+    compat_hash: str,
+    checksum: str,
+    replica: int,
+) -> dict[str, Any]:
+    name = prefill_name(owner.name, replica)
+    selector = selector_labels(owner.name, "prefill", replica)
+    master = stage_dns(name, name, owner.namespace)
+    return _object(
+        "apps/v1",
+        "StatefulSet",
+        name,
+        owner,
+        "prefill",
+        spec={
+            "serviceName": name,
+            "replicas": spec.prefill.pipeline_parallel_size,
+            # Every stage holds a slice of the model: they start (and restart) together.
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": selector},
+            "template": _pod_template(spec, owner, plan, "prefill", selector, compat_hash, checksum, master),
+        },
+    )
+
+
+def _deployment(
+    spec: DisaggDeploymentSpec, owner: Owner, plan: TopologyPlan, compat_hash: str, checksum: str
+) -> dict[str, Any]:
+    selector = selector_labels(owner.name, "decode")
+    return _object(
+        "apps/v1",
+        "Deployment",
+        decode_name(owner.name),
+        owner,
+        "decode",
+        spec={
+            "replicas": spec.decode.replicas,
+            "selector": {"matchLabels": selector},
+            "template": _pod_template(spec, owner, plan, "decode", selector, compat_hash, checksum, None),
+        },
+    )
+
+
+def _identity_env(spec: DisaggDeploymentSpec, owner: Owner, role: Role) -> list[dict[str, Any]]:
+    def field(name: str, path: str) -> dict[str, Any]:
+        return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
+
+    this = spec.prefill if role == "prefill" else spec.decode
+    return [
+        field("POD_NAME", "metadata.name"),
+        field("POD_NAMESPACE", "metadata.namespace"),
+        field("POD_UID", "metadata.uid"),
+        field("POD_IP", "status.podIP"),
+        field("NODE_NAME", "spec.nodeName"),
+        {"name": "DISAGG_DEPLOYMENT", "value": owner.name},
+        {"name": "DISAGG_ROLE", "value": role},
+        {"name": "DISAGG_PIPELINE_PARALLEL_SIZE", "value": str(this.pipeline_parallel_size)},
+        {"name": "DISAGG_TENSOR_PARALLEL_SIZE", "value": str(this.tensor_parallel_size)},
+        {"name": "DISAGG_BLOCK_SIZE", "value": str(this.block_size)},
+        {"name": "DISAGG_SIDE_CHANNEL_PORT", "value": str(spec.kv_transfer.side_channel_port)},
+        {"name": "DISAGG_TOPOLOGY_FILE", "value": f"{TOPOLOGY_DIR}/{TOPOLOGY_KEY}"},
+    ]
+
+
+def _resources(base: Mapping[str, Any] | None, rdma: tuple[str, int] | None) -> dict[str, Any]:
+    resources = {key: dict(value) for key, value in (base or {}).items()}
+    if rdma is not None:
+        # Extended resources cannot be overcommitted: a limit alone also sets the request.
+        resources.setdefault("limits", {})[rdma[0]] = rdma[1]
+    return resources
+
+
+def _pod_template(
+    spec: DisaggDeploymentSpec,
+    owner: Owner,
+    plan: TopologyPlan,
+    role: Role,
+    selector: dict[str, str],
+    compat_hash: str,
+    checksum: str,
+    stage_service: str | None,
+) -> dict[str, Any]:
+    this = spec.prefill if role == "prefill" else spec.decode
+    identity = _identity_env(spec, owner, role)
+    engine = engine_container(spec, role, plan, stage_service=stage_service, identity_env=identity)
+    side_channel = {
+        "name": "side-channel",
+        "containerPort": spec.kv_transfer.side_channel_port,
+        "protocol": "TCP",
+    }
+    rdma = (
+        (spec.kv_transfer.rdma.resource_name, spec.kv_transfer.rdma.count) if spec.kv_transfer.rdma else None
+    )
+    # A vLLM engine runs the NIXL connector in-process and moves the KV itself; the sidecar then only watches
+    # the handshakes. Otherwise the sidecar owns the NIXL agent. The RDMA devices, IPC_LOCK and the side
+    # channel go to whichever container moves the data.
+    engine_moves_kv = is_vllm_image(role_image(spec, role))
+    mounts = [
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "topology", "mountPath": TOPOLOGY_DIR, "readOnly": True},
+    ]
+    ipc_lock = {"capabilities": {"add": ["IPC_LOCK"]}}
+    engine_container_spec: dict[str, Any] = {
+        "name": ENGINE_CONTAINER,
+        "image": role_image(spec, role),
+        "env": list(engine.env),
+        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}]
+        + ([side_channel] if engine_moves_kv else []),
+        "resources": _resources(this.resources, rdma if engine_moves_kv else None),
+        "volumeMounts": mounts,
+    }
+    if engine.command:
+        engine_container_spec["command"] = list(engine.command)
+    if engine.args:
+        engine_container_spec["args"] = list(engine.args)
+    if engine_moves_kv:
+        engine_container_spec["securityContext"] = ipc_lock
+    sidecar = {
+        "name": SIDECAR_CONTAINER,
+        "image": spec.worker.image,
+        "command": ["disagg"],
+        "args": ["worker", "sidecar", "--mode", "watch" if engine_moves_kv else "transfer"],
+        "env": [
+            *identity,
+            {"name": "DISAGG_COMPATIBILITY_HASH", "value": compat_hash},
+            {"name": "DISAGG_METRICS_PORT", "value": str(spec.worker.metrics_port)},
+        ],
+        "ports": [{"name": "metrics", "containerPort": spec.worker.metrics_port, "protocol": "TCP"}]
+        + ([] if engine_moves_kv else [side_channel]),
+        "resources": _resources(spec.worker.resources, None if engine_moves_kv else rdma),
+        "securityContext": ipc_lock,
+        "volumeMounts": mounts,
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [engine_container_spec, sidecar],
+        "readinessGates": [{"conditionType": POD_CONDITION}],
+        "enableServiceLinks": False,
+        "volumes": [
+            # The engine's KV pool is a shared-memory file the sidecar maps and registers with NIXL.
+            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+            {"name": "topology", "configMap": {"name": topology_name(owner.name)}},
+        ],
+    }
+    scheduling = this.scheduling
+    if scheduling is not None and scheduling.node_selector:
+        pod_spec["nodeSelector"] = dict(scheduling.node_selector)
+    if scheduling is not None and scheduling.tolerations:
+        pod_spec["tolerations"] = [dict(toleration) for toleration in scheduling.tolerations]
+    affinity = _affinity(
+        scheduling.affinity if scheduling is not None else None, spec.kv_transfer.node_selector or {}
+    )
+    if affinity:
+        pod_spec["affinity"] = affinity
+    return {
+        "metadata": {
+            "labels": {**owner_labels(owner.name), **selector},
+            "annotations": {HASH_ANNOTATION: compat_hash, TOPOLOGY_ANNOTATION: checksum},
+        },
+        "spec": pod_spec,
+    }
+
+
+def _affinity(user: Mapping[str, Any] | None, rdma_nodes: Mapping[str, str]) -> dict[str, Any]:
+    """The user's affinity with the RDMA node requirement ANDed into every required node selector term."""
+    affinity: dict[str, Any] = json.loads(json.dumps(dict(user or {})))
+    if not rdma_nodes:
+        return affinity
+    expressions = [
+        {"key": key, "operator": "In", "values": [value]} for key, value in sorted(rdma_nodes.items())
+    ]
+    node = affinity.setdefault("nodeAffinity", {})
+    required = node.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    terms = required.get("nodeSelectorTerms") or [{}]
+    required["nodeSelectorTerms"] = [
+        {**term, "matchExpressions": [*term.get("matchExpressions", []), *expressions]} for term in terms
+    ]
+    return affinity

@@ -1,0 +1,259 @@
+"""The engine container's command, arguments and environment for each role. Pure.
+
+For vLLM images the builders own every argument the spec decides: `--kv-transfer-config` (the push or pull
+connector, producer on prefill and consumer on decode), the parallel sizes, block size, dtypes, the layer
+partition and the side channel (`VLLM_NIXL_SIDE_CHANNEL_HOST` is the pod IP, because vLLM both binds it and
+advertises it to peers, vLLM #27083). A user's extra arguments are kept; one that repeats an owned flag with
+the spec's own value is dropped as redundant, and one that contradicts the spec is refused with a violation,
+never silently overridden. Other engines receive the user's arguments and the `DISAGG_*` environment only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+from disagg.operator.api import DisaggDeploymentSpec, HybridKVCacheManager, RoleSpec
+from disagg.operator.plan import TopologyPlan
+from disagg.worker.errors import Violation
+
+Role = Literal["prefill", "decode"]
+HTTP_PORT: Final = 8000
+# vLLM's torch.distributed rendezvous between the pipeline stages of one prefill instance.
+MASTER_PORT: Final = 29500
+ARG_CONFLICT_REASON: Final = "EngineArgumentConflict"
+
+# A stage pod learns its pipeline rank from its StatefulSet ordinal (the `-N` suffix of its name): Kubernetes
+# 1.20 has no pod-index label for the downward API. Rank 0 serves the API; the other stages run headless.
+STAGE_LAUNCHER: Final = (
+    'rank="${POD_NAME##*-}"; '
+    'if [ "$rank" = 0 ]; then exec vllm serve "$@" --node-rank 0; '
+    'else exec vllm serve "$@" --node-rank "$rank" --headless; fi'
+)
+
+
+@dataclass(frozen=True)
+class EngineContainer:
+    command: tuple[str, ...]
+    args: tuple[str, ...]
+    env: tuple[dict[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class _Owned:
+    """A flag the builder writes: its spellings, and the value the spec implies (None: a switch)."""
+
+    spellings: tuple[str, ...]
+    value: str | None
+    spec_field: str
+    switch_on: bool = False
+
+
+def is_vllm_image(image: str) -> bool:
+    """vLLM images are recognised by their repository name (vllm/vllm-openai, .../vllm-tpu, ...)."""
+    repository = image.split("@", 1)[0]
+    last = repository.rsplit("/", 1)[-1].split(":", 1)[0]
+    return "vllm" in last.lower()
+
+
+def role_spec(spec: DisaggDeploymentSpec, role: Role) -> RoleSpec:
+    return spec.prefill if role == "prefill" else spec.decode
+
+
+def role_image(spec: DisaggDeploymentSpec, role: Role) -> str:
+    overrides = role_spec(spec, role).overrides
+    image: str = overrides.image if overrides is not None and overrides.image else spec.engine.image
+    return image
+
+
+def user_args(spec: DisaggDeploymentSpec, role: Role) -> tuple[str, ...]:
+    return (*spec.engine.extra_args, *role_spec(spec, role).extra_args)
+
+
+def kv_transfer_config(spec: DisaggDeploymentSpec, role: Role) -> dict[str, Any]:
+    kv = spec.kv_transfer
+    return {
+        "kv_connector": kv.connector.vllm_class,
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+        "kv_connector_extra_config": {
+            "backends": [backend.value for backend in kv.backends],
+            "kv_lease_duration": kv.lease_seconds,
+        },
+    }
+
+
+def _effective(spec: DisaggDeploymentSpec, role: Role, name: str, shared: Any) -> Any:
+    overrides = role_spec(spec, role).overrides
+    value = getattr(overrides, name) if overrides is not None else None
+    return shared if value is None else value
+
+
+def _owned_flags(spec: DisaggDeploymentSpec, role: Role, stage_service: str | None) -> list[_Owned]:
+    this = role_spec(spec, role)
+    path = f"spec.{role}"
+    revision = _effective(spec, role, "revision", spec.model.revision)
+    owned = [
+        _Owned(
+            ("--tensor-parallel-size", "-tp"), str(this.tensor_parallel_size), f"{path}.tensorParallelSize"
+        ),
+        _Owned(
+            ("--pipeline-parallel-size", "-pp"),
+            str(this.pipeline_parallel_size),
+            f"{path}.pipelineParallelSize",
+        ),
+        _Owned(("--block-size",), str(this.block_size), f"{path}.blockSize"),
+        _Owned(
+            ("--dtype",), str(_effective(spec, role, "dtype", spec.model.dtype).value), "spec.model.dtype"
+        ),
+        _Owned(
+            ("--kv-cache-dtype",),
+            str(_effective(spec, role, "kv_cache_dtype", spec.model.kv_cache_dtype).value),
+            "spec.model.kvCacheDtype",
+        ),
+        _Owned(
+            ("--kv-transfer-config",),
+            json.dumps(kv_transfer_config(spec, role), sort_keys=True, separators=(",", ":")),
+            "spec.kvTransfer",
+        ),
+        _Owned(("--port",), str(HTTP_PORT), "the operator's engine port"),
+        _Owned(
+            ("--disable-hybrid-kv-cache-manager",),
+            None,
+            "spec.engine.hybridKvCacheManager",
+            switch_on=spec.engine.hybrid_kv_cache_manager is HybridKVCacheManager.DISABLED,
+        ),
+    ]
+    if revision is not None:
+        owned.append(_Owned(("--revision",), str(revision), "spec.model.revision"))
+    if stage_service is not None:
+        owned += [
+            _Owned(("--nnodes",), str(this.pipeline_parallel_size), f"{path}.pipelineParallelSize"),
+            _Owned(("--master-addr",), stage_service, "the prefill instance's stage-0 pod"),
+            _Owned(("--master-port",), str(MASTER_PORT), "the operator's rendezvous port"),
+            _Owned(("--node-rank",), "", "the pod's StatefulSet ordinal"),
+            _Owned(("--headless",), None, "the pod's StatefulSet ordinal"),
+        ]
+    return owned
+
+
+def _normalise(flag: str) -> str:
+    # vLLM's FlexibleArgumentParser accepts underscores for dashes.
+    return flag.replace("_", "-") if flag.startswith("--") else flag
+
+
+def _split_user_args(
+    args: Sequence[str], owned: Sequence[_Owned], role: Role
+) -> tuple[list[str], list[Violation]]:
+    """(kept user arguments, violations): an owned flag is dropped if redundant, refused if contradictory."""
+    by_spelling = {spelling: item for item in owned for spelling in item.spellings}
+    kept: list[str] = []
+    violations: list[Violation] = []
+    index = 0
+    while index < len(args):
+        token = args[index]
+        flag, has_inline, inline = _normalise(token.split("=", 1)[0]), "=" in token, token.partition("=")[2]
+        item = by_spelling.get(flag) if token.startswith("-") else None
+        index += 1
+        if item is None:
+            kept.append(token)
+            continue
+        if item.value is None:
+            if not item.switch_on:
+                violations.append(_conflict(role, token, item, "the operator decides it"))
+            continue
+        if has_inline:
+            given = inline
+        elif index < len(args):
+            given = args[index]
+            index += 1
+        else:
+            given = ""
+        if not _same_value(flag, given, item.value):
+            shown = f"{flag} {given}".strip()
+            violations.append(_conflict(role, shown, item, f"the spec gives {item.value!r}"))
+    return kept, violations
+
+
+def _same_value(flag: str, given: str, expected: str) -> bool:
+    if flag == "--kv-transfer-config":
+        try:
+            return bool(json.loads(given) == json.loads(expected))
+        except ValueError:
+            return False
+    return given == expected and expected != ""
+
+
+def _conflict(role: Role, shown: str, item: _Owned, why: str) -> Violation:
+    return Violation(
+        ARG_CONFLICT_REASON,
+        f"spec.engine.extraArgs or spec.{role}.extraArgs sets {shown!r}, which {item.spec_field} decides "
+        f"({why}): remove the argument and set {item.spec_field} instead",
+    )
+
+
+def arg_violations(spec: DisaggDeploymentSpec) -> list[Violation]:
+    """Extra arguments that contradict the spec, for both roles (vLLM images only)."""
+    found: list[Violation] = []
+    for role in ("prefill", "decode"):
+        if is_vllm_image(role_image(spec, role)):
+            owned = _owned_flags(spec, role, "stage-0" if _multi_node(spec, role) else None)
+            found += _split_user_args(user_args(spec, role), owned, role)[1]
+    return found
+
+
+def _multi_node(spec: DisaggDeploymentSpec, role: Role) -> bool:
+    return role == "prefill" and spec.prefill.pipeline_parallel_size > 1
+
+
+def engine_container(
+    spec: DisaggDeploymentSpec,
+    role: Role,
+    plan: TopologyPlan,
+    *,
+    stage_service: str | None,
+    identity_env: Sequence[dict[str, Any]],
+) -> EngineContainer:
+    """Command, args and env of the engine container; `stage_service` is the DNS name of stage 0 (PP > 1)."""
+    env = list(identity_env)
+    args = user_args(spec, role)
+    if not is_vllm_image(role_image(spec, role)):
+        return EngineContainer(command=(), args=args, env=tuple(env))
+    master = stage_service if _multi_node(spec, role) else None
+    owned = _owned_flags(spec, role, master)
+    kept, violations = _split_user_args(args, owned, role)
+    if violations:
+        # Handlers check arg_violations before building; reaching this is a programming error.
+        raise ValueError("; ".join(str(violation) for violation in violations))
+    written: list[str] = [spec.model.name]
+    for item in owned:
+        if item.value is None:
+            if item.switch_on:
+                written.append(item.spellings[0])
+        elif item.value != "":
+            written += [item.spellings[0], item.value]
+    env += _vllm_env(spec, role, plan)
+    if master is not None:
+        return EngineContainer(("/bin/sh", "-c", STAGE_LAUNCHER, "vllm-serve"), (*written, *kept), tuple(env))
+    return EngineContainer(("vllm", "serve"), (*written, *kept), tuple(env))
+
+
+def _vllm_env(spec: DisaggDeploymentSpec, role: Role, plan: TopologyPlan) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        # $(POD_IP) expands from the downward-API variable the identity env defines first.
+        {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": "$(POD_IP)"},
+        {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(spec.kv_transfer.side_channel_port)},
+        {
+            "name": "VLLM_ATTENTION_BACKEND",
+            "value": str(_effective(spec, role, "attention_backend", spec.engine.attention_backend)),
+        },
+    ]
+    if role == "prefill":
+        partition = ",".join(str(len(stage.layers)) for stage in plan.stages)
+        env.append({"name": "VLLM_PP_LAYER_PARTITION", "value": partition})
+    return env
+
+
+def stage_dns(statefulset: str, service: str, namespace: str) -> str:
+    return f"{statefulset}-0.{service}.{namespace}.svc"

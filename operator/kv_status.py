@@ -1,0 +1,111 @@
+"""`KVTransferReady`: the sidecars' handshake results, aggregated from their Pods. Pure.
+
+Each sidecar writes the outcome of its handshakes to its own Pod as the condition
+`disagg.io/kv-transfer-ready` (the readiness gate the builders declare), with a CamelCase reason such as
+`CompatibilityHashMismatch` and a message naming the peer. The deployment's condition carries the first
+failure's reason and a message naming every failing stage and pod, so `kubectl describe` says which stage
+failed against which decode pod, and why.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from disagg.operator.api import ConditionStatus
+
+POD_CONDITION: Final = "disagg.io/kv-transfer-ready"
+ROLE_LABEL: Final = "disagg.io/role"
+_REASON_PATTERN: Final = re.compile(r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
+_ROLE_ORDER: Final = {"prefill": 0, "decode": 1}
+
+
+@dataclass(frozen=True)
+class PodKV:
+    """One engine pod's sidecar report; `status` None means the sidecar has not written one yet."""
+
+    name: str
+    role: str
+    stage: int | None
+    status: ConditionStatus | None
+    reason: str
+    message: str
+
+    @property
+    def where(self) -> str:
+        if self.role == "prefill" and self.stage is not None:
+            return f"prefill stage {self.stage} (pod {self.name})"
+        return f"{self.role} pod {self.name}"
+
+
+@dataclass(frozen=True)
+class KVVerdict:
+    status: ConditionStatus
+    reason: str
+    message: str
+
+
+def pod_kv(pod: Mapping[str, Any]) -> PodKV:
+    """Read a Pod (camelCase dict as the API serves it). A prefill pod's stage is its StatefulSet ordinal."""
+    metadata = pod.get("metadata") or {}
+    name = str(metadata.get("name", ""))
+    role = str((metadata.get("labels") or {}).get(ROLE_LABEL, ""))
+    stage = _ordinal(name) if role == "prefill" else None
+    for condition in (pod.get("status") or {}).get("conditions") or ():
+        if condition.get("type") == POD_CONDITION:
+            return PodKV(
+                name=name,
+                role=role,
+                stage=stage,
+                status=ConditionStatus(condition.get("status", "Unknown")),
+                reason=_reason(condition.get("reason")),
+                message=str(condition.get("message") or ""),
+            )
+    return PodKV(name=name, role=role, stage=stage, status=None, reason="", message="")
+
+
+def aggregate(pods: Iterable[PodKV]) -> KVVerdict:
+    """False if any sidecar reports a failure, Unknown while any has not reported, True when all succeeded."""
+    ordered = sorted(pods, key=lambda pod: (_ROLE_ORDER.get(pod.role, 2), _natural(pod.name)))
+    if not ordered:
+        return KVVerdict(ConditionStatus.UNKNOWN, "NoPods", "no engine pods exist yet")
+    failing = [pod for pod in ordered if pod.status is ConditionStatus.FALSE]
+    if failing:
+        details = "; ".join(
+            f"{pod.where}: {pod.reason}" + (f": {pod.message}" if pod.message else "") for pod in failing
+        )
+        return KVVerdict(
+            ConditionStatus.FALSE,
+            failing[0].reason,
+            f"{len(failing)} of {len(ordered)} sidecars report a failed KV handshake: {details}",
+        )
+    waiting = [pod for pod in ordered if pod.status is not ConditionStatus.TRUE]
+    if waiting:
+        return KVVerdict(
+            ConditionStatus.UNKNOWN,
+            "AwaitingHandshake",
+            f"{len(waiting)} of {len(ordered)} sidecars have not reported a KV handshake yet: "
+            + ", ".join(pod.where for pod in waiting),
+        )
+    return KVVerdict(
+        ConditionStatus.TRUE,
+        "HandshakesSucceeded",
+        f"all {len(ordered)} sidecars completed their KV handshakes with their peers",
+    )
+
+
+def _reason(raw: object) -> str:
+    # A sidecar's reason is copied into our own condition, whose schema requires the CamelCase pattern.
+    text = str(raw or "")
+    return text if _REASON_PATTERN.match(text) else "TransferFailed"
+
+
+def _ordinal(name: str) -> int | None:
+    suffix = name.rsplit("-", 1)[-1]
+    return int(suffix) if suffix.isdigit() else None
+
+
+def _natural(name: str) -> tuple[Any, ...]:
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))

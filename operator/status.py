@@ -1,0 +1,178 @@
+"""The DisaggDeployment's status, computed afresh from the spec's verdict and what the cluster shows. Pure.
+
+Level-based: whoever recomputes it (the spec handler, a child's or a pod's event) reads everything afresh and
+gets the same answer, so concurrent writers converge. Conditions keep their lastTransitionTime unless their
+status flips (`conditions.merge`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from disagg.operator import conditions as cond
+from disagg.operator.api import (
+    Condition,
+    ConditionStatus,
+    DisaggDeploymentStatus,
+    RoleHashes,
+    RoleStatus,
+)
+from disagg.operator.builders import GENERATION_ANNOTATION
+from disagg.operator.compat import CompatReport
+from disagg.operator.kv_status import PodKV, aggregate
+from disagg.worker.errors import Violation
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A StatefulSet or Deployment as observed: desired pods, pods that exist, ready and up to date."""
+
+    kind: str
+    name: str
+    role: str
+    desired: int
+    replicas: int
+    ready: int
+    updated: int
+    settled: bool
+    generation: int | None
+
+    @property
+    def done(self) -> bool:
+        return self.settled and self.ready >= self.desired and self.updated >= self.desired
+
+    def describe(self) -> str:
+        return f"{self.kind} {self.name} {self.ready}/{self.desired} ready"
+
+
+def workload(obj: Mapping[str, Any]) -> Workload:
+    """Read an apps/v1 StatefulSet or Deployment (camelCase dict)."""
+    metadata, spec, status = obj.get("metadata") or {}, obj.get("spec") or {}, obj.get("status") or {}
+    annotation = (metadata.get("annotations") or {}).get(GENERATION_ANNOTATION)
+    return Workload(
+        kind=str(obj.get("kind", "")),
+        name=str(metadata.get("name", "")),
+        role=str((metadata.get("labels") or {}).get("app.kubernetes.io/component", "")),
+        desired=int(spec.get("replicas", 1)),
+        replicas=int(status.get("replicas") or 0),
+        ready=int(status.get("readyReplicas") or 0),
+        updated=int(status.get("updatedReplicas") or 0),
+        settled=int(status.get("observedGeneration") or 0) >= int(metadata.get("generation") or 0),
+        generation=int(annotation) if annotation is not None and annotation.isdigit() else None,
+    )
+
+
+def incompatibility_message(violations: Sequence[Violation]) -> str:
+    """One sentence per broken rule; the same text the admission webhook refuses with."""
+    return "; ".join(f"{violation.reason}: {violation.message}" for violation in violations)
+
+
+def compute(
+    *,
+    generation: int,
+    previous: Sequence[Condition],
+    violations: Sequence[Violation],
+    report: CompatReport,
+    workloads: Sequence[Workload],
+    pods: Sequence[PodKV],
+    now: datetime,
+) -> DisaggDeploymentStatus:
+    """The whole status; `violations` are every refusal (pre-flight rules and engine-argument conflicts)."""
+    updates: list[Condition] = []
+    applied = sorted({w.generation for w in workloads if w.generation is not None})
+    if violations:
+        message = incompatibility_message(violations)
+        if workloads:
+            kept = f"generation {applied[0]}" if applied else "an earlier generation"
+            message += f". The running objects from {kept} were left unchanged."
+        updates.append(
+            cond.desired(cond.COMPATIBLE, ConditionStatus.FALSE, violations[0].reason, message, now)
+        )
+        updates.append(
+            cond.desired(
+                cond.PROGRESSING,
+                ConditionStatus.FALSE,
+                "SpecRefused",
+                f"generation {generation} is not applied until the spec is compatible",
+                now,
+            )
+        )
+    else:
+        assert report.plan is not None  # a compatible spec always has a plan
+        updates.append(
+            cond.desired(
+                cond.COMPATIBLE,
+                ConditionStatus.TRUE,
+                "Compatible",
+                f"{report.plan.pp_size} prefill stage(s) send KV to decode with "
+                f"{report.plan.routing_mode.value} routing; compatibility hash "
+                f"{report.hashes['prefill'][:12]}",
+                now,
+            )
+        )
+        pending = [w for w in workloads if not w.done]
+        stale = [w for w in workloads if w.generation != generation]
+        if pending or stale:
+            updates.append(
+                cond.desired(
+                    cond.PROGRESSING,
+                    ConditionStatus.TRUE,
+                    "RollingOut",
+                    "waiting for " + ", ".join(w.describe() for w in (pending or stale)),
+                    now,
+                )
+            )
+        else:
+            updates.append(
+                cond.desired(
+                    cond.PROGRESSING,
+                    ConditionStatus.FALSE,
+                    "RolloutComplete",
+                    f"every workload of generation {generation} is ready",
+                    now,
+                )
+            )
+    updates.append(_available(workloads, violations, now))
+    verdict = aggregate(pods)
+    updates.append(cond.desired(cond.KV_TRANSFER_READY, verdict.status, verdict.reason, verdict.message, now))
+    return DisaggDeploymentStatus(
+        observed_generation=generation,
+        conditions=cond.merge(previous, updates, generation=generation, now=now),
+        prefill=_role_status(workloads, "prefill"),
+        decode=_role_status(workloads, "decode"),
+        topology=report.plan.to_status() if report.plan is not None else None,
+        compatibility_hashes=RoleHashes(prefill=report.hashes["prefill"], decode=report.hashes["decode"]),
+    )
+
+
+def _available(workloads: Sequence[Workload], violations: Sequence[Violation], now: datetime) -> Condition:
+    if not workloads:
+        reason = "Incompatible" if violations else "NoWorkloads"
+        return cond.desired(cond.AVAILABLE, ConditionStatus.FALSE, reason, "no engine workloads exist", now)
+    roles = {w.role for w in workloads if w.desired > 0}
+    short = [w for w in workloads if w.ready < w.desired]
+    if short or roles != {"prefill", "decode"}:
+        missing = sorted({"prefill", "decode"} - roles)
+        parts = [w.describe() for w in short] + [f"{role} has no replicas" for role in missing]
+        return cond.desired(cond.AVAILABLE, ConditionStatus.FALSE, "AwaitingPods", "; ".join(parts), now)
+    return cond.desired(
+        cond.AVAILABLE,
+        ConditionStatus.TRUE,
+        "AllReplicasReady",
+        f"every prefill stage and decode pod is ready ({sum(w.ready for w in workloads)} pods)",
+        now,
+    )
+
+
+def _role_status(workloads: Sequence[Workload], role: str) -> RoleStatus:
+    mine = [w for w in workloads if w.role == role]
+    return RoleStatus(replicas=sum(w.replicas for w in mine), ready_replicas=sum(w.ready for w in mine))
+
+
+def to_json(status: DisaggDeploymentStatus) -> dict[str, Any]:
+    body: dict[str, Any] = status.model_dump(mode="json", by_alias=True, exclude_none=True)
+    body["conditions"] = cond.to_json(status.conditions or ())
+    return body

@@ -1,0 +1,326 @@
+"""Pure manifest builders: workloads, services, topology ConfigMap, sidecar and the vLLM engine args."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from dd_specs import spec
+
+from disagg.operator.api import DisaggDeploymentSpec
+from disagg.operator.builders import (
+    ENGINE_CONTAINER,
+    MAX_CHILD_NAME,
+    SIDECAR_CONTAINER,
+    TOPOLOGY_KEY,
+    Owner,
+    build,
+    child_name,
+)
+from disagg.operator.builders_engine import arg_violations, engine_container, is_vllm_image
+from disagg.operator.compat import evaluate
+from disagg.operator.kv_status import POD_CONDITION
+
+OWNER = Owner(name="gemma-pp2", namespace="ns1", uid="0f0e-uid", generation=7)
+
+
+def objects(model: DisaggDeploymentSpec, owner: Owner = OWNER) -> dict[tuple[str, str], dict[str, Any]]:
+    report = evaluate(model)
+    assert report.compatible and report.plan is not None, report.violations
+    return {(o["kind"], o["metadata"]["name"]): o for o in build(model, owner, report.plan, report.hashes)}
+
+
+def pod_spec(obj: dict[str, Any]) -> dict[str, Any]:
+    result: dict[str, Any] = obj["spec"]["template"]["spec"]
+    return result
+
+
+def container(obj: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(c for c in pod_spec(obj)["containers"] if c["name"] == name)
+
+
+def env(c: dict[str, Any]) -> dict[str, Any]:
+    return {item["name"]: item.get("value", item.get("valueFrom")) for item in c["env"]}
+
+
+def flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+class TestObjectSet:
+    def test_example_builds_topology_services_and_workloads(self) -> None:
+        assert list(objects(spec())) == [
+            ("ConfigMap", "gemma-pp2-topology"),
+            ("Service", "gemma-pp2-prefill-0"),
+            ("StatefulSet", "gemma-pp2-prefill-0"),
+            ("Service", "gemma-pp2-decode"),
+            ("Deployment", "gemma-pp2-decode"),
+        ]
+
+    @pytest.mark.parametrize("replicas", [0, 1, 3])
+    def test_one_statefulset_and_headless_service_per_prefill_replica(self, replicas: int) -> None:
+        built = objects(spec({"prefill": {"replicas": replicas}}))
+        sets = [name for kind, name in built if kind == "StatefulSet"]
+        assert sets == [f"gemma-pp2-prefill-{r}" for r in range(replicas)]
+        for name in sets:
+            assert built["Service", name]["spec"]["clusterIP"] == "None"
+            assert built["StatefulSet", name]["spec"]["serviceName"] == name
+
+    def test_every_object_is_owned_labelled_and_stamped(self) -> None:
+        for obj in objects(spec()).values():
+            metadata = obj["metadata"]
+            assert metadata["namespace"] == "ns1"
+            assert metadata["ownerReferences"] == [
+                {
+                    "apiVersion": "disagg.io/v1alpha1",
+                    "kind": "DisaggDeployment",
+                    "name": "gemma-pp2",
+                    "uid": "0f0e-uid",
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ]
+            assert metadata["labels"]["app.kubernetes.io/instance"] == "gemma-pp2"
+            assert metadata["labels"]["app.kubernetes.io/managed-by"] == "disagg-operator"
+            assert metadata["labels"]["app.kubernetes.io/name"] == "disagg"
+            assert metadata["annotations"]["disagg.io/generation"] == "7"
+
+    def test_build_is_deterministic(self) -> None:
+        assert objects(spec()) == objects(spec())
+
+    def test_topology_configmap_carries_the_plan_and_hashes(self) -> None:
+        model = spec()
+        report = evaluate(model)
+        document = json.loads(objects(model)["ConfigMap", "gemma-pp2-topology"]["data"][TOPOLOGY_KEY])
+        assert report.plan is not None
+        assert document["stages"] == report.plan.to_dict()["stages"]
+        assert document["compatibilityHashes"] == dict(report.hashes)
+        assert [s["endLayer"] - s["startLayer"] for s in document["stages"]] == [31, 31]
+
+    def test_service_ports_name_their_protocol(self) -> None:
+        # Server-side apply on 1.20 refuses Service ports without protocol (list-map key).
+        service = objects(spec())["Service", "gemma-pp2-decode"]
+        assert {(p["name"], p["port"], p["protocol"]) for p in service["spec"]["ports"]} == {
+            ("http", 8000, "TCP"),
+            ("side-channel", 5600, "TCP"),
+        }
+        assert service["spec"]["publishNotReadyAddresses"] is True
+
+
+class TestStatefulSet:
+    def test_one_pod_per_stage_started_together(self) -> None:
+        sts = objects(spec({"prefill": {"replicas": 2}}))["StatefulSet", "gemma-pp2-prefill-1"]
+        assert sts["apiVersion"] == "apps/v1"
+        assert sts["spec"]["replicas"] == 2
+        assert sts["spec"]["podManagementPolicy"] == "Parallel"
+
+    def test_selector_is_in_template_labels_and_distinguishes_replicas(self) -> None:
+        built = objects(spec({"prefill": {"replicas": 2}}))
+        selectors = []
+        for replica in (0, 1):
+            sts = built["StatefulSet", f"gemma-pp2-prefill-{replica}"]
+            selector = sts["spec"]["selector"]["matchLabels"]
+            assert selector.items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+            assert built["Service", f"gemma-pp2-prefill-{replica}"]["spec"]["selector"] == selector
+            selectors.append(selector)
+        assert selectors[0] != selectors[1]
+
+    def test_selector_does_not_change_with_the_spec(self) -> None:
+        one = objects(spec())["StatefulSet", "gemma-pp2-prefill-0"]["spec"]["selector"]
+        other = objects(
+            spec({"prefill": {"replicas": 1, "tensorParallelSize": 4}, "decode": {"replicas": 3}})
+        )
+        assert other["StatefulSet", "gemma-pp2-prefill-0"]["spec"]["selector"] == one
+
+
+class TestDeployment:
+    @pytest.mark.parametrize("replicas", [0, 2, 5])
+    def test_decode_replicas(self, replicas: int) -> None:
+        deployment = objects(spec({"decode": {"replicas": replicas}}))["Deployment", "gemma-pp2-decode"]
+        assert deployment["apiVersion"] == "apps/v1"
+        assert deployment["spec"]["replicas"] == replicas
+        assert deployment["spec"]["selector"]["matchLabels"]["disagg.io/role"] == "decode"
+
+
+class TestSidecar:
+    @pytest.mark.parametrize(
+        "key", [("StatefulSet", "gemma-pp2-prefill-0"), ("Deployment", "gemma-pp2-decode")]
+    )
+    def test_identity_gate_memory_and_capabilities(self, key: tuple[str, str]) -> None:
+        workload = objects(spec())[key]
+        sidecar = container(workload, SIDECAR_CONTAINER)
+        variables = env(sidecar)
+        assert variables["POD_IP"] == {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}
+        assert variables["POD_NAME"] == {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}}
+        assert variables["DISAGG_ROLE"] == workload["metadata"]["labels"]["app.kubernetes.io/component"]
+        assert variables["DISAGG_COMPATIBILITY_HASH"] == evaluate(spec()).hashes[variables["DISAGG_ROLE"]]
+        assert sidecar["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+        assert sidecar["image"] == "ghcr.io/disagg/disagg:0.1.0"
+        assert pod_spec(workload)["readinessGates"] == [{"conditionType": POD_CONDITION}]
+        volumes = {v["name"]: v for v in pod_spec(workload)["volumes"]}
+        assert volumes["dshm"] == {"name": "dshm", "emptyDir": {"medium": "Memory"}}
+        assert volumes["topology"]["configMap"]["name"] == "gemma-pp2-topology"
+        for c in pod_spec(workload)["containers"]:
+            assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+
+    def test_vllm_engine_moves_the_kv_so_it_gets_rdma_and_the_side_channel(self) -> None:
+        workload = objects(spec())["Deployment", "gemma-pp2-decode"]
+        engine, sidecar = container(workload, ENGINE_CONTAINER), container(workload, SIDECAR_CONTAINER)
+        assert engine["resources"]["limits"] == {"nvidia.com/gpu": 2, "rdma/ib": 1}
+        assert "rdma/ib" not in sidecar.get("resources", {}).get("limits", {})
+        assert "side-channel" in {p["name"] for p in engine["ports"]}
+        assert sidecar["args"][-1] == "watch"
+
+    def test_other_engines_leave_rdma_and_the_side_channel_to_the_sidecar(self) -> None:
+        model = spec({"engine": {"image": "ghcr.io/disagg/reference-engine:0.1.0"}})
+        workload = objects(model)["Deployment", "gemma-pp2-decode"]
+        engine, sidecar = container(workload, ENGINE_CONTAINER), container(workload, SIDECAR_CONTAINER)
+        assert sidecar["resources"]["limits"] == {"rdma/ib": 1}
+        assert "side-channel" in {p["name"] for p in sidecar["ports"]}
+        assert "side-channel" not in {p["name"] for p in engine["ports"]}
+        assert sidecar["args"][-1] == "transfer"
+
+    def test_rdma_nodes_are_anded_into_the_users_node_affinity(self) -> None:
+        user_term = {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]}
+        model = spec(
+            {
+                "kvTransfer": {"nodeSelector": {"rdma.example/capable": "true"}},
+                "decode": {
+                    "scheduling": {
+                        "nodeSelector": {"pool": "decode"},
+                        "affinity": {
+                            "nodeAffinity": {
+                                "requiredDuringSchedulingIgnoredDuringExecution": {
+                                    "nodeSelectorTerms": [user_term]
+                                }
+                            }
+                        },
+                    }
+                },
+            }
+        )
+        built = objects(model)
+        decode = pod_spec(built["Deployment", "gemma-pp2-decode"])
+        assert decode["nodeSelector"] == {"pool": "decode"}
+        terms = decode["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+            "nodeSelectorTerms"
+        ]
+        assert terms == [
+            {
+                "matchExpressions": [
+                    {"key": "gpu", "operator": "In", "values": ["h100"]},
+                    {"key": "rdma.example/capable", "operator": "In", "values": ["true"]},
+                ]
+            }
+        ]
+        prefill = pod_spec(built["StatefulSet", "gemma-pp2-prefill-0"])
+        assert prefill["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == {
+            "nodeSelectorTerms": [
+                {"matchExpressions": [{"key": "rdma.example/capable", "operator": "In", "values": ["true"]}]}
+            ]
+        }
+
+
+class TestVllmEngine:
+    def test_prefill_is_push_producer_with_its_stage_layout(self) -> None:
+        engine = container(objects(spec())["StatefulSet", "gemma-pp2-prefill-0"], ENGINE_CONTAINER)
+        args = engine["args"]
+        assert args[0] == "google/gemma-3-27b-it"
+        assert json.loads(flag(args, "--kv-transfer-config")) == {
+            "kv_connector": "NixlPushConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"backends": ["UCX"], "kv_lease_duration": 120},
+        }
+        assert (flag(args, "--tensor-parallel-size"), flag(args, "--pipeline-parallel-size")) == ("2", "2")
+        assert flag(args, "--block-size") == "32"
+        assert flag(args, "--nnodes") == "2"
+        assert flag(args, "--master-addr") == "gemma-pp2-prefill-0-0.gemma-pp2-prefill-0.ns1.svc"
+        # The pipeline rank is the pod ordinal, read from the pod name at start.
+        assert engine["command"][:2] == ["/bin/sh", "-c"]
+        assert "${POD_NAME##*-}" in engine["command"][2]
+        variables = env(engine)
+        assert variables["VLLM_PP_LAYER_PARTITION"] == "31,31"
+        assert variables["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
+        names = [item["name"] for item in engine["env"]]
+        # $(POD_IP) expands only from a variable defined earlier in the list.
+        assert variables["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "$(POD_IP)"
+        assert names.index("POD_IP") < names.index("VLLM_NIXL_SIDE_CHANNEL_HOST")
+
+    def test_decode_is_consumer_without_pipeline_launcher(self) -> None:
+        engine = container(objects(spec())["Deployment", "gemma-pp2-decode"], ENGINE_CONTAINER)
+        assert engine["command"] == ["vllm", "serve"]
+        config = json.loads(flag(engine["args"], "--kv-transfer-config"))
+        assert (config["kv_connector"], config["kv_role"]) == ("NixlPushConnector", "kv_consumer")
+        assert "--nnodes" not in engine["args"]
+        assert "VLLM_PP_LAYER_PARTITION" not in env(engine)
+
+    def test_pull_connector(self) -> None:
+        model = spec({"kvTransfer": {"connector": "Pull"}, "prefill": {"pipelineParallelSize": 1}})
+        engine = container(objects(model)["Deployment", "gemma-pp2-decode"], ENGINE_CONTAINER)
+        assert json.loads(flag(engine["args"], "--kv-transfer-config"))["kv_connector"] == "NixlConnector"
+
+    def test_user_args_are_kept_and_redundant_owned_ones_dropped(self) -> None:
+        model = spec(
+            {
+                "engine": {"extraArgs": ["--enforce-eager", "--block-size=32"]},
+                "decode": {"extraArgs": ["-tp", "2"]},
+            }
+        )
+        assert arg_violations(model) == []
+        args = container(objects(model)["Deployment", "gemma-pp2-decode"], ENGINE_CONTAINER)["args"]
+        assert args[-1] == "--enforce-eager"
+        assert args.count("--block-size") == 1 and "-tp" not in args
+
+    @pytest.mark.parametrize(
+        ("extra", "field"),
+        [
+            (["--block-size", "16"], "spec.prefill.blockSize"),
+            (["--tensor_parallel_size=4"], "spec.prefill.tensorParallelSize"),
+            (["--kv-transfer-config", '{"kv_connector":"NixlConnector"}'], "spec.kvTransfer"),
+            (["--disable-hybrid-kv-cache-manager"], "spec.engine.hybridKvCacheManager"),
+            (["--node-rank", "1"], "the pod's StatefulSet ordinal"),
+        ],
+    )
+    def test_contradicting_args_are_refused_with_the_field_to_use(self, extra: list[str], field: str) -> None:
+        model = spec({"prefill": {"extraArgs": extra}})
+        (violation,) = arg_violations(model)
+        assert violation.reason == "EngineArgumentConflict"
+        assert field in violation.message and "spec.prefill.extraArgs" in violation.message
+        report = evaluate(model)
+        assert report.plan is not None
+        with pytest.raises(ValueError, match="EngineArgumentConflict"):
+            engine_container(model, "prefill", report.plan, stage_service="s", identity_env=[])
+
+    def test_other_engines_get_user_args_verbatim(self) -> None:
+        model = spec(
+            {"engine": {"image": "ghcr.io/disagg/reference-engine:0.1.0", "extraArgs": ["--block-size", "8"]}}
+        )
+        assert arg_violations(model) == []
+        engine = container(objects(model)["Deployment", "gemma-pp2-decode"], ENGINE_CONTAINER)
+        assert engine["args"] == ["--block-size", "8"] and "command" not in engine
+
+    @pytest.mark.parametrize(
+        ("image", "expected"),
+        [
+            ("vllm/vllm-openai:v0.14.0", True),
+            ("registry.local:5000/team/vllm-tpu@sha256:abc", True),
+            ("ghcr.io/vllm-like/engine:1", False),
+            ("sglang/sglang:latest", False),
+        ],
+    )
+    def test_vllm_images_are_recognised_by_repository(self, image: str, expected: bool) -> None:
+        assert is_vllm_image(image) is expected
+
+
+class TestNames:
+    def test_long_owner_names_are_shortened_stably_and_distinctly(self) -> None:
+        owner = "a" * 200
+        names = {child_name(owner, "prefill", str(r)) for r in range(12)}
+        assert len(names) == 12
+        assert all(len(name) <= MAX_CHILD_NAME for name in names)
+        assert child_name(owner, "decode") == child_name(owner, "decode")
+        assert child_name(owner, "decode") != child_name("a" * 199 + "b", "decode")
+
+    def test_short_names_are_plain(self) -> None:
+        assert child_name("gemma", "prefill", "0") == "gemma-prefill-0"
