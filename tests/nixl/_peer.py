@@ -62,6 +62,7 @@ def main() -> int:
         side_channel_host=spec["host"],
         side_channel_port=spec["port"],
         compat_hash=spec["compat_hash"],
+        compat_factors=spec.get("compat_factors"),
         tp_rank=spec["tp_rank"],
         tp_size=spec["tp_size"],
         kv_lease_duration_s=spec["lease_s"],
