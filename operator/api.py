@@ -363,9 +363,9 @@ class Condition(ApiModel):
         pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$",
         description="CamelCase reason for the last transition, for machines.",
     )
-    message: str = Field(
-        default="", max_length=32768, description="What happened and what to change, for people."
-    )
+    # Required but possibly empty, as in metav1.Condition; an empty-string schema default is refused by
+    # the 1.20 API server ("must be of type string: null").
+    message: str = Field(max_length=32768, description="What happened and what to change, for people.")
     observed_generation: int | None = Field(
         default=None,
         ge=0,

@@ -151,7 +151,12 @@ def test_specs_are_immutable() -> None:
 
 
 def test_condition_reason_must_be_camel_case() -> None:
-    base = {"type": "Compatible", "status": "False", "lastTransitionTime": "2026-11-30T09:00:00Z"}
+    base = {
+        "type": "Compatible",
+        "status": "False",
+        "message": "",
+        "lastTransitionTime": "2026-11-30T09:00:00Z",
+    }
     assert (
         Condition.model_validate({**base, "reason": "DecodePipelineParallel"}).reason
         == "DecodePipelineParallel"
