@@ -119,7 +119,7 @@ def example_in(namespace: str) -> Obj:
 
 def test_install_upgrade_uninstall_on_the_1_20_api_server(release: Release) -> None:
     ns = release.namespace
-    release.run_helm(
+    installed = release.run_helm(
         "install",
         release.name,
         str(CHART),
@@ -128,6 +128,7 @@ def test_install_upgrade_uninstall_on_the_1_20_api_server(release: Release) -> N
         "--set-json",
         f'webhook.namespaceSelector={{"matchLabels":{{"{SCOPE_LABEL}":"{ns}"}}}}',
     )
+    assert f"kubectl -n {ns} rollout status deployment/{release.fullname}" in installed.stdout  # NOTES.txt
     listed = json.loads(release.run_helm("list", "--output", "json").stdout)
     assert [(r["name"], r["status"]) for r in listed] == [(release.name, "deployed")]
 

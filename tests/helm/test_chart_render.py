@@ -173,6 +173,16 @@ def test_watch_namespaces_bind_the_workload_role_only_in_those_namespaces(helm_b
     assert "--namespace-all" not in args
 
 
+def test_existing_service_account_and_externally_managed_rbac(helm_bin: Path) -> None:
+    objs = render(
+        helm_bin,
+        {"serviceAccount": {"create": False, "name": "platform-operator"}, "rbac": {"create": False}},
+    )
+    kinds = {o["kind"] for o in objs}
+    assert kinds.isdisjoint({"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"})
+    assert one(objs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "platform-operator"
+
+
 def test_pod_and_container_security_defaults(helm_bin: Path) -> None:
     objs = render(helm_bin)
     pod = one(objs, "Deployment")["spec"]["template"]["spec"]
