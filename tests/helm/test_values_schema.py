@@ -50,6 +50,7 @@ def test_default_values_satisfy_the_schema() -> None:
         ("webhook.failurePolicy", "Maybe"),
         ("webhook.timeoutSeconds", 31),
         ("logLevel", "verbose"),
+        ("logLevel", "error"),
         ("image.pullPolicy", "Sometimes"),
         ("image.tag", "has space"),
         ("watchNamespaces", ["Team_A"]),
