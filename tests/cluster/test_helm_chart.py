@@ -111,6 +111,44 @@ def release(control_plane: ControlPlane, helm: Path, namespace: str) -> Iterator
         )
 
 
+# What RBAC lets the operator's ServiceAccount do, as the API server's own evaluator lists it: the chart's
+# rules plus what system:basic-user grants every authenticated user.
+WORKLOAD_GRANTS = {
+    ("disagg.io", "disaggdeployments"): {"get", "list", "watch", "patch"},
+    ("disagg.io", "disaggdeployments/status"): {"get", "patch", "update"},
+    ("apps", "statefulsets"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("", "services"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("", "configmaps"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("", "pods"): {"get", "list", "watch"},
+    ("", "events"): {"create", "patch"},
+}
+OUTSIDE_WATCHED_NAMESPACES = {
+    ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
+    ("", "namespaces"): {"list", "watch"},
+    ("authorization.k8s.io", "selfsubjectaccessreviews"): {"create"},
+    ("authorization.k8s.io", "selfsubjectrulesreviews"): {"create"},
+}
+EXPECTED_GRANTS = WORKLOAD_GRANTS | OUTSIDE_WATCHED_NAMESPACES
+
+
+def granted(release: Release, namespace: str) -> dict[tuple[str, str], set[str]]:
+    """`kubectl auth can-i --list` as the operator's ServiceAccount, resource rows only."""
+    account = f"system:serviceaccount:{release.namespace}:{release.fullname}"
+    proc = release.cp.kubectl("auth", "can-i", "--list", f"--as={account}", "-n", namespace)
+    assert proc.returncode == 0, proc.stderr
+    grants: dict[tuple[str, str], set[str]] = {}
+    for line in proc.stdout.splitlines()[1:]:
+        if not line or line[0].isspace():
+            continue  # a non-resource URL (discovery, health), granted to everyone
+        resource = line.split()[0]
+        name, _, sub = resource.partition("/")
+        plural, _, group = name.partition(".")
+        key = (group, f"{plural}/{sub}" if sub else plural)
+        grants.setdefault(key, set()).update(line[line.rindex("[") + 1 : line.rindex("]")].split())
+    return grants
+
+
 def example_in(namespace: str) -> Obj:
     manifest: Obj = yaml.safe_load(EXAMPLE.read_text())
     manifest["metadata"]["namespace"] = namespace
@@ -159,6 +197,10 @@ def test_install_upgrade_uninstall_on_the_1_20_api_server(release: Release) -> N
     assert pod["spec"]["serviceAccountName"] == release.fullname
     assert pod["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
 
+    # RBAC as the API server evaluates it: exactly the operator's needs, here and in any other namespace.
+    assert granted(release, ns) == EXPECTED_GRANTS
+    assert granted(release, "default") == EXPECTED_GRANTS
+
     secret = release.must_get("secret", f"{release.fullname}-webhook-tls")
     config = release.must_get("validatingwebhookconfiguration", release.fullname, namespaced=False)
     [webhook] = config["webhooks"]
@@ -194,3 +236,20 @@ def test_install_upgrade_uninstall_on_the_1_20_api_server(release: Release) -> N
     assert remaining == []
     # Helm never deletes what a chart's crds/ installed, so users' DisaggDeployments survive an uninstall.
     assert release.get("customresourcedefinition", CRD, namespaced=False) is not None
+
+
+def test_watch_namespaces_grant_the_workload_permissions_only_there(release: Release) -> None:
+    ns = release.namespace
+    release.run_helm(
+        "install",
+        release.name,
+        str(CHART),
+        "--set",
+        "webhook.enabled=false",
+        "--set-json",
+        f'watchNamespaces=["{ns}"]',
+    )
+    assert release.get("clusterrolebinding", f"{release.fullname}-workloads", namespaced=False) is None
+    release.must_get("rolebinding", f"{release.fullname}-workloads")
+    assert granted(release, ns) == EXPECTED_GRANTS
+    assert granted(release, "default") == OUTSIDE_WATCHED_NAMESPACES
