@@ -98,11 +98,18 @@ EOF
     -o Debug::NoLocking=1 "$@"
 }
 
+PRIVATE_APT_UPDATED=0
+private_apt_update() {
+  ((PRIVATE_APT_UPDATED)) && return 0
+  private_apt update -qq >&2
+  PRIVATE_APT_UPDATED=1
+}
+
 fetch_source() {
   local src=$WORK/src
   rm -rf "$src"
   mkdir -p "$src"
-  private_apt update -qq >&2
+  private_apt_update
   (cd "$src" && private_apt source -qq "kubernetes=$K8S_DEB_VERSION" >&2) || {
     log "kubernetes=$K8S_DEB_VERSION is gone from the archive; trying the current bookworm revision"
     rm -rf "${src:?}"/*
@@ -157,6 +164,7 @@ install_etcd() {
   rm -rf "$dir"
   mkdir -p "$dir/root"
   # apt-get download + dpkg -x: installing etcd-server would start a system etcd on port 2379.
+  private_apt_update
   (cd "$dir" && private_apt download -qq etcd-server etcd-client >&2)
   local deb
   for deb in "$dir"/*.deb; do dpkg -x "$deb" "$dir/root"; done
@@ -217,6 +225,7 @@ cmd_install() {
   local t0=$SECONDS
   apt_install_missing
   mkdir -p "$BIN" "$WORK"
+  private_apt_update
   local b need_build=0
   for b in "${BUILT[@]}"; do [[ -x $BIN/$b ]] || need_build=1; done
   if ((need_build)); then
