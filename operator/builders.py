@@ -252,10 +252,13 @@ def _identity_env(spec: DisaggDeploymentSpec, owner: Owner, role: Role) -> list[
 
 
 def _resources(base: Mapping[str, Any] | None, rdma: tuple[str, int] | None) -> dict[str, Any]:
-    resources = {key: dict(value) for key, value in (base or {}).items()}
+    # Quantities are strings in the API's typed schema: server-side apply refuses a bare number.
+    resources = {
+        key: {name: str(amount) for name, amount in value.items()} for key, value in (base or {}).items()
+    }
     if rdma is not None:
         # Extended resources cannot be overcommitted: a limit alone also sets the request.
-        resources.setdefault("limits", {})[rdma[0]] = rdma[1]
+        resources.setdefault("limits", {})[rdma[0]] = str(rdma[1])
     return resources
 
 

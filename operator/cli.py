@@ -15,6 +15,7 @@ from collections.abc import Sequence
 COMMAND_MODULES: tuple[str, ...] = (
     "disagg.worker.cli_wire",
     "disagg.operator.cli_check",
+    "disagg.operator.cli_operator",
 )
 
 

@@ -167,7 +167,7 @@ class TestSidecar:
     def test_vllm_engine_moves_the_kv_so_it_gets_rdma_and_the_side_channel(self) -> None:
         workload = objects(spec())["Deployment", "gemma-pp2-decode"]
         engine, sidecar = container(workload, ENGINE_CONTAINER), container(workload, SIDECAR_CONTAINER)
-        assert engine["resources"]["limits"] == {"nvidia.com/gpu": 2, "rdma/ib": 1}
+        assert engine["resources"]["limits"] == {"nvidia.com/gpu": "2", "rdma/ib": "1"}
         assert "rdma/ib" not in sidecar.get("resources", {}).get("limits", {})
         assert "side-channel" in {p["name"] for p in engine["ports"]}
         assert sidecar["args"][-1] == "watch"
@@ -176,7 +176,7 @@ class TestSidecar:
         model = spec({"engine": {"image": "ghcr.io/disagg/reference-engine:0.1.0"}})
         workload = objects(model)["Deployment", "gemma-pp2-decode"]
         engine, sidecar = container(workload, ENGINE_CONTAINER), container(workload, SIDECAR_CONTAINER)
-        assert sidecar["resources"]["limits"] == {"rdma/ib": 1}
+        assert sidecar["resources"]["limits"] == {"rdma/ib": "1"}
         assert "side-channel" in {p["name"] for p in sidecar["ports"]}
         assert "side-channel" not in {p["name"] for p in engine["ports"]}
         assert sidecar["args"][-1] == "transfer"

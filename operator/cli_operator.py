@@ -1,0 +1,75 @@
+"""`disagg operator run`: the kopf operator (and optionally its admission webhook) in this process.
+
+In a cluster (the Helm chart): `--namespace-all --webhook-port 9443 --webhook-cert-dir /etc/disagg/webhook
+--health-port 8080`. In development and tests: `--namespace NS --webhook-port P --webhook-dev` serves kopf's
+self-signed webhook on 127.0.0.1 and lets kopf write the webhook configuration. kopf is imported only when the
+command runs, so the rest of the CLI starts fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+DEV_WEBHOOK_CONFIGURATION = "dev.validate.disagg.io"
+
+
+def register(subparsers: Any) -> None:
+    operator = subparsers.add_parser("operator", help="Run the DisaggDeployment operator.")
+    commands = operator.add_subparsers(dest="operator_command", metavar="COMMAND", required=True)
+    run = commands.add_parser("run", help="Reconcile DisaggDeployments until stopped (SIGTERM, SIGINT).")
+    scope = run.add_mutually_exclusive_group(required=True)
+    scope.add_argument(
+        "--namespace", action="append", default=[], metavar="NS", help="Watch this namespace (repeatable)."
+    )
+    scope.add_argument("--namespace-all", action="store_true", help="Watch every namespace.")
+    run.add_argument("--webhook-port", type=int, help="Serve the validating admission webhook on this port.")
+    run.add_argument(
+        "--webhook-cert-dir",
+        type=Path,
+        help="Folder with tls.crt and tls.key for the webhook (the configuration is the chart's).",
+    )
+    run.add_argument(
+        "--webhook-dev",
+        action="store_true",
+        help="Serve the webhook on 127.0.0.1 with a self-signed certificate and let kopf manage the "
+        f"ValidatingWebhookConfiguration (--webhook-configuration, default {DEV_WEBHOOK_CONFIGURATION}).",
+    )
+    run.add_argument("--webhook-configuration", default=DEV_WEBHOOK_CONFIGURATION, help=argparse.SUPPRESS)
+    run.add_argument("--health-port", type=int, help="Serve kopf's liveness endpoint at GET /healthz.")
+    run.add_argument(
+        "--log-level",
+        default=os.environ.get("DISAGG_LOG_LEVEL", "info"),
+        choices=("debug", "info", "warning"),
+        help="Log verbosity (default: $DISAGG_LOG_LEVEL or info).",
+    )
+    run.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import kopf
+
+    import disagg.operator.handlers  # noqa: F401  (registers the handlers)
+
+    memo = kopf.Memo()
+    if args.webhook_port is not None:
+        from disagg.operator import webhook
+
+        if args.webhook_dev:
+            memo.webhook = webhook.dev_webhook(args.webhook_port, args.webhook_configuration)
+        elif args.webhook_cert_dir is not None:
+            memo.webhook = webhook.cluster_webhook(args.webhook_port, args.webhook_cert_dir)
+        else:
+            raise SystemExit("disagg operator run: --webhook-port needs --webhook-cert-dir or --webhook-dev")
+    kopf.configure(verbose=args.log_level == "debug", quiet=args.log_level == "warning")
+    liveness = f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None
+    kopf.run(
+        standalone=True,
+        clusterwide=args.namespace_all,
+        namespaces=tuple(args.namespace),
+        liveness_endpoint=liveness,
+        memo=memo,
+    )
+    return 0

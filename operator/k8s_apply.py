@@ -1,0 +1,134 @@
+"""The only module of the operator that talks to the API server: server-side apply, listing, pruning, status.
+
+Every write names the field manager `disagg-operator`. Applies are forced: the operator is authoritative for
+every field it builds, and a conflict with another manager would otherwise stall the reconcile forever.
+Responses are read as plain camelCase dicts (`_preload_content=False`): that is the shape the pure code reads,
+and it avoids the client's 201-on-create deserialisation gap for custom objects.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from disagg.operator.api import GROUP, PLURAL, VERSION
+from disagg.operator.builders import FIELD_MANAGER, INSTANCE_LABEL, MANAGED_BY_LABEL
+
+APPLY: Final = "application/apply-patch+yaml"
+MERGE: Final = "application/merge-patch+json"
+CHILD_KINDS: Final = ("StatefulSet", "Deployment", "Service", "ConfigMap")
+
+
+@dataclass
+class Kube:
+    api: client.ApiClient
+    apps: client.AppsV1Api = field(init=False)
+    core: client.CoreV1Api = field(init=False)
+    custom: client.CustomObjectsApi = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.apps = client.AppsV1Api(self.api)
+        self.core = client.CoreV1Api(self.api)
+        self.custom = client.CustomObjectsApi(self.api)
+
+    def _appliers(self) -> Mapping[str, Callable[..., Any]]:
+        return {
+            "StatefulSet": self.apps.patch_namespaced_stateful_set,
+            "Deployment": self.apps.patch_namespaced_deployment,
+            "Service": self.core.patch_namespaced_service,
+            "ConfigMap": self.core.patch_namespaced_config_map,
+        }
+
+    def _listers(self) -> Mapping[str, Callable[..., Any]]:
+        return {
+            "StatefulSet": self.apps.list_namespaced_stateful_set,
+            "Deployment": self.apps.list_namespaced_deployment,
+            "Service": self.core.list_namespaced_service,
+            "ConfigMap": self.core.list_namespaced_config_map,
+        }
+
+    def _deleters(self) -> Mapping[str, Callable[..., Any]]:
+        return {
+            "StatefulSet": self.apps.delete_namespaced_stateful_set,
+            "Deployment": self.apps.delete_namespaced_deployment,
+            "Service": self.core.delete_namespaced_service,
+            "ConfigMap": self.core.delete_namespaced_config_map,
+        }
+
+    def apply(self, obj: Mapping[str, Any]) -> None:
+        """Server-side apply of a built object; a second apply of the same body writes nothing."""
+        metadata = obj["metadata"]
+        self._appliers()[obj["kind"]](
+            metadata["name"],
+            metadata["namespace"],
+            dict(obj),
+            field_manager=FIELD_MANAGER,
+            force=True,
+            _content_type=APPLY,
+            _preload_content=False,
+        )
+
+    def children(self, namespace: str, owner: str, owner_uid: str) -> list[dict[str, Any]]:
+        """Every object of CHILD_KINDS this owner controls (by label, confirmed by owner reference uid)."""
+        selector = f"{INSTANCE_LABEL}={owner},{MANAGED_BY_LABEL}={FIELD_MANAGER}"
+        found: list[dict[str, Any]] = []
+        for kind, lister in self._listers().items():
+            items = (
+                _read(lister(namespace, label_selector=selector, _preload_content=False)).get("items") or []
+            )
+            for item in items:
+                if any(ref.get("uid") == owner_uid for ref in item["metadata"].get("ownerReferences") or ()):
+                    found.append({**item, "kind": kind})
+        return found
+
+    def pods(self, namespace: str, owner: str) -> list[dict[str, Any]]:
+        selector = f"{INSTANCE_LABEL}={owner},{MANAGED_BY_LABEL}={FIELD_MANAGER}"
+        body = _read(
+            self.core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False)
+        )
+        items: list[dict[str, Any]] = body.get("items") or []
+        return items
+
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        """Delete a child the spec no longer wants; already gone is fine (a concurrent reconcile did it)."""
+        try:
+            self._deleters()[kind](name, namespace, propagation_policy="Background", _preload_content=False)
+        except ApiException as error:
+            if error.status != 404:
+                raise
+
+    def read_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The DisaggDeployment, or None once it is gone."""
+        try:
+            response = self.custom.get_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, name, _preload_content=False
+            )
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+        return _read(response)
+
+    def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        """Merge-patch the status subresource; lists (conditions) are written whole."""
+        self.custom.patch_namespaced_custom_object_status(
+            GROUP,
+            VERSION,
+            namespace,
+            PLURAL,
+            name,
+            {"status": dict(status)},
+            field_manager=FIELD_MANAGER,
+            _content_type=MERGE,
+            _preload_content=False,
+        )
+
+
+def _read(response: Any) -> dict[str, Any]:
+    body: dict[str, Any] = json.loads(response.data)
+    return body

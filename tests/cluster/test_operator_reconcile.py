@@ -1,0 +1,220 @@
+"""The operator against the real kube-apiserver: children, conditions, refusals, updates, scaling, deletion
+and the KVTransferReady aggregation of the sidecars' Pod conditions. One operator process serves the module
+(no webhook here, so incompatible specs reach the operator); every test has its own namespace."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from local_cluster import ControlPlane
+from operator_harness import Cluster, OperatorProcess, example, satisfied, wait_for
+
+NAME = "gemma"
+
+
+@pytest.fixture(scope="module")
+def cluster(control_plane: ControlPlane) -> Cluster:
+    cluster = Cluster(control_plane)
+    cluster.apply_crd()
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def prefix() -> str:
+    return f"opr-{secrets.token_hex(2)}"
+
+
+@pytest.fixture(scope="module")
+def operator(
+    cluster: Cluster, prefix: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorProcess]:
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    process = OperatorProcess(cluster.cp, [f"{prefix}-*"], log)
+    process.start()
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture
+def ns(cluster: Cluster, prefix: str, operator: OperatorProcess) -> Iterator[str]:
+    name = cluster.create_namespace(prefix)
+    try:
+        yield name
+    finally:
+        cluster.delete_namespace(name)
+
+
+def create(cluster: Cluster, ns: str, file: str = "pp2-hma.yaml", **spec_patch: Any) -> None:
+    result = cluster.kubectl_apply(example(file, ns, NAME, spec_patch or None))
+    assert result.returncode == 0, result.stderr
+
+
+def test_valid_spec_creates_owned_children_and_conditions(cluster: Cluster, ns: str) -> None:
+    create(cluster, ns)
+    compatible = cluster.wait_condition(ns, NAME, "Compatible", "True", "Compatible")
+    assert compatible["observedGeneration"] == 1
+    assert "2 prefill stage(s)" in compatible["message"] and "layer-name routing" in compatible["message"]
+    names = wait_for(
+        "every child",
+        lambda: satisfied(cluster.names(ns, NAME), lambda n: bool(n["Deployment"] and n["StatefulSet"])),
+    )
+    assert names == {
+        "StatefulSet": ["gemma-prefill-0"],
+        "Deployment": ["gemma-decode"],
+        "Service": ["gemma-decode", "gemma-prefill-0"],
+        "ConfigMap": ["gemma-topology"],
+    }
+    body = cluster.get(ns, NAME)
+    assert body is not None
+    children = cluster.children(ns, NAME)
+    for kind in ("StatefulSet", "Deployment", "Service", "ConfigMap"):
+        for item in children[kind]:
+            (ref,) = item["metadata"]["ownerReferences"]
+            assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == (
+                "DisaggDeployment",
+                NAME,
+                body["metadata"]["uid"],
+                True,
+            )
+            managers = {
+                entry["manager"]
+                for entry in item["metadata"]["managedFields"]
+                if entry["operation"] == "Apply"
+            }
+            assert managers == {"disagg-operator"}
+    # kube-controller-manager made the pods: one per stage, and the decode replicas; no kubelet runs them.
+    pods = wait_for("the pods", lambda: satisfied(cluster.children(ns, NAME)["Pod"], lambda p: len(p) == 4))
+    stage_pods = sorted(
+        p["metadata"]["name"] for p in pods if p["metadata"]["labels"]["disagg.io/role"] == "prefill"
+    )
+    assert stage_pods == ["gemma-prefill-0-0", "gemma-prefill-0-1"]
+    status = body["status"]
+    assert [s["endLayer"] - s["startLayer"] for s in status["topology"]["stages"]] == [31, 31]
+    assert status["compatibilityHashes"]["prefill"] == status["compatibilityHashes"]["decode"]
+    cluster.wait_condition(ns, NAME, "Available", "False", "AwaitingPods")
+    cluster.wait_condition(ns, NAME, "Progressing", "True", "RollingOut")
+    cluster.wait_condition(ns, NAME, "KVTransferReady", "Unknown", "AwaitingHandshake")
+
+
+def test_incompatible_spec_creates_nothing(cluster: Cluster, ns: str) -> None:
+    create(cluster, ns, "bad-decode-pp.yaml")
+    refused = cluster.wait_condition(ns, NAME, "Compatible", "False")
+    assert refused["reason"] == "DecodePipelineParallel"
+    assert "decode" in refused["message"] and "pipelineParallelSize" in refused["message"]
+    assert cluster.names(ns, NAME) == {"StatefulSet": [], "Deployment": [], "Service": [], "ConfigMap": []}
+    events = wait_for(
+        "the SpecRefused event",
+        lambda: [e for e in cluster.core.list_namespaced_event(ns).items if e.reason == "SpecRefused"],
+    )
+    assert events[0].involved_object.name == NAME and events[0].type == "Warning"
+
+
+def test_incompatible_update_leaves_running_objects(cluster: Cluster, ns: str) -> None:
+    create(cluster, ns)
+    cluster.wait_condition(ns, NAME, "Compatible", "True")
+    sts = wait_for("the StatefulSet", lambda: cluster.children(ns, NAME)["StatefulSet"])[0]
+    cluster.patch_spec(ns, NAME, {"decode": {"blockSize": 16}})
+    refused = cluster.wait_condition(ns, NAME, "Compatible", "False")
+    assert refused["observedGeneration"] == 2
+    assert "The running objects from generation 1 were left unchanged." in refused["message"]
+    cluster.wait_condition(ns, NAME, "Progressing", "False", "SpecRefused")
+    after = cluster.children(ns, NAME)["StatefulSet"][0]
+    assert after["metadata"]["resourceVersion"] == sts["metadata"]["resourceVersion"]
+    assert after["metadata"]["annotations"]["disagg.io/generation"] == "1"
+    # Fixing the spec converges again.
+    cluster.patch_spec(ns, NAME, {"decode": {"blockSize": 32}})
+    cluster.wait_condition(ns, NAME, "Compatible", "True")
+    wait_for(
+        "generation 3 applied",
+        lambda: (
+            cluster.children(ns, NAME)["StatefulSet"][0]["metadata"]["annotations"]["disagg.io/generation"]
+            == "3"
+        ),
+    )
+
+
+def test_scaling_and_spec_changes_converge(cluster: Cluster, ns: str) -> None:
+    create(cluster, ns, prefill={"replicas": 2})
+    wait_for("two prefill instances", lambda: len(cluster.names(ns, NAME)["StatefulSet"]) == 2)
+    cluster.patch_spec(ns, NAME, {"prefill": {"replicas": 1}, "decode": {"replicas": 3}})
+    names = wait_for(
+        "prefill scaled in",
+        lambda: satisfied(cluster.names(ns, NAME), lambda n: n["StatefulSet"] == ["gemma-prefill-0"]),
+    )
+    assert names["Service"] == ["gemma-decode", "gemma-prefill-0"]
+    deployment = cluster.apps.read_namespaced_deployment("gemma-decode", ns)
+    assert deployment.spec.replicas == 3
+    cluster.patch_spec(ns, NAME, {"prefill": {"blockSize": 64}, "decode": {"blockSize": 64}})
+
+    def block_size() -> str | None:
+        sts = cluster.apps.read_namespaced_stateful_set("gemma-prefill-0", ns)
+        args = sts.spec.template.spec.containers[0].args
+        return args[args.index("--block-size") + 1] if args[args.index("--block-size") + 1] == "64" else None
+
+    assert wait_for("block size 64 in the engine args", block_size) == "64"
+    cluster.wait_condition(ns, NAME, "Compatible", "True")
+    assert (cluster.condition(ns, NAME, "Compatible") or {})["observedGeneration"] == 3
+
+
+def test_deletion_cleans_up_through_owner_references(cluster: Cluster, ns: str) -> None:
+    create(cluster, ns)
+    wait_for("children", lambda: cluster.names(ns, NAME)["Deployment"])
+    cluster.delete(ns, NAME)
+    # The garbage collector learns a CRD's kind from discovery, which can take one resync (30 s).
+    wait_for(
+        "garbage collection",
+        lambda: not any(cluster.names(ns, NAME).values()),
+        timeout=90,
+    )
+
+
+def _ready(pod_ip: str, kv: dict[str, Any]) -> dict[str, Any]:
+    """What a kubelet (Ready) and the sidecar (its own condition) would write to a pod's status."""
+    return {
+        "phase": "Running",
+        "podIP": pod_ip,
+        "conditions": [
+            {"type": "Ready", "status": "True"},
+            {"type": "ContainersReady", "status": "True"},
+            {"type": "disagg.io/kv-transfer-ready", **kv},
+        ],
+    }
+
+
+def test_available_and_kv_transfer_ready_follow_the_pods(cluster: Cluster, ns: str) -> None:
+    create(cluster, ns)
+    pods = wait_for("the pods", lambda: satisfied(cluster.children(ns, NAME)["Pod"], lambda p: len(p) == 4))
+    ok = {"status": "True", "reason": "HandshakesSucceeded", "message": "handshook every peer"}
+    for index, pod in enumerate(pods):
+        cluster.patch_pod_status(ns, pod["metadata"]["name"], _ready(f"10.244.0.{index + 10}", ok))
+    cluster.wait_condition(ns, NAME, "KVTransferReady", "True", "HandshakesSucceeded")
+    cluster.wait_condition(ns, NAME, "Available", "True", "AllReplicasReady")
+    cluster.wait_condition(ns, NAME, "Progressing", "False", "RolloutComplete")
+
+    decode = sorted(
+        p["metadata"]["name"] for p in pods if p["metadata"]["labels"]["disagg.io/role"] == "decode"
+    )[0]
+    fault = {
+        "status": "False",
+        "reason": "CompatibilityHashMismatch",
+        "message": f"decode pod {decode} advertises compatibility hash 1f2e3d, expected 9a8b7c",
+    }
+    cluster.patch_pod_status(
+        ns, "gemma-prefill-0-1", {"conditions": [{"type": "disagg.io/kv-transfer-ready", **fault}]}
+    )
+    failed = cluster.wait_condition(ns, NAME, "KVTransferReady", "False", "CompatibilityHashMismatch")
+    assert failed["message"] == (
+        "1 of 4 sidecars report a failed KV handshake: prefill stage 1 (pod gemma-prefill-0-1): "
+        f"CompatibilityHashMismatch: decode pod {decode} advertises compatibility hash 1f2e3d, "
+        "expected 9a8b7c"
+    )
+    cluster.patch_pod_status(
+        ns, "gemma-prefill-0-1", {"conditions": [{"type": "disagg.io/kv-transfer-ready", **ok}]}
+    )
+    healed = cluster.wait_condition(ns, NAME, "KVTransferReady", "True", "HandshakesSucceeded")
+    assert healed["lastTransitionTime"] >= failed["lastTransitionTime"]
