@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import ControlPlane
+from local_cluster import ControlPlane
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "disagg"
