@@ -16,6 +16,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "disagg.worker.cli_wire",
     "disagg.operator.cli_check",
     "disagg.operator.cli_operator",
+    "disagg.worker.cli_worker",
 )
 
 

@@ -1,0 +1,61 @@
+"""`disagg worker` (the KV worker sidecar of an engine pod) and `disagg demo` (the data path on this machine).
+
+`disagg worker` reads its whole configuration from the environment and the topology file it names (see
+`disagg.worker.sidecar_config`); `disagg worker sidecar --mode transfer` is the same command as the operator's
+pod spec spells it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    worker = subparsers.add_parser(
+        "worker",
+        help="run the KV worker sidecar (configured by DISAGG_* environment variables and a topology file)",
+        description=(
+            "Run the KV worker sidecar: owns the NIXL agent, registers the engine's KV pool, serves the side "
+            "channel and pushes KV with layer-name routing. Exits 0 on SIGTERM."
+        ),
+    )
+    worker.add_argument(
+        "role_command", nargs="?", choices=["sidecar"], help="the only worker process (default)"
+    )
+    worker.add_argument(
+        "--mode",
+        choices=["transfer"],
+        default="transfer",
+        help="transfer: the sidecar moves the engine's KV itself",
+    )
+    worker.set_defaults(func=_worker)
+
+    demo = subparsers.add_parser(
+        "demo",
+        help="run 2 PP prefill stages + 1 decoder with sidecars on loopback; compare with the monolithic run",
+    )
+    demo.add_argument("--prompts", type=int, default=5, help="how many of the built-in prompts to send (1-5)")
+    demo.add_argument("--max-new-tokens", type=int, default=16)
+    demo.set_defaults(func=_demo)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from disagg.worker.sidecar import main
+
+    code: int = main()
+    return code
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from disagg.worker.demo import DEFAULT_PROMPTS, run_demo
+
+    if not 1 <= args.prompts <= len(DEFAULT_PROMPTS):
+        print(f"--prompts must be between 1 and {len(DEFAULT_PROMPTS)}")
+        return 2
+    if args.max_new_tokens < 1:
+        print("--max-new-tokens must be at least 1")
+        return 2
+    return run_demo(
+        DEFAULT_PROMPTS[: args.prompts], args.max_new_tokens, out=lambda line: print(line, flush=True)
+    )
