@@ -56,6 +56,7 @@ def _demo(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         print("--max-new-tokens must be at least 1")
         return 2
-    return run_demo(
+    code: int = run_demo(
         DEFAULT_PROMPTS[: args.prompts], args.max_new_tokens, out=lambda line: print(line, flush=True)
     )
+    return code
