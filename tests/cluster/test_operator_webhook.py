@@ -1,0 +1,118 @@
+"""The validating admission webhook on the real kube-apiserver: `kubectl apply` of an incompatible spec is
+refused with the operator's own message, a valid one is admitted, and an incompatible update is refused
+too. kopf serves it on 127.0.0.1 with a self-signed certificate and writes its own webhook configuration,
+whose name is unique to this module and removed afterwards (one left behind would block every write)."""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+import yaml
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from local_cluster import ControlPlane
+from operator_harness import Cluster, OperatorProcess, example, free_port, wait_for
+
+from disagg.operator.webhook import HANDLER_ID, refusal
+
+NAME = "gemma"
+
+
+@pytest.fixture(scope="module")
+def cluster(control_plane: ControlPlane) -> Cluster:
+    cluster = Cluster(control_plane)
+    cluster.apply_crd()
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def webhook_operator(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The operator with its webhook; yields the namespace it serves."""
+    token = secrets.token_hex(3)
+    configuration = f"w{token}.dev.validate.disagg.io"
+    namespace = cluster.create_namespace(f"opw-{token}")
+    process = OperatorProcess(
+        cluster.cp,
+        [namespace],
+        tmp_path_factory.mktemp("webhook") / "operator.log",
+        "--webhook-port",
+        str(free_port()),
+        "--webhook-dev",
+        "--webhook-configuration",
+        configuration,
+    )
+    admission = client.AdmissionregistrationV1Api(cluster.cp.api_client)
+    process.start()
+    try:
+        probe = example("bad-decode-pp.yaml", namespace, "probe")
+        wait_for(
+            "the webhook to refuse (server-side dry run)",
+            lambda: "denied the request" in _apply(cluster, probe, "--dry-run=server").stderr,
+        )
+        yield namespace
+    finally:
+        process.stop()
+        for delete in (
+            admission.delete_validating_webhook_configuration,
+            admission.delete_mutating_webhook_configuration,
+        ):
+            try:
+                delete(configuration)
+            except ApiException as error:
+                if error.status != 404:
+                    raise
+        cluster.delete_namespace(namespace)
+
+
+def _apply(cluster: Cluster, document: dict[str, object], *flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(cluster.cp.bin_dir / "kubectl"), "apply", *flags, "-f", "-"],
+        input=yaml.safe_dump(document),
+        capture_output=True,
+        text=True,
+        env=cluster.cp.env(),
+        check=False,
+    )
+
+
+def test_incompatible_create_is_refused_with_the_operators_message(
+    cluster: Cluster, webhook_operator: str
+) -> None:
+    document = example("bad-block-size.yaml", webhook_operator, "bad")
+    result = _apply(cluster, document)
+    assert result.returncode != 0
+    expected = refusal(document["spec"])
+    assert expected is not None and expected.startswith("BlockSizeMismatch")
+    assert f'admission webhook "{HANDLER_ID}.' in result.stderr
+    assert f"denied the request: {expected}" in result.stderr
+    assert cluster.get(webhook_operator, "bad") is None
+
+
+def test_valid_create_is_admitted_and_incompatible_update_refused(
+    cluster: Cluster, webhook_operator: str
+) -> None:
+    result = _apply(cluster, example("pp2-hma.yaml", webhook_operator, NAME))
+    assert result.returncode == 0, result.stderr
+    assert "created" in result.stdout
+    update = example("pp2-hma.yaml", webhook_operator, NAME, {"decode": {"pipelineParallelSize": 2}})
+    refused = _apply(cluster, update)
+    assert refused.returncode != 0
+    assert "denied the request: DecodePipelineParallel: decode pipelineParallelSize is 2" in refused.stderr
+    stored = cluster.get(webhook_operator, NAME)
+    assert stored is not None and stored["spec"]["decode"].get("pipelineParallelSize", 1) == 1
+    cluster.wait_condition(webhook_operator, NAME, "Compatible", "True")
+
+
+def test_engine_argument_conflicts_are_refused(cluster: Cluster, webhook_operator: str) -> None:
+    document = example(
+        "pp2-hma.yaml", webhook_operator, "args", {"prefill": {"extraArgs": ["--block-size", "16"]}}
+    )
+    result = _apply(cluster, document)
+    assert result.returncode != 0
+    assert (
+        "denied the request: EngineArgumentConflict: spec.engine.extraArgs or spec.prefill.extraArgs sets "
+        in (result.stderr)
+    )
