@@ -96,8 +96,17 @@ class LocalKV:
     """This worker's KV pool: registered once with NIXL, described to peers, prepared for transfers."""
 
     def __init__(
-        self, layout: StageLayout, transport: NixlTransport, base_addr: int, nbytes: int, config: PushConfig
+        self,
+        layout: StageLayout,
+        transport: NixlTransport,
+        base_addr: int,
+        nbytes: int,
+        config: PushConfig,
+        *,
+        layer_routing: bool | None = None,
     ) -> None:
+        """`layer_routing=None` applies vLLM's rule (push, HMA or packed, no Mamba, PP > 1); True forces
+        routing by layer name on any stage that tracks region layers."""
         if nbytes < layout.total_bytes:
             raise ValueError(f"the pool has {nbytes} bytes, the layout needs {layout.total_bytes}")
         self.layout = layout
@@ -110,6 +119,12 @@ class LocalKV:
         self.layer_routing = rules.requires_layer_name_routing(
             rules.PUSH, model.hma_required, self.packed, model.has_mamba, layout.pp_size
         )
+        if layer_routing is not None:
+            if layer_routing and not self.tracks_region_layers:
+                raise ValueError(
+                    "layer-name routing needs a layout that tracks region layers (HMA or packed)"
+                )
+            self.layer_routing = layer_routing
         transport.register(base_addr, nbytes, config.mem_type, config.device_id)
         self.geometry = RegionGeometry.from_layout(
             layout,
@@ -120,8 +135,9 @@ class LocalKV:
         )
         self.transfer_layers = TransferLayers.from_layout(layout) if self.layer_routing else None
         order = None if self.transfer_layers is None else list(self.transfer_layers.region_indices)
+        self.descs = local_descs(self.geometry, regions=order)
+        """Nx3 source descriptors: one per kernel block of each region (of each transfer layer if routing)."""
         self._prepped: PreppedList | None = None
-        self._local_order = order
 
     @property
     def agent(self) -> str:
@@ -132,8 +148,7 @@ class LocalKV:
     def prepped(self) -> PreppedList:
         """Local source descriptors, prepared on first use (by the thread that owns the agent)."""
         if self._prepped is None:
-            descs = local_descs(self.geometry, regions=self._local_order)
-            self._prepped = self.transport.prep(LOCAL_AGENT, descs, self.config.mem_type)
+            self._prepped = self.transport.prep(LOCAL_AGENT, self.descs, self.config.mem_type)
         return self._prepped
 
     def metadata(self) -> wire.NixlAgentMetadata:

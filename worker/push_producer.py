@@ -48,7 +48,7 @@ from disagg.worker.routing import (
     slice_pp_regions,
 )
 from disagg.worker.side_channel import PeerHandshake, handshake_targets
-from disagg.worker.transport import PreppedList, Xfer, XferState
+from disagg.worker.transport import PreppedList, Xfer, XferState, merge_runs
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,7 @@ class _DecodeRank:
 
     agent: str
     geometry: RegionGeometry
+    descs: DescArray
     prepped: PreppedList
 
 
@@ -216,7 +217,7 @@ class PushProducer:
 
     def _connect(self, engine_id: str, peers: Sequence[PeerHandshake], decode_tp: int, now: float) -> None:
         """Validate and align every decode rank; only when all pass are their NIXL agents added."""
-        planned = [(peer, *self._plan_rank(peer.metadata, decode_tp)) for peer in peers]
+        planned = [(peer, *plan_decode_rank(self.local, peer.metadata, decode_tp)) for peer in peers]
         ranks = []
         try:
             for peer, geometry, descs in planned:
@@ -231,7 +232,7 @@ class PushProducer:
                         f"agent {loaded!r}, expected {name!r}"
                     )
                 ranks.append(
-                    _DecodeRank(name, geometry, self.transport.prep(name, descs, self.config.mem_type))
+                    _DecodeRank(name, geometry, descs, self.transport.prep(name, descs, self.config.mem_type))
                 )
         except DisaggError:
             for rank in ranks:
@@ -239,74 +240,6 @@ class PushProducer:
                 self.transport.remove_peer(rank.agent)
             raise
         self._engines[engine_id] = _DecodeEngine(engine_id, ranks, now)
-
-    def _plan_rank(self, meta: wire.NixlAgentMetadata, remote_tp: int) -> tuple[RegionGeometry, DescArray]:
-        """Every check that can refuse a decode rank, and its destination descriptors; no NIXL call."""
-        local = self.local
-        layout = local.layout
-        model = self.config.model
-        if local.layer_routing:
-            violation = rules.block_size_mismatch(True, layout.block_size, meta.block_size)
-            if violation is not None:
-                raise BlockSizeMismatch(violation.message)
-            violation = rules.decode_tp_exceeds_prefill_tp(model.is_mla, self.config.tp_size, remote_tp, True)
-            if violation is not None:
-                raise HandshakeError(violation.message, reason=violation.reason)
-        elif meta.block_size != layout.block_size:
-            raise BlockSizeMismatch(
-                f"prefill block size {layout.block_size} and decode block size {meta.block_size} differ; "
-                "this connector moves whole blocks: use equal block sizes"
-            )
-        remote = RegionGeometry.from_metadata(meta)
-        if local.transfer_layers is not None:
-            aligned = align_remote_regions(remote, local.transfer_layers.names)
-            local_regions: list[int] = list(local.transfer_layers.region_indices)
-        elif layout.pp_size > 1:
-            aligned = slice_pp_regions(
-                remote,
-                start_layer=layout.layers.start,
-                num_local_layers=len(layout.layers),
-                num_local_regions=len(layout.regions),
-            )
-            local_regions = list(range(len(layout.regions)))
-        else:
-            aligned = remote
-            local_regions = list(range(len(layout.regions)))
-        if len(aligned.kv_caches_base_addr) != len(local_regions):
-            raise RegionGeometryMismatch(
-                f"the decoder has {len(aligned.kv_caches_base_addr)} regions for this stage's "
-                f"{len(local_regions)}"
-            )
-        if aligned.region_mem_types is not None and set(aligned.region_mem_types) != {self.config.mem_type}:
-            raise RegionGeometryMismatch(
-                f"decode regions are {sorted(set(aligned.region_mem_types))}, this worker moves "
-                f"{self.config.mem_type} only (mixed-memory caches are not supported by push)"
-            )
-        replicated = layout.region_replicated
-        local_heads = max(1, model.num_kv_heads // self.config.tp_size)
-        remote_heads = max(1, model.num_kv_heads // remote_tp)
-        for i, r in enumerate(local_regions):
-            local_len = layout.regions[r].block_len
-            want = local_len if replicated[r] else local_len * remote_heads // local_heads
-            got_len, stride = aligned.block_lens[i], aligned.block_strides[i]
-            if got_len != want or stride < got_len:
-                raise RegionGeometryMismatch(
-                    f"decode region for {layout.regions[r].name} has block length {got_len} "
-                    f"(stride {stride}); "
-                    f"this rank ({local_heads} of {model.num_kv_heads} KV heads, block length {local_len}) "
-                    f"needs {want} with stride >= length"
-                )
-        offset_factor = rank_offset_factor(
-            self.config.tp_rank, self.config.tp_size, remote_tp, model.num_kv_heads, model.is_mla
-        )
-        descs = remote_descs(
-            aligned,
-            local.geometry,
-            local_regions=local_regions,
-            replicated=replicated,
-            rank_offset_factor=offset_factor,
-        )
-        return aligned, descs
 
     def _write(
         self, held_id: str, registration: wire.PushRegistration, now: float, events: ProducerEvents
@@ -324,14 +257,12 @@ class PushProducer:
         try:
             local_ids, decode_blocks = self._local_ids(held.block_ids, registration.local_block_ids)
             for rank in engine.ranks:
-                remote_ids = self._desc_ids(rank.geometry, decode_blocks)
+                remote_ids = desc_ids(self.local, rank.geometry, decode_blocks)
                 if len(remote_ids) != len(local_ids):
                     raise RegionGeometryMismatch(
                         f"{len(local_ids)} local blocks against {len(remote_ids)} decode blocks"
                     )
-                xfers.append(
-                    self.transport.write(self.local.prepped, local_ids, rank.prepped, remote_ids, notif)
-                )
+                xfers.append(self._post(rank, local_ids, remote_ids, notif))
         except DisaggError as exc:
             for xfer in xfers:
                 self.transport.release(xfer)
@@ -340,6 +271,16 @@ class PushProducer:
             self._fail(held_id, registration.request_id, exc, events)
             return
         self._sending.append(_Sending(held_id, engine.engine_id, xfers))
+
+    def _post(self, rank: _DecodeRank, local_ids: IdArray, remote_ids: IdArray, notif: bytes) -> Xfer:
+        """One WRITE: runs contiguous on both sides as single descriptors when there are any, else by index
+        into the prepared lists."""
+        local_rows, remote_rows = merge_runs(self.local.descs[local_ids], rank.descs[remote_ids])
+        if len(local_rows) < len(local_ids):
+            return self.transport.write_descs(
+                local_rows, rank.agent, remote_rows, notif, self.config.mem_type
+            )
+        return self.transport.write(self.local.prepped, local_ids, rank.prepped, remote_ids, notif)
 
     def _local_ids(
         self, held: list[IdArray], decode_ids: Sequence[Sequence[int]]
@@ -357,19 +298,7 @@ class PushProducer:
                 )
             # A prefix-cache hit on the decoder leaves it needing only the trailing blocks.
             trimmed.append(mine[len(mine) - len(theirs) :])
-        return self._desc_ids(self.local.geometry, trimmed, local=True), decode
-
-    def _desc_ids(
-        self, geometry: RegionGeometry, block_ids: list[IdArray], *, local: bool = False
-    ) -> IdArray:
-        kernel = expand_logical_blocks(block_ids, geometry.physical_blocks_per_logical_kv_block)
-        layers = self.local.transfer_layers
-        if layers is not None:
-            caps = layers.capacities(geometry) if local else region_capacities(geometry)
-            return compute_desc_ids(kernel, caps, transfer_group_ids=layers.group_ids)
-        return compute_desc_ids(
-            kernel, region_capacities(geometry), region_group_ids=geometry.region_group_ids
-        )
+        return desc_ids(self.local, self.local.geometry, trimmed, source=True), decode
 
     def _poll_transfers(self, now: float, events: ProducerEvents) -> None:
         still = []
@@ -432,3 +361,87 @@ class PushProducer:
                 self.transport.remove_peer(rank.agent)
             except DisaggError as exc:
                 log.warning("while evicting %s: %s", rank.agent, exc)
+
+
+def plan_decode_rank(
+    local: LocalKV, meta: wire.NixlAgentMetadata, remote_tp: int
+) -> tuple[RegionGeometry, DescArray]:
+    """Every check that can refuse a decode rank, and its destination descriptors; no NIXL call."""
+    config = local.config
+    layout = local.layout
+    model = config.model
+    if local.layer_routing:
+        violation = rules.block_size_mismatch(True, layout.block_size, meta.block_size)
+        if violation is not None:
+            raise BlockSizeMismatch(violation.message)
+        violation = rules.decode_tp_exceeds_prefill_tp(model.is_mla, config.tp_size, remote_tp, True)
+        if violation is not None:
+            raise HandshakeError(violation.message, reason=violation.reason)
+    elif meta.block_size != layout.block_size:
+        raise BlockSizeMismatch(
+            f"prefill block size {layout.block_size} and decode block size {meta.block_size} differ; "
+            "this connector moves whole blocks: use equal block sizes"
+        )
+    remote = RegionGeometry.from_metadata(meta)
+    if local.transfer_layers is not None:
+        aligned = align_remote_regions(remote, local.transfer_layers.names)
+        local_regions: list[int] = list(local.transfer_layers.region_indices)
+    elif layout.pp_size > 1:
+        aligned = slice_pp_regions(
+            remote,
+            start_layer=layout.layers.start,
+            num_local_layers=len(layout.layers),
+            num_local_regions=len(layout.regions),
+        )
+        local_regions = list(range(len(layout.regions)))
+    else:
+        aligned = remote
+        local_regions = list(range(len(layout.regions)))
+    if len(aligned.kv_caches_base_addr) != len(local_regions):
+        raise RegionGeometryMismatch(
+            f"the decoder has {len(aligned.kv_caches_base_addr)} regions for this stage's "
+            f"{len(local_regions)}"
+        )
+    if aligned.region_mem_types is not None and set(aligned.region_mem_types) != {config.mem_type}:
+        raise RegionGeometryMismatch(
+            f"decode regions are {sorted(set(aligned.region_mem_types))}, this worker moves "
+            f"{config.mem_type} only (mixed-memory caches are not supported by push)"
+        )
+    replicated = layout.region_replicated
+    local_heads = max(1, model.num_kv_heads // config.tp_size)
+    remote_heads = max(1, model.num_kv_heads // remote_tp)
+    for i, r in enumerate(local_regions):
+        local_len = layout.regions[r].block_len
+        want = local_len if replicated[r] else local_len * remote_heads // local_heads
+        got_len, stride = aligned.block_lens[i], aligned.block_strides[i]
+        if got_len != want or stride < got_len:
+            raise RegionGeometryMismatch(
+                f"decode region for {layout.regions[r].name} has block length {got_len} "
+                f"(stride {stride}); "
+                f"this rank ({local_heads} of {model.num_kv_heads} KV heads, block length {local_len}) "
+                f"needs {want} with stride >= length"
+            )
+    offset_factor = rank_offset_factor(
+        config.tp_rank, config.tp_size, remote_tp, model.num_kv_heads, model.is_mla
+    )
+    descs = remote_descs(
+        aligned,
+        local.geometry,
+        local_regions=local_regions,
+        replicated=replicated,
+        rank_offset_factor=offset_factor,
+    )
+    return aligned, descs
+
+
+def desc_ids(
+    local: LocalKV, geometry: RegionGeometry, block_ids: list[IdArray], *, source: bool = False
+) -> IdArray:
+    """Descriptor ids of `block_ids` (logical, per group) in `geometry`: this worker's own (`source`) or an
+    aligned decode rank's."""
+    kernel = expand_logical_blocks(block_ids, geometry.physical_blocks_per_logical_kv_block)
+    layers = local.transfer_layers
+    if layers is not None:
+        caps = layers.capacities(geometry) if source else region_capacities(geometry)
+        return compute_desc_ids(kernel, caps, transfer_group_ids=layers.group_ids)
+    return compute_desc_ids(kernel, region_capacities(geometry), region_group_ids=geometry.region_group_ids)
