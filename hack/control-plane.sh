@@ -252,7 +252,7 @@ pid_alive() {
   local f=$STATE/$1.pid pid exe
   [[ -f $f ]] || return 1
   pid=$(cat "$f")
-  exe=$(tr '\0' '\n' <"/proc/$pid/cmdline" 2>/dev/null | head -n1) || return 1
+  exe=$({ tr '\0' '\n' <"/proc/$pid/cmdline" | head -n1; } 2>/dev/null) || return 1
   [[ $exe == "$BIN/$1" ]]
 }
 
@@ -341,6 +341,8 @@ cmd_start() {
   fi
   is_installed || cmd_install
   local t0=$SECONDS
+  # A start that fails half-way must not leave an etcd or apiserver behind that nobody owns.
+  trap 'log "start failed; stopping what it launched"; cmd_stop' EXIT
   mkdir -p "$STATE" "$LOGS"
   make_pki
   write_kubeconfig
@@ -382,6 +384,7 @@ cmd_start() {
     --v 1
   wait_for "the default ServiceAccount" 60 kube-controller-manager \
     kubectl_admin -n default get serviceaccount default
+  trap - EXIT
   log "running: apiserver https://127.0.0.1:$APISERVER_PORT, KUBECONFIG=$KUBECONFIG_FILE ($((SECONDS - t0)) s)"
 }
 
