@@ -17,6 +17,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "disagg.operator.cli_check",
     "disagg.operator.cli_operator",
     "disagg.worker.cli_worker",
+    "disagg.worker.cli_probe",
 )
 
 

@@ -1,0 +1,59 @@
+"""`disagg probe` against live side channels: a real PP2 prefill engine, and peers it must refuse."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from _procs import HOST, Cluster, free_port
+from test_push import HYBRID, prefill_specs
+
+from disagg.worker import wire
+from disagg.worker.side_channel import SideChannelServer
+
+DISAGG = str(Path(sys.executable).with_name("disagg"))
+
+
+def probe(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    return subprocess.run([DISAGG, "probe", *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_probe_prints_every_rank_of_a_pp2_engine(procs: Cluster) -> None:
+    prefill = prefill_specs(procs, HYBRID, pp=2, compat_hash="c" * 64)
+    procs.start_all(prefill)
+    done = probe(f"{HOST}:{prefill[0]['port']}", "--pp", "2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "rank (pp 0, tp 0): engine prefill" in out and "rank (pp 1, tp 0): engine prefill" in out
+    assert out.count("c" * 64) == 2
+    assert "connector version: 12 (advertises region_members)" in out
+    # Stage 1 pools layers 6-9 and 10-11; every layer of the model appears exactly once across both stages.
+    assert "model.layers.6.self_attn.attn, model.layers.7.self_attn.attn" in out
+    for layer in range(12):
+        assert out.count(f"model.layers.{layer}.self_attn.attn") == 1
+
+
+def test_probe_fails_with_the_reason() -> None:
+    garbage = SideChannelServer(HOST, free_port(), {(0, 0): b"\x00 not a payload"}).start()
+    try:
+        done = probe(f"{HOST}:{garbage.port}")
+        assert done.returncode == 1
+        assert "ConnectorVersionMismatch" in done.stdout
+    finally:
+        garbage.stop()
+    done = probe(f"{HOST}:{free_port()}", "--timeout", "0.5")
+    assert done.returncode == 1 and "PeerUnreachable" in done.stdout
+
+
+def test_probe_names_a_rank_the_engine_does_not_have() -> None:
+    payload = wire.encode_handshake_payload(b"\x80", "d" * 64)
+    server = SideChannelServer(HOST, free_port(), {(0, 0): payload}).start()
+    try:
+        done = probe(f"{HOST}:{server.port}", "--tp", "2")
+        assert done.returncode == 1
+        assert "HandshakeFailed" in done.stdout and "(pp 0, tp 1)" in done.stdout, done.stdout
+    finally:
+        server.stop()
