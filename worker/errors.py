@@ -111,7 +111,7 @@ class BlockIdOutOfRange(TransferFailed):
 
 
 class WorkerConfigError(DisaggError):
-    """A sidecar configuration (environment, topology file) that is missing, malformed or self-contradictory."""
+    """A sidecar configuration (environment, topology file) that is missing, malformed or contradictory."""
 
     reason = "InvalidWorkerConfig"
 
@@ -134,6 +134,28 @@ class UnknownRequest(EngineProtocolError):
 
 class DuplicateRequest(EngineProtocolError):
     reason = "DuplicateRequest"
+
+
+class LayoutNotRegistered(EngineProtocolError):
+    reason = "LayoutNotRegistered"
+
+
+class WrongRole(EngineProtocolError):
+    """A prefill call sent to a decode sidecar, or the other way round."""
+
+    reason = "WrongRole"
+
+
+class KVPoolUnavailable(EngineProtocolError):
+    """The engine's KV pool cannot be mapped (missing file, wrong size)."""
+
+    reason = "KVPoolUnavailable"
+
+
+class LeaseExpired(TransferFailed):
+    """A finished request's blocks were released because no decoder took them before the lease ran out."""
+
+    reason = "LeaseExpired"
 
 
 def require(violation: Violation | None) -> None:

@@ -62,7 +62,11 @@ from disagg.worker.errors import (
     DuplicateRequest,
     EngineLayoutMismatch,
     EngineProtocolError,
+    KVPoolUnavailable,
+    LayoutNotRegistered,
+    LeaseExpired,
     UnknownRequest,
+    WrongRole,
 )
 from disagg.worker.layout import StageLayout, build_stage_layout
 from disagg.worker.metrics import Health, HttpServer, SidecarMetrics
@@ -571,9 +575,8 @@ class Sidecar:
                 raise UnknownRequest(f"no request {message.request_id!r} was finished or expected here")
             return RequestStatus(message.request_id, tracked.state, tracked.reason, tracked.message)
         if self.layout is None or self._connector is None:
-            raise EngineProtocolError(
-                f"{type(message).__name__} before RegisterLayout: register the KV layout first",
-                reason="LayoutNotRegistered",
+            raise LayoutNotRegistered(
+                f"{type(message).__name__} before RegisterLayout: register the KV layout first"
             )
         if not message.request_id:
             raise EngineProtocolError("request_id is empty")
@@ -583,15 +586,11 @@ class Sidecar:
         check_block_ids(self.layout, message.block_ids)
         if isinstance(message, RequestFinished):
             if not isinstance(self._connector, PushProducer):
-                raise EngineProtocolError(
-                    "RequestFinished goes to a prefill sidecar; this one decodes", reason="WrongRole"
-                )
+                raise WrongRole("RequestFinished goes to a prefill sidecar; this one decodes")
             self._connector.request_finished(message.request_id, message.block_ids)
         else:
             if not isinstance(self._connector, PushConsumer):
-                raise EngineProtocolError(
-                    "ExpectRequest goes to a decode sidecar; this one prefills", reason="WrongRole"
-                )
+                raise WrongRole("ExpectRequest goes to a decode sidecar; this one prefills")
             prefill = message.prefill
             if prefill.tp_size < 1 or prefill.pp_size < 1 or not 0 < prefill.port < 65536 or not prefill.host:
                 raise EngineProtocolError(f"prefill engine {prefill} has no usable side channel or sizes")
@@ -626,9 +625,7 @@ class Sidecar:
         try:
             pool = ShmPool(message.pool.path, message.pool.nbytes)
         except (OSError, ValueError) as exc:
-            raise EngineProtocolError(
-                f"cannot map the KV pool {message.pool.path}: {exc}", reason="KVPoolUnavailable"
-            ) from None
+            raise KVPoolUnavailable(f"cannot map the KV pool {message.pool.path}: {exc}") from None
         try:
             local = LocalKV(layout, self.transport, pool.addr, pool.nbytes, self.config.push_config())
             self.side_channel.set_payload(self.config.pp_rank, self.config.tp_rank, local.handshake_payload())
@@ -640,6 +637,7 @@ class Sidecar:
         self._local = local
         self._connector = PushProducer(local) if self.config.role == "prefill" else PushConsumer(local)
         self._registered = message
+        self._update_readiness()
         _event(
             logging.INFO,
             "KV pool registered",
@@ -661,7 +659,9 @@ class Sidecar:
             for request_id in produced.expired:
                 self.metrics.lease_expiries.inc()
                 self._fail(
-                    Failure(request_id, "LeaseExpired", "no decoder took the blocks before the lease expired")
+                    Failure.of(
+                        request_id, LeaseExpired("no decoder took the blocks before the lease expired")
+                    )
                 )
             for failure in produced.failed:
                 self._fail(failure)
