@@ -1,0 +1,194 @@
+"""The sidecar's report, pure parts: peers from Pods, a round's verdict, the condition patch, Event names."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from disagg.operator import builders, kv_status
+from disagg.operator.api import DisaggDeploymentSpec
+from disagg.operator.compat import evaluate
+from disagg.worker.errors import CompatibilityHashMismatch, MissingLayers
+from disagg.worker.k8s_report import POD_CONDITION, condition_patch, event_body, event_name
+from disagg.worker.local_kubelet import pod_ready, resolve_env
+from disagg.worker.peer_check import (
+    DEPLOYMENT_LABEL,
+    ROLE_LABEL,
+    SIDECAR_CONTAINER,
+    Outcome,
+    Peer,
+    PeerResult,
+    peers_from_pods,
+    summarize,
+)
+from disagg.worker.sidecar_config import SidecarConfig, from_env
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pp2-hma.yaml"
+T0 = datetime(2026, 11, 30, 9, 0, 0, tzinfo=UTC)
+
+
+def built_pods() -> dict[str, dict[str, Any]]:
+    """The operator's pod templates for the pp2-hma example, as pods named as their controllers name them."""
+    spec = DisaggDeploymentSpec.model_validate(yaml.safe_load(EXAMPLE.read_text())["spec"])
+    report = evaluate(spec)
+    assert report.plan is not None
+    objects = builders.build(spec, builders.Owner("gemma", "ns", "uid-1", 1), report.plan, report.hashes)
+    templates = {
+        obj["kind"]: obj["spec"]["template"]
+        for obj in objects
+        if obj["kind"] in ("StatefulSet", "Deployment")
+    }
+
+    def pod(name: str, kind: str, ip: str | None) -> dict[str, Any]:
+        template = templates[kind]
+        return {
+            "metadata": {**template["metadata"], "name": name, "namespace": "ns"},
+            "spec": template["spec"],
+            "status": {"podIP": ip} if ip else {},
+        }
+
+    return {
+        "gemma-prefill-0-0": pod("gemma-prefill-0-0", "StatefulSet", "10.0.0.1"),
+        "gemma-prefill-0-1": pod("gemma-prefill-0-1", "StatefulSet", "10.0.0.2"),
+        "gemma-decode-7c9-abcde": pod("gemma-decode-7c9-abcde", "Deployment", "10.0.0.3"),
+        "gemma-decode-7c9-fghij": pod("gemma-decode-7c9-fghij", "Deployment", None),
+    }
+
+
+def sidecar_config(tmp_path: Path, role: str, pod: str) -> SidecarConfig:
+    doc = {
+        "transferMode": "push",
+        "blockSize": 32,
+        "stages": [{"startLayer": 0, "endLayer": 31}, {"startLayer": 31, "endLayer": 62}],
+        "model": {"layerKinds": ["full"] * 62, "numKVHeads": 16, "headSize": 128, "dtypeBytes": 2},
+    }
+    path = tmp_path / "topology.json"
+    path.write_text(json.dumps(doc))
+    return from_env({"DISAGG_ROLE": role, "DISAGG_TOPOLOGY_FILE": str(path), "POD_NAME": pod})
+
+
+def test_names_the_sidecar_relies_on_are_the_ones_the_builders_write() -> None:
+    assert POD_CONDITION == kv_status.POD_CONDITION
+    assert ROLE_LABEL == kv_status.ROLE_LABEL
+    assert DEPLOYMENT_LABEL == builders.DEPLOYMENT_LABEL
+    assert SIDECAR_CONTAINER == builders.SIDECAR_CONTAINER
+
+
+def test_peers_come_from_the_operators_pods_with_stage_engine_and_side_channel_port(tmp_path: Path) -> None:
+    pods = built_pods()
+    decode = sidecar_config(tmp_path, "decode", "gemma-decode-7c9-abcde")
+    peers = peers_from_pods(pods.values(), decode)
+    assert peers == [
+        Peer("gemma-prefill-0-0", "prefill", 0, "gemma-prefill-0", "10.0.0.1", 5600),
+        Peer("gemma-prefill-0-1", "prefill", 1, "gemma-prefill-0", "10.0.0.2", 5600),
+    ]
+    prefill = sidecar_config(tmp_path, "prefill", "gemma-prefill-0-1")
+    decoders = peers_from_pods(pods.values(), prefill)
+    assert [(p.pod, p.engine_id, p.host) for p in decoders] == [
+        ("gemma-decode-7c9-abcde", "gemma-decode-7c9-abcde", "10.0.0.3"),
+        ("gemma-decode-7c9-fghij", "gemma-decode-7c9-fghij", None),
+    ]
+    deleting = {**pods["gemma-decode-7c9-abcde"]}
+    deleting["metadata"] = {**deleting["metadata"], "deletionTimestamp": "2026-11-30T09:00:00Z"}
+    assert [p.pod for p in peers_from_pods([deleting], prefill)] == []
+
+
+def decoder(name: str) -> Peer:
+    return Peer(name, "decode", 0, name, "10.0.0.9", 5600)
+
+
+def stage(index: int) -> Peer:
+    return Peer(f"gemma-prefill-0-{index}", "prefill", index, "gemma-prefill-0", f"10.0.0.{index + 1}", 5600)
+
+
+def test_one_refusing_decoder_does_not_make_the_stage_unready_but_is_reported(tmp_path: Path) -> None:
+    prefill = sidecar_config(tmp_path, "prefill", "gemma-prefill-0-1")
+    refusal = CompatibilityHashMismatch("NIXL compatibility hash mismatch: local aa, remote bb")
+    outcome = summarize(prefill, [PeerResult(decoder("d-1"), None), PeerResult(decoder("d-2"), refusal)], [])
+    assert (outcome.status, outcome.reason) == ("True", "SomePeersRefused")
+    assert [r.peer.pod for r in outcome.refusals] == ["d-2"]
+    assert (
+        "decode pod d-2 at 10.0.0.9:5600 with CompatibilityHashMismatch: NIXL compatibility hash mismatch"
+        in outcome.message
+    )
+
+    alone = summarize(prefill, [PeerResult(decoder("d-2"), refusal)], [decoder("d-3")])
+    assert (alone.status, alone.reason) == ("False", "CompatibilityHashMismatch")
+    assert "waiting for decode pod d-3 to get an IP" in alone.message
+
+
+def test_a_decoder_needs_every_stage_of_a_prefill_engine(tmp_path: Path) -> None:
+    decode = sidecar_config(tmp_path, "decode", "gemma-decode-7c9-abcde")
+    missing = MissingLayers("layer model.layers.40.self_attn.attn is not advertised")
+    refused = summarize(decode, [PeerResult(stage(0), None), PeerResult(stage(1), missing)], [])
+    assert (refused.status, refused.reason) == ("False", "MissingLayers")
+    assert "prefill stage 1 (pod gemma-prefill-0-1)" in refused.message
+    waiting = summarize(decode, [PeerResult(stage(0), None)], [stage(1)])
+    assert (waiting.status, waiting.reason) == ("Unknown", "AwaitingPeers")
+    ready = summarize(decode, [PeerResult(stage(0), None), PeerResult(stage(1), None)], [])
+    assert (ready.status, ready.reason) == ("True", "HandshakesSucceeded")
+
+
+def test_the_condition_moves_its_transition_time_only_when_the_status_flips() -> None:
+    failed = Outcome("False", "MissingLayers", "stage 1 lacks layer 40")
+    first = condition_patch(None, failed, T0)
+    assert first is not None
+    (written,) = first["status"]["conditions"]
+    assert written == {
+        "type": POD_CONDITION,
+        "status": "False",
+        "reason": "MissingLayers",
+        "message": "stage 1 lacks layer 40",
+        "lastTransitionTime": "2026-11-30T09:00:00Z",
+    }
+    assert condition_patch([written], failed, T0 + timedelta(seconds=5)) is None
+    other = Outcome("False", "PeerUnreachable", "decode pod d-1 did not answer")
+    again = condition_patch([{"type": "Ready", "status": "True"}, written], other, T0 + timedelta(seconds=9))
+    assert again is not None
+    assert again["status"]["conditions"][0]["lastTransitionTime"] == "2026-11-30T09:00:00Z"
+    flipped = condition_patch(
+        [written], Outcome("True", "HandshakesSucceeded", "ok"), T0 + timedelta(minutes=1)
+    )
+    assert flipped is not None
+    assert flipped["status"]["conditions"][0]["lastTransitionTime"] == "2026-11-30T09:01:00Z"
+
+
+def test_equal_refusals_share_one_event_and_different_ones_do_not() -> None:
+    pod = {"metadata": {"name": "gemma-prefill-0-1", "namespace": "ns", "uid": "u-1"}}
+    body = event_body(pod, "Warning", "MissingLayers", "stage 1 lacks layer 40", T0)
+    assert body["metadata"]["name"] == event_name(
+        "gemma-prefill-0-1", "MissingLayers", "stage 1 lacks layer 40"
+    )
+    assert body["involvedObject"] == {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "name": "gemma-prefill-0-1",
+        "namespace": "ns",
+        "uid": "u-1",
+    }
+    assert (body["type"], body["reason"], body["count"]) == ("Warning", "MissingLayers", 1)
+    assert event_name("p", "MissingLayers", "a") == event_name("p", "MissingLayers", "a")
+    assert event_name("p", "MissingLayers", "a") != event_name("p", "MissingLayers", "b")
+    assert event_name("p", "MissingLayers", "a") != event_name("p", "BlockSizeMismatch", "a")
+
+
+def test_the_local_kubelet_resolves_the_downward_api_and_enforces_readiness_gates() -> None:
+    pod = built_pods()["gemma-prefill-0-1"]
+    pod["metadata"]["uid"] = "u-7"
+    pod["spec"] = {**pod["spec"], "nodeName": "disagg-local-node"}
+    sidecar = next(c for c in pod["spec"]["containers"] if c["name"] == SIDECAR_CONTAINER)
+    env = resolve_env(pod, sidecar)
+    assert env["POD_NAME"] == "gemma-prefill-0-1"
+    assert env["POD_NAMESPACE"] == "ns"
+    assert env["POD_UID"] == "u-7"
+    assert env["POD_IP"] == "10.0.0.2"
+    assert env["NODE_NAME"] == "disagg-local-node"
+    assert env["DISAGG_DEPLOYMENT"] == "gemma"
+    assert not pod_ready(pod, containers_ready=True), "the KV gate has no condition yet"
+    pod["status"]["conditions"] = [{"type": POD_CONDITION, "status": "True"}]
+    assert pod_ready(pod, containers_ready=True)
+    assert not pod_ready(pod, containers_ready=False)

@@ -1,0 +1,145 @@
+"""A sidecar that only reports: it serves its handshake payload and checks its peers, moving no KV.
+
+`python -m disagg.worker.status_loop` reads the sidecar's configuration (`sidecar_config.from_env`: the pod's
+downward-API identity and the topology file), lays out and registers a KV pool of its own with a real NIXL
+agent (no engine attaches to it), serves that worker's payload on the side channel as the connector does,
+and then, every `--interval` seconds, handshakes the other role's pods of its deployment (`peer_check`) and
+writes the result to its own Pod (`k8s_report`). The cluster tests and the control-plane demo run one per
+pod, as the sidecar would run in it; the transferring sidecar makes the same `report_once` call from its
+main loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from types import FrameType
+
+from disagg.worker.errors import DisaggError, WorkerConfigError
+from disagg.worker.k8s_report import PodReporter, kube_client
+from disagg.worker.layout import build_stage_layout
+from disagg.worker.peer_check import DEPLOYMENT_LABEL, ROLE_LABEL, check_round, peer_role
+from disagg.worker.push import LocalKV, agent_name
+from disagg.worker.shm_pool import ShmPool
+from disagg.worker.side_channel import DEFAULT_HANDSHAKE_TIMEOUT_S, SideChannelServer
+from disagg.worker.sidecar_config import SidecarConfig, from_env
+
+log = logging.getLogger("disagg.worker.status_loop")
+DEFAULT_INTERVAL_S = 10.0
+DEFAULT_NUM_BLOCKS = 4
+
+
+def peer_selector(deployment: str, config: SidecarConfig) -> str:
+    return f"{DEPLOYMENT_LABEL}={deployment},{ROLE_LABEL}={peer_role(config.role)}"
+
+
+def report_once(
+    config: SidecarConfig,
+    local: LocalKV | None,
+    reporter: PodReporter,
+    deployment: str,
+    *,
+    timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+) -> None:
+    """One round: list the peers, handshake each, write this pod's condition and Events."""
+    pods = reporter.list_pods(peer_selector(deployment, config))
+    reporter.report(check_round(config, local, pods, timeout_s=timeout_s))
+
+
+def _required(env: Mapping[str, str], name: str) -> str:
+    value = env.get(name)
+    if not value:
+        raise WorkerConfigError(f"{name} is not set (the pod spec sets it from the downward API)")
+    return value
+
+
+@contextlib.contextmanager
+def registered_kv(config: SidecarConfig, num_blocks: int, pool_path: Path) -> Iterator[LocalKV]:
+    """This worker's KV layout in a fresh pool at `pool_path`, registered with a NIXL agent of its own."""
+    from disagg.worker.transport import NixlTransport
+
+    topology = config.topology
+    layout = build_stage_layout(
+        topology.model,
+        pp_rank=config.pp_rank,
+        pp_size=config.pp_size,
+        tp_size=config.tp_size,
+        block_size=topology.block_size,
+        num_blocks=num_blocks,
+        partition=topology.layer_partition if config.role == "prefill" else None,
+        packed=topology.packed,
+    )
+    pool = ShmPool.create(pool_path, layout.total_bytes)
+    try:
+        transport = NixlTransport(agent_name(config.engine_id, config.pp_rank, config.tp_rank))
+        try:
+            yield LocalKV(layout, transport, pool.addr, pool.nbytes, config.push_config())
+        finally:
+            transport.close()
+    finally:
+        pool.close()
+        pool.unlink()
+
+
+def run(env: Mapping[str, str], interval_s: float, num_blocks: int, stop: threading.Event) -> int:
+    config = from_env(env)
+    namespace = _required(env, "POD_NAMESPACE")
+    pod = _required(env, "POD_NAME")
+    deployment = _required(env, "DISAGG_DEPLOYMENT")
+    pool_path = Path("/dev/shm") / f"disagg-status-{pod}-{os.getpid()}"
+    with registered_kv(config, num_blocks, pool_path) as local, kube_client() as api:
+        server = SideChannelServer(config.side_channel_host, config.side_channel_port)
+        server.set_payload(config.pp_rank, config.tp_rank, local.handshake_payload())
+        server.start()
+        try:
+            log.info(
+                "%s: %s engine %s (pp %d, tp %d) serves its side channel on %s:%d",
+                pod,
+                config.role,
+                config.engine_id,
+                config.pp_rank,
+                config.tp_rank,
+                config.side_channel_host,
+                config.side_channel_port,
+            )
+            reporter = PodReporter(api, namespace, pod)
+            timeout_s = min(interval_s, DEFAULT_HANDSHAKE_TIMEOUT_S)
+            while not stop.is_set():
+                report_once(config, local, reporter, deployment, timeout_s=timeout_s)
+                stop.wait(interval_s)
+        finally:
+            server.stop()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m disagg.worker.status_loop", description=__doc__)
+    parser.add_argument("--interval", type=float, default=DEFAULT_INTERVAL_S, help="Seconds between rounds.")
+    parser.add_argument(
+        "--num-blocks", type=int, default=DEFAULT_NUM_BLOCKS, help="Logical KV blocks of the registered pool."
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        return run(os.environ, args.interval, args.num_blocks, stop)
+    except DisaggError as exc:
+        log.error("%s: %s", exc.reason, exc.message)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
