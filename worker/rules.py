@@ -60,6 +60,37 @@ def block_size_mismatch(
     )
 
 
+def unequal_block_sizes(
+    transfer_mode: str, hma: bool, prefill_block_size: int, decode_block_size: int
+) -> Violation | None:
+    """Block sizes a prefill/decode pair may use, decided before any pod exists.
+
+    disagg's push sidecar moves whole blocks (and vLLM's layer-routed push requires equal sizes), so push
+    needs equal block sizes. vLLM's pull connector maps several smaller prefill blocks into one decode block,
+    but only when prefill's size divides decode's and never with a hybrid KV cache.
+    """
+    if prefill_block_size == decode_block_size:
+        return None
+    if (
+        transfer_mode == PULL
+        and not hma
+        and prefill_block_size < decode_block_size
+        and decode_block_size % prefill_block_size == 0
+    ):
+        return None
+    if transfer_mode == PUSH:
+        why = "the push connector moves whole blocks"
+    elif hma:
+        why = "the pull connector cannot remap blocks of a hybrid KV cache (HMA)"
+    else:
+        why = "the pull connector only maps smaller prefill blocks that divide the decode block size"
+    return Violation(
+        "BlockSizeMismatch",
+        f"prefill blockSize {prefill_block_size} and decode blockSize {decode_block_size} differ and {why}: "
+        "set both blockSize fields to the same value",
+    )
+
+
 def decode_tp_exceeds_prefill_tp(
     is_mla: bool, prefill_tp: int, decode_tp: int, layer_routing: bool
 ) -> Violation | None:
@@ -165,7 +196,7 @@ def check_topology(
         decode_pipeline_parallel(decode.pp_size),
         pull_connector_with_hma_pp(transfer_mode, hma, prefill.pp_size),
         mamba_under_pp(has_mamba, prefill.pp_size),
-        block_size_mismatch(routing, prefill.block_size, decode.block_size),
+        unequal_block_sizes(transfer_mode, hma, prefill.block_size, decode.block_size),
         decode_tp_exceeds_prefill_tp(is_mla, prefill.tp_size, decode.tp_size, routing),
         tp_not_divisible(prefill.tp_size, decode.tp_size),
         invalid_layer_partition(num_layers, prefill.pp_size, prefill.layer_partition),

@@ -73,7 +73,7 @@ def test_check_json_output(capsys: pytest.CaptureFixture[str]) -> None:
     result = json.loads(out)
     assert result["valid"] is True and result["compatible"] is False
     assert [v["reason"] for v in result["violations"]] == ["BlockSizeMismatch"]
-    assert "prefill uses 32 and decode 16" in result["violations"][0]["message"]
+    assert "prefill blockSize 32 and decode blockSize 16" in result["violations"][0]["message"]
     assert result["topology"]["routingMode"] == "layer-name"
     assert [s["startLayer"] for s in result["topology"]["stages"]] == [0, 31]
     assert set(result["compatibilityHashes"]) == {"prefill", "decode"}

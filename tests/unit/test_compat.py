@@ -68,7 +68,12 @@ KEPT: dict[str, dict[str, Any]] = {
         "prefill": {"pipelineParallelSize": 1},
     },
     # region-index routing (no PP) allows different block sizes and decode TP above prefill TP
-    "block-size-without-pp": {"prefill": {"pipelineParallelSize": 1}, "decode": {"blockSize": 16}},
+    "smaller-prefill-block-with-pull-without-hma": {
+        "kvTransfer": {"connector": "Pull"},
+        "engine": {"hybridKvCacheManager": "Disabled"},
+        "prefill": {"blockSize": 16},
+        "decode": {"blockSize": 32},
+    },
     "decode-tp-above-without-pp": {
         "prefill": {"pipelineParallelSize": 1},
         "decode": {"tensorParallelSize": 4},
@@ -132,8 +137,8 @@ def test_several_broken_rules_are_all_reported() -> None:
     report = evaluate(
         spec({"decode": {"pipelineParallelSize": 2, "blockSize": 16}, "kvTransfer": {"connector": "Pull"}})
     )
-    assert report.reasons == ["DecodePipelineParallel", "PullConnectorWithHybridPP"]
-    # pull never routes by layer name, so the block-size rule (a layer-routing rule) does not apply
+    # pull cannot remap the blocks of a hybrid KV cache, so the unequal block sizes are refused as well
+    assert report.reasons == ["DecodePipelineParallel", "PullConnectorWithHybridPP", "BlockSizeMismatch"]
     assert report.plan is not None and report.plan.routing_mode is RoutingMode.REGION_INDEX
 
 

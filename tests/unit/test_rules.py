@@ -44,6 +44,23 @@ def test_block_sizes_must_match_only_under_routing() -> None:
     assert "16" in violation.message and "32" in violation.message
 
 
+def test_unequal_block_sizes_only_for_pull_without_hma_when_prefill_divides_decode() -> None:
+    for mode in ("push", "pull"):
+        assert rules.unequal_block_sizes(mode, True, 16, 16) is None
+    assert rules.unequal_block_sizes("pull", False, 16, 32) is None
+    refused = [
+        ("push", False, 16, 32),  # the push sidecar moves whole blocks, routed or not
+        ("push", True, 32, 16),
+        ("pull", True, 16, 32),  # no block remapping with a hybrid KV cache
+        ("pull", False, 32, 16),  # only smaller prefill blocks are mapped
+        ("pull", False, 16, 24),  # ... and only when they divide the decode block
+    ]
+    for mode, hma, prefill_bs, decode_bs in refused:
+        violation = rules.unequal_block_sizes(mode, hma, prefill_bs, decode_bs)
+        assert violation is not None and violation.reason == "BlockSizeMismatch", (mode, hma, prefill_bs)
+        assert str(prefill_bs) in violation.message and str(decode_bs) in violation.message
+
+
 def test_decode_tp_above_prefill_tp() -> None:
     assert rules.decode_tp_exceeds_prefill_tp(False, 2, 2, True) is None
     assert rules.decode_tp_exceeds_prefill_tp(True, 1, 2, True) is None  # MLA is replicated
