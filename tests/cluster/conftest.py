@@ -7,6 +7,7 @@ and only if a pytest session started it: one started by hand stays up.
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
 import subprocess
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from kubernetes import client, config
-from local_cluster import ControlPlane, Holders, Paths, call_script, run_script, script_failure
+from local_cluster import PRE_APPLY, ControlPlane, Holders, Paths, call_script, run_script, script_failure
 
 CLUSTER_DIR = Path(__file__).resolve().parent
 INSTALL_RESULT = pytest.StashKey[subprocess.CompletedProcess[str]]()
@@ -39,7 +40,7 @@ def control_plane(control_plane_bin: Path) -> Iterator[ControlPlane]:
     with holders:
         started_here = call_script("status").returncode != 0
         if started_here:
-            run_script("start")
+            run_script("start", env={**os.environ, "DISAGG_PRE_APPLY": str(PRE_APPLY)})
             holders.mark_started_by_pytest()
         holders.add()
     api_client = config.new_client_from_config(config_file=str(paths.kubeconfig))  # type: ignore[no-untyped-call]

@@ -13,11 +13,19 @@ from kubernetes import client
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "hack" / "control-plane.sh"
+# Applied before the controller manager starts, so its garbage collector knows DisaggDeployment at once
+# (a CRD created later is only discovered on a 30 s resync, and owner-reference deletion waits for it).
+PRE_APPLY = REPO / "crds"
 
 
-def call_script(*args: str) -> subprocess.CompletedProcess[str]:
+def call_script(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        ["bash", str(SCRIPT), *args], capture_output=True, text=True, stdin=subprocess.DEVNULL, check=False
+        ["bash", str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        check=False,
     )
 
 
@@ -28,9 +36,9 @@ def script_failure(proc: subprocess.CompletedProcess[str]) -> str:
     )
 
 
-def run_script(*args: str) -> subprocess.CompletedProcess[str]:
+def run_script(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run hack/control-plane.sh; a failure fails the test (never a skip) and shows the script's log."""
-    proc = call_script(*args)
+    proc = call_script(*args, env=env)
     if proc.returncode != 0:
         pytest.fail(script_failure(proc), pytrace=False)
     return proc
