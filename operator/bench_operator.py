@@ -1,0 +1,348 @@
+"""`make bench` for the operator, against the real local kube-apiserver (hack/control-plane.sh).
+
+Two measurements, each beside the API server's own floor in the same run:
+1. `kubectl apply` → `Compatible` condition, median over sequential applies. Floor: the same `kubectl apply`,
+   then one status patch by a client that is already connected (what any operator must at least do).
+2. 100 DisaggDeployments reconciled end to end (every child applied, `Compatible` written) and the operator's
+   peak RSS. Floor: one client doing the same work without kopf: create, build, server-side apply every child,
+   patch the status.
+Both run in fresh namespaces that are deleted afterwards. The control plane is started if none runs, and
+stopped again only if this run started it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kubernetes import client, config, watch
+from urllib3.exceptions import ProtocolError
+
+from disagg.operator.api import GROUP, PLURAL, VERSION
+from disagg.operator.builders import Owner, build
+from disagg.operator.k8s_apply import Kube
+from disagg.operator.reconcile import judge
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "hack" / "control-plane.sh"
+EXAMPLE = REPO / "examples" / "pp2-hma.yaml"
+CRD = REPO / "crds" / "disagg.io_disaggdeployments.yaml"
+
+
+@dataclass(frozen=True)
+class Paths:
+    kubeconfig: Path
+    bin_dir: Path
+    state: Path
+
+
+def _script(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, check=False)
+
+
+def _paths() -> Paths:
+    fields = dict(line.split("=", 1) for line in _script("paths").stdout.splitlines() if "=" in line)
+    return Paths(Path(fields["kubeconfig"]), Path(fields["bin"]), Path(fields["state"]))
+
+
+@contextmanager
+def _holders_lock(state: Path) -> Iterator[Path]:
+    """The test suites' protocol (tests/cluster/local_cluster.py): one file per live user, under a lock."""
+    holders = state / "holders"
+    holders.mkdir(parents=True, exist_ok=True)
+    with (state / "holders.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield holders
+
+
+def _others_alive(holders: Path) -> bool:
+    for entry in holders.iterdir():
+        try:
+            os.kill(int(entry.name), 0)
+        except (ProcessLookupError, ValueError):
+            continue
+        return True
+    return False
+
+
+@contextmanager
+def _control_plane() -> Iterator[Paths]:
+    """A running control plane, registered as in use so that no test session stops it under the bench."""
+    paths = _paths()
+    paths.state.mkdir(parents=True, exist_ok=True)
+    me = f"{os.getpid()}"
+    with _holders_lock(paths.state) as holders:
+        started = _script("status").returncode != 0
+        if started:
+            result = _script("start")
+            if result.returncode != 0:
+                raise RuntimeError(f"hack/control-plane.sh start failed:\n{result.stderr[-4000:]}")
+        (holders / me).touch()
+    try:
+        yield paths
+    finally:
+        with _holders_lock(paths.state) as holders:
+            (holders / me).unlink(missing_ok=True)
+            if started and not _others_alive(holders):
+                _script("stop")
+
+
+class ConditionWatch:
+    """Records when each DisaggDeployment of a namespace first shows a `Compatible` condition."""
+
+    def __init__(self, api: client.ApiClient, namespace: str) -> None:
+        self.seen: dict[str, float] = {}
+        self._changed = threading.Condition()
+        self._watch = watch.Watch()  # type: ignore[no-untyped-call]
+        self._custom = client.CustomObjectsApi(api)
+        self._namespace = namespace
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        stream = self._watch.stream(  # type: ignore[no-untyped-call]
+            self._custom.list_namespaced_custom_object, GROUP, VERSION, self._namespace, PLURAL
+        )
+        try:
+            for event in stream:
+                self._record(event["object"])
+        except ProtocolError:
+            # stop() closes the connection under the stream; any other end of it is an error.
+            if not self._stopping.is_set():
+                raise
+
+    def _record(self, obj: dict[str, Any]) -> None:
+        conditions = (obj.get("status") or {}).get("conditions") or []
+        if any(item.get("type") == "Compatible" for item in conditions):
+            with self._changed:
+                self.seen.setdefault(obj["metadata"]["name"], time.perf_counter())
+                self._changed.notify_all()
+
+    def wait(self, names: Sequence[str], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not all(name in self.seen for name in names):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = [name for name in names if name not in self.seen]
+                    raise TimeoutError(f"no Compatible condition within {timeout} s on {missing[:5]}")
+                self._changed.wait(left)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._watch.stop()  # type: ignore[no-untyped-call]
+
+
+def _document(namespace: str, name: str) -> dict[str, Any]:
+    document: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text(encoding="utf-8"))
+    document["metadata"] = {"name": name, "namespace": namespace}
+    return document
+
+
+def _kubectl_apply(paths: Paths, document: dict[str, Any]) -> None:
+    subprocess.run(
+        [str(paths.bin_dir / "kubectl"), "apply", "-f", "-"],
+        input=yaml.safe_dump(document),
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "KUBECONFIG": str(paths.kubeconfig)},
+    )
+
+
+def _floor_status(kube: Kube, namespace: str, name: str) -> None:
+    """The one status write any operator makes after reading the object."""
+    body = kube.read_deployment(namespace, name)
+    assert body is not None
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    condition = {
+        "type": "Compatible",
+        "status": "True",
+        "reason": "Compatible",
+        "message": "applied directly by a client",
+        "lastTransitionTime": now,
+    }
+    kube.patch_status(namespace, name, {"observedGeneration": 1, "conditions": [condition]})
+
+
+def _apply_latency(
+    paths: Paths, api: client.ApiClient, namespace: str, count: int, floor: bool
+) -> list[float]:
+    kube, latencies = Kube(api), []
+    observer = ConditionWatch(api, namespace)
+    try:
+        for index in range(count):
+            name = f"latency-{index}"
+            start = time.perf_counter()
+            _kubectl_apply(paths, _document(namespace, name))
+            if floor:
+                _floor_status(kube, namespace, name)
+            observer.wait([name], timeout=60)
+            latencies.append(observer.seen[name] - start)
+    finally:
+        observer.stop()
+    return latencies
+
+
+def _floor_reconcile(kube: Kube, namespace: str, name: str) -> None:
+    """What the operator does for one object, done directly: create, judge, build, apply, write status."""
+    document = _document(namespace, name)
+    kube.custom.create_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, document, _preload_content=False
+    )
+    body = kube.read_deployment(namespace, name)
+    assert body is not None
+    verdict = judge(body["spec"])
+    assert verdict.spec is not None and verdict.report is not None and verdict.report.plan is not None
+    owner = Owner(name, namespace, body["metadata"]["uid"], 1)
+    for obj in build(verdict.spec, owner, verdict.report.plan, verdict.report.hashes):
+        kube.apply(obj)
+    _floor_status(kube, namespace, name)
+
+
+def _end_to_end(api: client.ApiClient, namespace: str, count: int, floor: bool) -> float:
+    kube = Kube(api)
+    names = [f"dd-{index}" for index in range(count)]
+    observer = ConditionWatch(api, namespace)
+    start = time.perf_counter()
+    try:
+        for name in names:
+            if floor:
+                _floor_reconcile(kube, namespace, name)
+            else:
+                document = _document(namespace, name)
+                kube.custom.create_namespaced_custom_object(
+                    GROUP, VERSION, namespace, PLURAL, document, _preload_content=False
+                )
+        observer.wait(names, timeout=600)
+        _wait_children(kube, namespace, count)
+    finally:
+        observer.stop()
+    return time.perf_counter() - start
+
+
+def _wait_children(kube: Kube, namespace: str, count: int) -> None:
+    """Every DisaggDeployment's StatefulSet and Deployment exist (Compatible is written after the apply)."""
+
+    def counted(lister: Callable[..., Any]) -> int:
+        items: list[Any] = json.loads(lister(namespace, _preload_content=False).data)["items"]
+        return len(items)
+
+    for lister in (kube.apps.list_namespaced_stateful_set, kube.apps.list_namespaced_deployment):
+        found = counted(lister)
+        if found != count:
+            raise RuntimeError(f"expected {count} workloads of each kind, found {found}")
+
+
+class Operator:
+    def __init__(self, paths: Paths, namespaces: Sequence[str], log: Path) -> None:
+        port = _free_port()
+        args = [sys.executable, "-m", "disagg.operator.cli", "operator", "run", "--health-port", str(port)]
+        for namespace in namespaces:
+            args += ["--namespace", namespace]
+        env = {**os.environ, "KUBECONFIG": str(paths.kubeconfig), "PYTHONSAFEPATH": "1"}
+        self._log = log.open("wb")
+        self.proc = subprocess.Popen(args, env=env, stdout=self._log, stderr=subprocess.STDOUT, cwd="/")
+        deadline = time.monotonic() + 60
+        while not _healthy(port):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the operator did not become healthy; see {log}")
+            time.sleep(0.1)
+
+    def peak_rss_mib(self) -> float:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+        raise RuntimeError("no VmHWM for the operator process")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        self._log.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
+
+
+@contextmanager
+def _namespace(api: client.ApiClient, prefix: str) -> Iterator[str]:
+    core = client.CoreV1Api(api)
+    name = f"{prefix}-{secrets.token_hex(3)}"
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    try:
+        yield name
+    finally:
+        core.delete_namespace(name)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench_operator", description=__doc__.splitlines()[0])
+    parser.add_argument("--latency-samples", type=int, default=15)
+    parser.add_argument("--count", type=int, default=100, help="DisaggDeployments reconciled end to end.")
+    args = parser.parse_args(argv)
+    with _control_plane() as paths:
+        subprocess.run(
+            [str(paths.bin_dir / "kubectl"), "apply", "-f", str(CRD)],
+            check=True,
+            capture_output=True,
+            env={**os.environ, "KUBECONFIG": str(paths.kubeconfig)},
+        )
+        api = config.new_client_from_config(config_file=str(paths.kubeconfig))  # type: ignore[no-untyped-call]
+        with _namespace(api, "bench-floor-a") as a, _namespace(api, "bench-floor-b") as b:
+            floor_latency = statistics.median(_apply_latency(paths, api, a, args.latency_samples, floor=True))
+            floor_total = _end_to_end(api, b, args.count, floor=True)
+        with _namespace(api, "bench-op-a") as a, _namespace(api, "bench-op-b") as b:
+            operator = Operator(paths, [a, b], Path(f"/tmp/disagg-bench-operator-{os.getpid()}.log"))
+            try:
+                latency = statistics.median(_apply_latency(paths, api, a, args.latency_samples, floor=False))
+                total = _end_to_end(api, b, args.count, floor=False)
+                rss = operator.peak_rss_mib()
+            finally:
+                operator.stop()
+    print("operator bench: kube-apiserver v1.20.2 on 127.0.0.1, no kubelet (pods stay Pending)")
+    print(
+        f"  kubectl apply -> Compatible, median of {args.latency_samples}: operator {latency:.3f} s | "
+        f"API floor (kubectl apply + one status patch) {floor_latency:.3f} s | "
+        f"ratio {latency / floor_latency:.2f}x"
+    )
+    print(
+        f"  {args.count} DisaggDeployments end to end: operator {total:.2f} s | "
+        f"API floor (one client applies the same objects) {floor_total:.2f} s | "
+        f"ratio {total / floor_total:.2f}x"
+    )
+    print(f"  operator peak RSS: {rss:.1f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
