@@ -524,7 +524,7 @@ def reference_tokens(
 
 
 def format_table(results: Sequence[RequestResult]) -> str:
-    header = ("request", "prompt tokens", "blocks", "bytes moved", "GB/s", "TTFT ms", "identical")
+    header = ("request", "prompt tokens", "blocks", "bytes moved", "transfer GB/s", "TTFT ms", "identical")
     rows = [
         (
             r.request_id,
@@ -571,6 +571,9 @@ def run_demo(
         for index, (ids, reference) in enumerate(zip(token_ids, references, strict=True)):
             out(f"request req-{index}: {len(ids)} prompt tokens ...")
             results.append(cluster.run_request(f"req-{index}", ids, max_new_tokens, reference))
+        out("stopping the engines and sending SIGTERM to the sidecars ...")
+    codes = sorted(set(cluster.sidecar_exit_codes.values()), key=str)
+    out(f"  {len(cluster.sidecar_exit_codes)} sidecars exited with {', '.join(map(str, codes))}")
     out("")
     out(format_table(results))
     out("")

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 from conftest import metric
 
-from disagg.worker.demo import DemoCluster, RequestResult, reference_tokens
+from disagg.worker.demo import DemoCluster, RequestResult, format_table, reference_tokens, summary
 from disagg.worker.engine.config import TinyConfig, encode
 
 CONFIG = TinyConfig()
@@ -80,3 +80,11 @@ def test_sigterm_stops_every_sidecar_with_exit_code_0(run: tuple[DemoCluster, li
     cluster.close()
     assert cluster.sidecar_exit_codes == {f"sidecar {w.name}": 0 for w in cluster.workers}
     assert all(p is not None and p.poll() == 0 for p in processes)
+
+
+def test_the_summary_claims_identical_only_when_every_request_is() -> None:
+    same = RequestResult("a", 5, 3, 100, 0.001, 0.01, [1, 2], [1, 2])
+    other = RequestResult("b", 5, 3, 100, 0.001, 0.01, [1, 3], [1, 2])
+    assert summary([same, same]) == "all 2 requests identical to the monolithic run"
+    assert summary([same, other]) == "1 of 2 requests differ from the monolithic run: b"
+    assert format_table([same, other]).splitlines()[-1].split()[-1] == "NO"
