@@ -87,6 +87,8 @@ class LocalKubelet:
     """Plays kubelet for every pod of one DisaggDeployment in one namespace; call `sync()` periodically."""
 
     api: client.ApiClient
+    kubeconfig: Path
+    """The sidecars' credentials: where a pod would mount its service account token."""
     namespace: str
     deployment: str
     workdir: Path
@@ -211,8 +213,9 @@ class LocalKubelet:
         env["DISAGG_ENGINE_SOCKET"] = str(workdir / "engine.sock")
         env["DISAGG_METRICS_HOST"] = ip
         process_env = {
-            **{k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "KUBECONFIG", "LANG")},
+            **{k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG")},
             **env,
+            "KUBECONFIG": str(self.kubeconfig),
             "PYTHONSAFEPATH": "1",
         }
         with (workdir / "sidecar.log").open("ab") as log:
