@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from conftest import SidecarProcess, metric
+from conftest import SidecarProcess, free_port, metric
 
 from disagg.worker.engine_link import (
     MAX_FRAME_BYTES,
@@ -194,3 +194,32 @@ def test_invalid_configuration_exits_2_with_a_structured_reason(
         '"reason": "InvalidWorkerConfig", "error": "DISAGG_BLOCK_SIZE=32 contradicts the topology file\'s '
         'blockSize 16"'
     ) in sidecar.log()
+
+
+def test_an_unreachable_prefill_engine_fails_the_request_with_its_reason(
+    workdir: Path, sidecars: list[SidecarProcess]
+) -> None:
+    sidecar = SidecarProcess(
+        workdir, "d0", topology(), DISAGG_ROLE="decode", DISAGG_ENGINE_ID="socket-test-decode"
+    )
+    sidecars.append(sidecar)
+    sidecar.wait_listening()
+    pool = ShmPool.create(workdir / "d0.kv", stage_layout().total_bytes)
+    message = msgspec.structs.replace(registration(pool), engine_id="socket-test-decode", role="decode")
+    groups = len(stage_layout().groups)
+    nobody = PrefillEngine("gone-prefill", "127.0.0.1", free_port(), tp_size=1, pp_size=2)
+    with EngineLink(sidecar.socket_path) as link:
+        link.register_layout(message)
+        link.expect_request("r1", [[g + 1] for g in range(groups)], nobody)
+        with pytest.raises(DisaggError) as caught:
+            link.wait("r1", timeout_s=60)
+        assert caught.value.reason == "PeerUnreachable"
+        status = link.query("r1")
+        assert (status.state, status.reason) == ("failed", "PeerUnreachable")
+        refused(link, RequestFinished("r2", [[1]] * groups), WrongRole)
+    _, metrics = sidecar.get("/metrics")
+    assert metric(metrics, "disagg_kv_transfer_failures_total", reason="PeerUnreachable") == 1
+    assert metric(metrics, "disagg_kv_transfers_total", direction="received") is None
+    assert sidecar.get("/readyz")[0] == 200
+    assert sidecar.terminate() == 0
+    pool.close()
