@@ -109,19 +109,37 @@ def selector_labels(owner: str, role: Role, replica: int | None = None) -> dict[
     return labels
 
 
-def topology_document(owner: Owner, plan: TopologyPlan, hashes: Mapping[str, str]) -> str:
-    return json.dumps(
-        {"deployment": owner.name, **plan.to_dict(), "compatibilityHashes": dict(hashes)},
-        sort_keys=True,
-        indent=2,
-    )
+def topology_document(
+    spec: DisaggDeploymentSpec, owner: Owner, plan: TopologyPlan, hashes: Mapping[str, str]
+) -> str:
+    """The plan plus what a sidecar needs to build its KV layout (`disagg.worker.sidecar_config` reads it)."""
+    model = spec.model
+    document = {
+        "deployment": owner.name,
+        **plan.to_dict(),
+        "blockSize": spec.prefill.block_size,
+        "kvLeaseDurationSeconds": spec.kv_transfer.lease_seconds,
+        "model": {
+            "name": model.name,
+            "dtype": model.dtype.value,
+            "dtypeBytes": model.dtype.num_bytes,
+            "numKVHeads": model.num_kv_heads,
+            "headSize": model.head_size,
+            "layerKinds": [kind.to_layout().value for kind in model.layer_kinds()],
+            "layerNameTemplate": model.layer_name_template,
+            "hma": plan.hma,
+            "attentionBackend": spec.engine.attention_backend,
+        },
+        "compatibilityHashes": dict(hashes),
+    }
+    return json.dumps(document, sort_keys=True, indent=2)
 
 
 def build(
     spec: DisaggDeploymentSpec, owner: Owner, plan: TopologyPlan, hashes: Mapping[str, str]
 ) -> list[dict[str, Any]]:
     """Every object the deployment needs, in apply order (the ConfigMap before the pods that mount it)."""
-    topology = topology_document(owner, plan, hashes)
+    topology = topology_document(spec, owner, plan, hashes)
     checksum = hashlib.sha256(topology.encode()).hexdigest()[:16]
     objects: list[dict[str, Any]] = [
         _object(

@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from disagg.operator import conditions as cond
-from disagg.operator.api import DisaggDeploymentSpec
+from disagg.operator.api import ConditionStatus, DisaggDeploymentSpec
 from disagg.operator.builders import Owner, build
 from disagg.operator.builders_engine import arg_violations
 from disagg.operator.compat import CompatReport, evaluate
@@ -72,9 +72,11 @@ def reconcile(kube: Kube, body: Mapping[str, Any]) -> Outcome:
     """Converge the children on the spec (or refuse it), then write the status."""
     owner = _owner(body)
     verdict = judge(body.get("spec") or {})
-    if verdict.violations or verdict.spec is None or verdict.report is None or verdict.report.plan is None:
+    if verdict.violations:
         refresh_status(kube, owner.namespace, owner.name)
-        return Outcome((), (), verdict.message or "the spec has no topology plan")
+        return Outcome((), (), verdict.message)
+    # judge() reports a violation whenever the spec cannot be parsed or planned.
+    assert verdict.spec is not None and verdict.report is not None and verdict.report.plan is not None
     desired = build(verdict.spec, owner, verdict.report.plan, verdict.report.hashes)
     for obj in desired:
         kube.apply(obj)
@@ -125,7 +127,7 @@ def _write_invalid(kube: Kube, body: Mapping[str, Any], verdict: Verdict) -> boo
     conditions = cond.set_condition(
         cond.parse(current.get("conditions")),
         cond.COMPATIBLE,
-        cond.ConditionStatus.FALSE,
+        ConditionStatus.FALSE,
         verdict.violations[0].reason,
         verdict.message,
         generation=generation,

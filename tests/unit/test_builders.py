@@ -21,6 +21,7 @@ from disagg.operator.builders import (
 from disagg.operator.builders_engine import arg_violations, engine_container, is_vllm_image
 from disagg.operator.compat import evaluate
 from disagg.operator.kv_status import POD_CONDITION
+from disagg.worker.sidecar_config import parse_topology
 
 OWNER = Owner(name="gemma-pp2", namespace="ns1", uid="0f0e-uid", generation=7)
 
@@ -97,6 +98,15 @@ class TestObjectSet:
         assert document["stages"] == report.plan.to_dict()["stages"]
         assert document["compatibilityHashes"] == dict(report.hashes)
         assert [s["endLayer"] - s["startLayer"] for s in document["stages"]] == [31, 31]
+        assert document["blockSize"] == 32 and document["kvLeaseDurationSeconds"] == 120
+        kinds = document["model"]["layerKinds"]
+        assert len(kinds) == 62 and kinds[:6] == ["sliding_window"] * 5 + ["full"]
+        assert document["model"]["numKVHeads"] == 16 and document["model"]["dtypeBytes"] == 2
+
+    def test_the_sidecar_accepts_the_topology_document(self) -> None:
+        document = objects(spec())["ConfigMap", "gemma-pp2-topology"]["data"][TOPOLOGY_KEY]
+        topology = parse_topology(json.loads(document))
+        assert topology.block_size == 32
 
     def test_service_ports_name_their_protocol(self) -> None:
         # Server-side apply on 1.20 refuses Service ports without protocol (list-map key).

@@ -1,0 +1,140 @@
+"""The DisaggDeployment status computed from the spec's verdict, the observed workloads and the sidecars."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from dd_specs import spec
+
+from disagg.operator import conditions as cond
+from disagg.operator.api import ConditionStatus, DisaggDeploymentStatus
+from disagg.operator.compat import evaluate
+from disagg.operator.kv_status import PodKV
+from disagg.operator.status import Workload, compute, incompatibility_message, to_json, workload
+from disagg.worker.errors import Violation
+
+T0 = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
+
+
+def sts(ready: int, generation: int = 1, settled: bool = True) -> Workload:
+    return Workload("StatefulSet", "g-prefill-0", "prefill", 2, 2, ready, 2, settled, generation)
+
+
+def deploy(ready: int, generation: int = 1) -> Workload:
+    return Workload("Deployment", "g-decode", "decode", 2, 2, ready, 2, True, generation)
+
+
+def status_of(
+    workloads: list[Workload],
+    violations: tuple[Violation, ...] = (),
+    pods: tuple[PodKV, ...] = (),
+    generation: int = 1,
+    previous: DisaggDeploymentStatus | None = None,
+    now: datetime = T0,
+) -> DisaggDeploymentStatus:
+    return compute(
+        generation=generation,
+        previous=(previous.conditions or []) if previous else [],
+        violations=violations,
+        report=evaluate(spec()),
+        workloads=workloads,
+        pods=list(pods),
+        now=now,
+    )
+
+
+def by_type(status: DisaggDeploymentStatus) -> dict[str, tuple[str, str]]:
+    return {c.type: (c.status.value, c.reason) for c in status.conditions or []}
+
+
+def test_fresh_compatible_deployment_is_rolling_out() -> None:
+    status = status_of([sts(0), deploy(0)])
+    assert by_type(status) == {
+        "Compatible": ("True", "Compatible"),
+        "Available": ("False", "AwaitingPods"),
+        "Progressing": ("True", "RollingOut"),
+        "KVTransferReady": ("Unknown", "NoPods"),
+    }
+    assert status.observed_generation == 1
+    assert status.prefill is not None and status.prefill.replicas == 2
+    assert status.topology is not None and len(status.topology.stages) == 2
+
+
+def test_everything_ready_is_available_and_done() -> None:
+    ok = PodKV("g-prefill-0-0", "prefill", 0, ConditionStatus.TRUE, "HandshakesSucceeded", "")
+    status = status_of([sts(2), deploy(2)], pods=(ok,))
+    assert by_type(status)["Available"] == ("True", "AllReplicasReady")
+    assert by_type(status)["Progressing"] == ("False", "RolloutComplete")
+    assert by_type(status)["KVTransferReady"] == ("True", "HandshakesSucceeded")
+
+
+def test_workloads_of_an_older_generation_are_still_progressing() -> None:
+    status = status_of([sts(2, generation=1), deploy(2, generation=1)], generation=2)
+    assert by_type(status)["Progressing"] == ("True", "RollingOut")
+    unsettled = status_of([sts(2, settled=False), deploy(2)])
+    assert by_type(unsettled)["Progressing"] == ("True", "RollingOut")
+
+
+def test_incompatible_create_names_every_rule() -> None:
+    violations = (
+        Violation("DecodePipelineParallel", "decode PP is 2"),
+        Violation("BlockSizeMismatch", "32 vs 16"),
+    )
+    status = status_of([], violations)
+    compatible = cond.find(status.conditions or [], "Compatible")
+    assert compatible is not None
+    assert (compatible.status, compatible.reason) == (ConditionStatus.FALSE, "DecodePipelineParallel")
+    assert compatible.message == "DecodePipelineParallel: decode PP is 2; BlockSizeMismatch: 32 vs 16"
+    assert compatible.message == incompatibility_message(violations)
+    assert by_type(status)["Available"] == ("False", "Incompatible")
+    assert by_type(status)["Progressing"] == ("False", "SpecRefused")
+
+
+def test_incompatible_update_says_the_running_objects_stay() -> None:
+    running = status_of([sts(2), deploy(2)])
+    refused = status_of(
+        [sts(2), deploy(2)],
+        (Violation("BlockSizeMismatch", "32 vs 16"),),
+        generation=2,
+        previous=running,
+        now=T0 + timedelta(minutes=1),
+    )
+    compatible = cond.find(refused.conditions or [], "Compatible")
+    assert compatible is not None and compatible.message.endswith(
+        "The running objects from generation 1 were left unchanged."
+    )
+    assert compatible.last_transition_time == T0 + timedelta(minutes=1)
+    # Available did not flip, so its transition time is the first one.
+    available = cond.find(refused.conditions or [], "Available")
+    assert available is not None and available.last_transition_time == T0
+
+
+def test_json_is_what_the_api_server_stores() -> None:
+    rendered = to_json(status_of([sts(0), deploy(0)]))
+    assert rendered["observedGeneration"] == 1
+    assert {c["type"] for c in rendered["conditions"]} == {
+        "Compatible",
+        "Available",
+        "Progressing",
+        "KVTransferReady",
+    }
+    assert all(c["lastTransitionTime"] == "2026-11-30T09:00:00Z" for c in rendered["conditions"])
+    assert "phase" not in rendered
+
+
+def test_workload_reads_apps_v1_status() -> None:
+    observed = workload(
+        {
+            "kind": "StatefulSet",
+            "metadata": {
+                "name": "g-prefill-0",
+                "generation": 3,
+                "labels": {"app.kubernetes.io/component": "prefill"},
+                "annotations": {"disagg.io/generation": "2"},
+            },
+            "spec": {"replicas": 2},
+            "status": {"observedGeneration": 3, "replicas": 2, "readyReplicas": 1, "updatedReplicas": 2},
+        }
+    )
+    assert observed == Workload("StatefulSet", "g-prefill-0", "prefill", 2, 2, 1, 2, True, 2)
+    assert not observed.done
