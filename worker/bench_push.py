@@ -33,7 +33,7 @@ from disagg.worker.push_producer import desc_ids, plan_decode_rank
 from disagg.worker.routing import DescArray, IdArray
 from disagg.worker.shm_pool import ShmPool
 from disagg.worker.side_channel import SideChannelServer, handshake
-from disagg.worker.transport import NixlTransport, PreppedList, XferState, merge_runs
+from disagg.worker.transport import LOOPBACK_UCX_ENV, NixlTransport, PreppedList, XferState, merge_runs
 
 HOST = "127.0.0.1"
 DECODE_ENGINE = "bench-decode"
@@ -327,6 +327,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--handshakes", type=int, default=20)
     args = parser.parse_args(argv)
+    for key, value in LOOPBACK_UCX_ENV.items():
+        os.environ.setdefault(key, value)
     shape = Shape(args.tokens, args.layers, args.block_size, args.kv_heads, args.head_size)
     return run(shape, args.repeats, args.handshakes)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +27,7 @@ from disagg.worker.errors import PeerUnreachable, TransferFailed
 LOCAL_AGENT = "NIXL_INIT_AGENT"
 MEM_TYPES = ("DRAM", "VRAM")
 
-# UCX stays on loopback in tests and single-host runs unless the caller says otherwise.
+# Single-host runs (tests, benchmarks) keep UCX on loopback; without it UCX stripes TCP over every interface.
 LOOPBACK_UCX_ENV: Mapping[str, str] = {"UCX_NET_DEVICES": "lo"}
 
 
@@ -131,8 +130,6 @@ class NixlTransport:
         ucx_params: Mapping[str, str] | None = None,
     ) -> None:
         api = _nixl_api()
-        for key, value in LOOPBACK_UCX_ENV.items():
-            os.environ.setdefault(key, value)
         conf = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[])
         self.name = agent_name
         self._agent = api.nixl_agent(agent_name, conf)

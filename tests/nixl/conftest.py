@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _procs import Cluster, cluster
+from _procs import UCX_ENV, Cluster, cluster
+
+# Agents created in the test process itself stay on loopback too.
+for _key, _value in UCX_ENV.items():
+    os.environ.setdefault(_key, _value)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
