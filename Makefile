@@ -45,7 +45,8 @@ lint: $(STAMP)
 	MYPYPATH=.cache/mypy-src $(VENV)/bin/mypy --namespace-packages -p disagg.operator -p disagg.worker
 
 crds: $(STAMP)
-	$(VENV)/bin/disagg crd generate
+	$(VENV)/bin/disagg crd generate --output-dir crds
+	bash hack/chart-sync
 
 control-plane-up:
 	bash hack/control-plane.sh start
