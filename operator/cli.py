@@ -18,6 +18,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "disagg.operator.cli_operator",
     "disagg.worker.cli_worker",
     "disagg.worker.cli_probe",
+    "disagg.operator.cli_bench",
 )
 
 
