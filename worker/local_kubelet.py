@@ -40,6 +40,10 @@ Fault = Callable[[dict[str, Any], dict[str, str]], None]
 """Edits a copy of the pod's topology document and sidecar environment before its sidecar starts."""
 
 
+class SidecarExited(RuntimeError):
+    """A pod's sidecar process failed (its log tail is in the message); a kubelet would restart it."""
+
+
 def _json(response: Any) -> dict[str, Any]:
     body: dict[str, Any] = json.loads(response.data)
     return body
@@ -125,7 +129,7 @@ class LocalKubelet:
             if local is None:
                 local = self._start(pod)
             elif local.process.poll() is not None and local.process.returncode != 0:
-                raise RuntimeError(
+                raise SidecarExited(
                     f"the sidecar of pod {name} exited with {local.process.returncode}; "
                     f"log: {local.workdir / 'sidecar.log'}:\n{self.log_tail(name)}"
                 )

@@ -110,9 +110,8 @@ def run(env: Mapping[str, str], interval_s: float, num_blocks: int, stop: thread
                 config.side_channel_port,
             )
             reporter = PodReporter(api, namespace, pod)
-            timeout_s = min(interval_s, DEFAULT_HANDSHAKE_TIMEOUT_S)
             while not stop.is_set():
-                report_once(config, local, reporter, deployment, timeout_s=timeout_s)
+                report_once(config, local, reporter, deployment)
                 stop.wait(interval_s)
         finally:
             server.stop()
