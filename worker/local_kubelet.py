@@ -31,6 +31,7 @@ from kubernetes import client
 
 from disagg.worker.k8s_report import rfc3339
 from disagg.worker.peer_check import DEPLOYMENT_LABEL, SIDECAR_CONTAINER
+from disagg.worker.transport import LOOPBACK_UCX_ENV
 
 NODE: Final = "disagg-local-node"
 FIELD_MANAGER: Final = "disagg-local-kubelet"
@@ -219,6 +220,8 @@ class LocalKubelet:
         process_env = {
             **{k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG")},
             **env,
+            # Every local pod shares this host's loopback; UCX would otherwise stripe over every interface.
+            **LOOPBACK_UCX_ENV,
             "KUBECONFIG": str(self.kubeconfig),
             "PYTHONSAFEPATH": "1",
         }

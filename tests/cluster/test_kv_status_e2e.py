@@ -1,0 +1,228 @@
+"""KVTransferReady end to end on the real API server: the operator, the pods, and one sidecar per pod.
+
+The operator (a real `disagg operator run`) creates the StatefulSet and Deployment; the controller manager
+creates their pods. There is no kubelet, so `LocalKubelet` binds each pod, gives it a loopback IP, marks it
+running and starts its sidecar as a local process with the pod's downward-API identity: each one registers
+a real NIXL agent, serves its handshake payload on its side channel, handshakes the other role's pods and
+writes its Pod's `disagg.io/kv-transfer-ready` condition, which the operator aggregates.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from local_cluster import ControlPlane
+from operator_harness import Cluster, OperatorProcess, example, wait_for
+
+from disagg.operator.api import DisaggDeploymentSpec
+from disagg.operator.compat import role_factors
+from disagg.worker import wire
+from disagg.worker.k8s_report import POD_CONDITION
+from disagg.worker.local_kubelet import LocalKubelet, with_engine_hash, with_layer_names
+
+NAME = "kv"
+# A small hybrid model (sliding-window layers with a full-attention layer every 6th) keeps the pools tiny.
+SPEC_PATCH: dict[str, Any] = {
+    "model": {"numLayers": 12, "numKvHeads": 4, "headSize": 16},
+    "prefill": {"pipelineParallelSize": 2},
+    "decode": {"replicas": 2},
+}
+TIMEOUT_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def cluster(control_plane: ControlPlane) -> Cluster:
+    cluster = Cluster(control_plane)
+    cluster.apply_crd()
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def prefix() -> str:
+    return f"kve-{secrets.token_hex(2)}"
+
+
+@pytest.fixture(scope="module")
+def operator(
+    cluster: Cluster, prefix: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorProcess]:
+    process = OperatorProcess(cluster.cp, [f"{prefix}-*"], tmp_path_factory.mktemp("op") / "operator.log")
+    process.start()
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture
+def ns(cluster: Cluster, prefix: str, operator: OperatorProcess) -> Iterator[str]:
+    name = cluster.create_namespace(prefix)
+    try:
+        yield name
+    finally:
+        cluster.delete_namespace(name)
+
+
+@pytest.fixture
+def kubelet(cluster: Cluster, ns: str, tmp_path: Path) -> Iterator[LocalKubelet]:
+    kubelet = LocalKubelet(cluster.cp.api_client, cluster.cp.kubeconfig, ns, NAME, tmp_path / "pods")
+    try:
+        yield kubelet
+    finally:
+        kubelet.stop_all()
+
+
+def deploy(cluster: Cluster, ns: str) -> DisaggDeploymentSpec:
+    # Each run its own side-channel port: another run's pods may share a loopback subnet by chance.
+    patch = {**SPEC_PATCH, "kvTransfer": {"sideChannelPort": 20000 + secrets.randbelow(20000)}}
+    document = example("pp2-hma.yaml", ns, NAME, patch)
+    result = cluster.kubectl_apply(document)
+    assert result.returncode == 0, result.stderr
+    return DisaggDeploymentSpec.model_validate(document["spec"])
+
+
+def kv_condition(
+    cluster: Cluster, kubelet: LocalKubelet, ns: str, status: str, reason: str
+) -> dict[str, Any]:
+    """Play kubelet until the deployment's KVTransferReady has this status and reason."""
+
+    def probe() -> dict[str, Any] | None:
+        kubelet.sync()
+        found = cluster.condition(ns, NAME, "KVTransferReady")
+        return found if found and (found["status"], found["reason"]) == (status, reason) else None
+
+    try:
+        return wait_for(f"KVTransferReady={status} ({reason})", probe, timeout=TIMEOUT_S, interval=0.3)
+    except AssertionError as error:
+        logs = "\n".join(f"--- {name}\n{kubelet.log_tail(name, 8)}" for name in sorted(kubelet.pods))
+        found = cluster.condition(ns, NAME, "KVTransferReady")
+        raise AssertionError(f"{error}\nlast KVTransferReady: {found}\n{logs}") from None
+
+
+def pods(cluster: Cluster, ns: str) -> dict[str, dict[str, Any]]:
+    return {pod["metadata"]["name"]: pod for pod in cluster.children(ns, NAME)["Pod"]}
+
+
+def pod_conditions(pod: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in pod["status"].get("conditions") or ()}
+
+
+def role_pods(cluster: Cluster, ns: str, role: str) -> list[str]:
+    return sorted(
+        n for n, p in pods(cluster, ns).items() if p["metadata"]["labels"]["disagg.io/role"] == role
+    )
+
+
+def events(cluster: Cluster, ns: str, pod: str, reason: str) -> list[dict[str, Any]]:
+    response = cluster.core.list_namespaced_event(
+        ns, field_selector=f"involvedObject.name={pod},reason={reason}", _preload_content=False
+    )
+    items: list[dict[str, Any]] = json.loads(response.data)["items"]
+    return items
+
+
+def test_healthy_topology_turns_kv_transfer_ready_and_the_pods_ready(
+    cluster: Cluster, ns: str, kubelet: LocalKubelet
+) -> None:
+    deploy(cluster, ns)
+    ready = kv_condition(cluster, kubelet, ns, "True", "HandshakesSucceeded")
+    assert "all 4 sidecars" in ready["message"]
+    found = pods(cluster, ns)
+    assert len(found) == 4
+    for name, pod in found.items():
+        # What the local kubelet wrote, as a kubelet would: bound, running, its own IP.
+        assert pod["spec"]["nodeName"] and pod["status"]["phase"] == "Running"
+        assert pod["status"]["podIP"] == kubelet.ips[name]
+        assert pod["spec"]["readinessGates"] == [{"conditionType": POD_CONDITION}]
+        conditions = pod_conditions(pod)
+        assert conditions[POD_CONDITION]["status"] == "True", (name, conditions)
+        assert conditions["Ready"]["status"] == "True", (name, conditions)
+    # Each sidecar names the peers it handshook: a decode pod both prefill stages, a stage both decode pods.
+    decoders = role_pods(cluster, ns, "decode")
+    stage1 = pod_conditions(found[f"{NAME}-prefill-0-1"])[POD_CONDITION]["message"]
+    assert all(f"decode pod {d}" in stage1 for d in decoders), stage1
+    decode = pod_conditions(found[decoders[0]])[POD_CONDITION]["message"]
+    assert f"prefill stage 0 (pod {NAME}-prefill-0-0)" in decode
+    assert f"prefill stage 1 (pod {NAME}-prefill-0-1)" in decode
+
+    def available() -> dict[str, Any] | None:
+        kubelet.sync()
+        found = cluster.condition(ns, NAME, "Available")
+        return found if found and found["status"] == "True" else None
+
+    wait_for("Available=True", available, timeout=TIMEOUT_S, interval=0.3)
+
+
+def test_a_decoder_on_another_engine_version_turns_it_false_until_it_is_fixed(
+    cluster: Cluster, ns: str, kubelet: LocalKubelet
+) -> None:
+    spec = deploy(cluster, ns)
+    kv_condition(cluster, kubelet, ns, "True", "HandshakesSucceeded")
+    bad = role_pods(cluster, ns, "decode")[0]
+    other_version = wire.compat_hash({**role_factors(spec, "decode"), "vllm_version": "0.15.0"})
+    before = pod_conditions(pods(cluster, ns)[bad])[POD_CONDITION]
+
+    kubelet.restart(bad, with_engine_hash("decode", other_version))
+    refused = kv_condition(cluster, kubelet, ns, "False", "CompatibilityHashMismatch")
+    message = refused["message"]
+    assert f"decode pod {bad}: CompatibilityHashMismatch" in message, message
+    assert f"prefill stage 0 (pod {NAME}-prefill-0-0)" in message, message
+    assert f"prefill stage 1 (pod {NAME}-prefill-0-1)" in message, message
+    assert other_version in message
+    pod = pods(cluster, ns)[bad]
+    condition = pod_conditions(pod)[POD_CONDITION]
+    assert condition["status"] == "False"
+    assert condition["lastTransitionTime"] >= before["lastTransitionTime"]
+    assert pod_conditions(pod)["Ready"]["status"] == "False", "the readiness gate must hold the pod back"
+
+    # The stages keep serving the healthy decoder: their own conditions stay True and name the refusal.
+    def stage0_degraded() -> dict[str, Any] | None:
+        kubelet.sync()
+        found = pod_conditions(pods(cluster, ns)[f"{NAME}-prefill-0-0"])[POD_CONDITION]
+        return found if (found["status"], found["reason"]) == ("True", "SomePeersRefused") else None
+
+    stage0 = wait_for("stage 0 to report the refusing decoder", stage0_degraded, timeout=TIMEOUT_S)
+    assert f"decode pod {bad} at " in stage0["message"] and "CompatibilityHashMismatch" in stage0["message"]
+
+    def repeated() -> list[dict[str, Any]] | None:
+        kubelet.sync()
+        found = events(cluster, ns, bad, "CompatibilityHashMismatch")
+        return found if found and max(e.get("count") or 1 for e in found) >= 2 else None
+
+    posted = wait_for("a repeated refusal to bump its Event's count", repeated, timeout=TIMEOUT_S)
+    assert all(e["type"] == "Warning" and e["source"]["component"] == "disagg-kv-worker" for e in posted)
+    # One Event per distinct refusal (one per prefill stage), counted, not one Event per round.
+    assert len(posted) == 2, [e["message"] for e in posted]
+
+    kubelet.restart(bad)
+    kv_condition(cluster, kubelet, ns, "True", "HandshakesSucceeded")
+    recovered = pod_conditions(pods(cluster, ns)[bad])
+    assert recovered[POD_CONDITION]["status"] == "True"
+    assert recovered["Ready"]["status"] == "True"
+
+
+def test_a_prefill_stage_whose_layers_do_not_match_turns_it_false_until_it_is_fixed(
+    cluster: Cluster, ns: str, kubelet: LocalKubelet
+) -> None:
+    deploy(cluster, ns)
+    kv_condition(cluster, kubelet, ns, "True", "HandshakesSucceeded")
+    stage1 = f"{NAME}-prefill-0-1"
+
+    kubelet.restart(stage1, with_layer_names("model.language_model.layers.{i}.self_attn.attn"))
+    refused = kv_condition(cluster, kubelet, ns, "False", "MissingLayers")
+    message = refused["message"]
+    assert f"prefill stage 1 (pod {stage1}): MissingLayers" in message, message
+    for decoder in role_pods(cluster, ns, "decode"):
+        assert f"decode pod {decoder}" in message, message
+    assert "model.language_model.layers.6.self_attn.attn" in message, message
+    assert events(cluster, ns, stage1, "MissingLayers"), "the refusal is posted as an Event on the pod"
+
+    kubelet.restart(stage1)
+    kv_condition(cluster, kubelet, ns, "True", "HandshakesSucceeded")
+    recovered = events(cluster, ns, stage1, "HandshakesSucceeded")
+    assert [e["type"] for e in recovered] == ["Normal"], "the recovery is posted as a Normal Event"
