@@ -5,8 +5,8 @@ downward-API identity and the topology file), lays out and registers a KV pool o
 agent (no engine attaches to it), serves that worker's payload on the side channel as the connector does,
 and then, every `--interval` seconds, handshakes the other role's pods of its deployment (`peer_check`) and
 writes the result to its own Pod (`k8s_report`). The cluster tests and the control-plane demo run one per
-pod, as the sidecar would run in it; the transferring sidecar makes the same `report_once` call from its
-main loop.
+pod, as the sidecar would run in it. A transferring sidecar runs the same `PeerReporter` beside its main
+loop, with the `LocalKV` the engine registered.
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
+
+import urllib3
+from kubernetes import client
 
 from disagg.worker.errors import DisaggError, WorkerConfigError
 from disagg.worker.k8s_report import PodReporter, kube_client
@@ -51,6 +54,63 @@ def report_once(
     """One round: list the peers, handshake each, write this pod's condition and Events."""
     pods = reporter.list_pods(peer_selector(deployment, config))
     reporter.report(check_round(config, local, pods, timeout_s=timeout_s))
+
+
+class PeerReporter:
+    """`report_once` every `interval_s` on a thread of its own, until `stop()`.
+
+    The thread makes no NIXL call (handshakes are ZMQ; planning a decode rank reads the registered layout), so
+    a sidecar whose main thread owns the NIXL agent can run it beside its loop. An API server that is briefly
+    unreachable or refuses a write costs one round, logged, not the sidecar.
+    """
+
+    def __init__(
+        self,
+        config: SidecarConfig,
+        local: LocalKV | None,
+        reporter: PodReporter,
+        deployment: str,
+        *,
+        interval_s: float = DEFAULT_INTERVAL_S,
+    ) -> None:
+        self.config = config
+        self.local = local
+        self.reporter = reporter
+        self.deployment = deployment
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="disagg-peer-reporter", daemon=True)
+
+    @classmethod
+    def for_pod(
+        cls,
+        config: SidecarConfig,
+        local: LocalKV | None,
+        api: client.ApiClient,
+        env: Mapping[str, str],
+        *,
+        interval_s: float = DEFAULT_INTERVAL_S,
+    ) -> PeerReporter:
+        """The reporter of the pod `env` names (`POD_NAMESPACE`, `POD_NAME`, `DISAGG_DEPLOYMENT`)."""
+        reporter = PodReporter(api, _required(env, "POD_NAMESPACE"), _required(env, "POD_NAME"))
+        return cls(config, local, reporter, _required(env, "DISAGG_DEPLOYMENT"), interval_s=interval_s)
+
+    def start(self) -> PeerReporter:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 2 * DEFAULT_HANDSHAKE_TIMEOUT_S) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                report_once(self.config, self.local, self.reporter, self.deployment)
+            except (client.ApiException, urllib3.exceptions.HTTPError) as exc:
+                log.warning("%s: could not report to the API server this round: %s", self.reporter.pod, exc)
+            self._stop.wait(self.interval_s)
 
 
 def _required(env: Mapping[str, str], name: str) -> str:
@@ -90,9 +150,7 @@ def registered_kv(config: SidecarConfig, num_blocks: int, pool_path: Path) -> It
 
 def run(env: Mapping[str, str], interval_s: float, num_blocks: int, stop: threading.Event) -> int:
     config = from_env(env)
-    namespace = _required(env, "POD_NAMESPACE")
     pod = _required(env, "POD_NAME")
-    deployment = _required(env, "DISAGG_DEPLOYMENT")
     pool_path = Path("/dev/shm") / f"disagg-status-{pod}-{os.getpid()}"
     with registered_kv(config, num_blocks, pool_path) as local, kube_client() as api:
         server = SideChannelServer(config.side_channel_host, config.side_channel_port)
@@ -109,10 +167,9 @@ def run(env: Mapping[str, str], interval_s: float, num_blocks: int, stop: thread
                 config.side_channel_host,
                 config.side_channel_port,
             )
-            reporter = PodReporter(api, namespace, pod)
-            while not stop.is_set():
-                report_once(config, local, reporter, deployment)
-                stop.wait(interval_s)
+            reporter = PeerReporter.for_pod(config, local, api, env, interval_s=interval_s).start()
+            stop.wait()
+            reporter.stop()
         finally:
             server.stop()
     return 0
