@@ -185,19 +185,7 @@ class Demo:
         self.kubelet = LocalKubelet(
             api, self.control_plane.kubeconfig, NAMESPACE, name, self.workdir / "pods"
         )
-        self.say("$ kubectl get disagg   (again each time a column other than AGE changes)")
-        shown: list[list[str]] = []
-
-        def all_true() -> bool:
-            self.kubelet.sync()
-            table = self.kubectl("get", "disagg", name).stdout.rstrip()
-            row = table.splitlines()[-1].split() if table else []
-            if row[:-1] and (not shown or row[:-1] != shown[-1]):
-                self.say(table)
-                shown.append(row[:-1])
-            return row[1:4] == ["True", "True", "True"]
-
-        wait_for("Compatible, KV and Ready to turn True", all_true, timeout_s=timeout_s)
+        self.watch_until(name, ("True", "True", "True"), "Compatible, KV and Ready to turn True", timeout_s)
         self.show("kubectl", "get", "pods", "-o", "wide")
         self.show(
             "kubectl",
@@ -206,6 +194,38 @@ class Demo:
             "-o",
             'custom-columns=POD:.metadata.name,KV-TRANSFER-READY:.status.conditions[?(@.type=="disagg.io/kv-transfer-ready")].message',
         )
+
+    def break_and_fix_a_decoder(self, timeout_s: float) -> None:
+        """What only the sidecars can see: a pod whose engine differs from the spec (a stale image)."""
+        import yaml
+
+        from disagg.operator.api import DisaggDeploymentSpec
+        from disagg.operator.compat import role_factors
+        from disagg.worker import wire
+        from disagg.worker.local_kubelet import with_engine_hash
+
+        name = self._sample_name(VALID_SAMPLE)
+        spec = DisaggDeploymentSpec.model_validate(yaml.safe_load(VALID_SAMPLE.read_text())["spec"])
+        decoders = self.kubectl("get", "pods", "-l", "disagg.io/role=decode", "-o", "name").stdout.split()
+        decoder = sorted(decoders)[0].removeprefix("pod/")
+        stale = wire.compat_hash({**role_factors(spec, "decode"), "vllm_version": "0.13.0"})
+        self.say(f"==> Restarting decode pod {decoder} on engine 0.13.0 (a stale image the spec cannot see)")
+        self.kubelet.restart(decoder, with_engine_hash("decode", stale))
+        self.watch_until(name, ("True", "False", "False"), "KV to turn False", timeout_s)
+        self.show_kv_condition(name)
+        self.show(
+            "kubectl",
+            "get",
+            "events",
+            "--field-selector",
+            f"involvedObject.name={decoder},type=Warning",
+            "-o",
+            "custom-columns=REASON:.reason,COUNT:.count,MESSAGE:.message",
+        )
+        self.say(f"==> Restarting decode pod {decoder} on the right engine version")
+        self.kubelet.restart(decoder)
+        self.watch_until(name, ("True", "True", "True"), "KV and Ready to turn True again", timeout_s)
+        self.show_kv_condition(name)
 
     def apply_broken_sample(self) -> None:
         self.say(f"==> Applying a broken sample: {BROKEN_SAMPLE.name} (decode runs another engine version)")
@@ -216,6 +236,34 @@ class Demo:
             raise DemoFailed(f"kubectl failed for another reason than the webhook:\n{refused.stderr}")
         self.say("    refused at admission: nothing was created")
         self.show("kubectl", "get", "disagg")
+
+    def watch_until(self, name: str, columns: tuple[str, str, str], what: str, timeout_s: float) -> None:
+        """Play kubelet, printing `kubectl get disagg` when it changes, until Compatible/KV/Ready read so."""
+        self.say("$ kubectl get disagg   (again each time a column other than AGE changes)")
+        shown: list[list[str]] = []
+
+        def reached() -> bool:
+            self.kubelet.sync()
+            table = self.kubectl("get", "disagg", name).stdout.rstrip()
+            row = table.splitlines()[-1].split() if table else []
+            if row[:-1] and (not shown or row[:-1] != shown[-1]):
+                self.say(table)
+                shown.append(row[:-1])
+            return tuple(row[1:4]) == columns
+
+        wait_for(what, reached, timeout_s=timeout_s)
+
+    def show_kv_condition(self, name: str) -> None:
+        condition = '{.status.conditions[?(@.type=="KVTransferReady")]'
+        self.show(
+            "kubectl",
+            "get",
+            "disagg",
+            name,
+            "-o",
+            f'jsonpath=KVTransferReady={condition}.status}} reason={condition}.reason}}{{"\\n"}}'
+            f"{condition}.message}}",
+        )
 
     # -- teardown --------------------------------------------------------------------------------------------
 
@@ -300,8 +348,12 @@ def run_demo(say: Say, *, timeout_s: float, keep: bool) -> int:
             demo.start_operator()
             demo.apply_valid_sample()
             demo.run_pods_until_ready(timeout_s)
+            demo.break_and_fix_a_decoder(timeout_s)
             demo.apply_broken_sample()
-            say("==> Done: the valid sample reached Compatible, KV and Ready; the broken one was refused")
+            say(
+                "==> Done: the valid sample reached Compatible, KV and Ready; the sidecars caught a stale "
+                "decoder and cleared it once fixed; the broken sample was refused at admission"
+            )
             return 0
         except (DemoFailed, SidecarExited) as exc:
             say(f"demo failed: {exc}")
