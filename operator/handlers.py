@@ -17,7 +17,7 @@ from kubernetes import client, config
 from disagg.operator.api import GROUP, PLURAL, VERSION
 from disagg.operator.builders import FIELD_MANAGER, INSTANCE_LABEL, MANAGED_BY_LABEL
 from disagg.operator.k8s_apply import Kube
-from disagg.operator.reconcile import reconcile, refresh_status
+from disagg.operator.reconcile import RefreshQueue, reconcile, refresh_status
 
 CHILD_SELECTOR = f"{MANAGED_BY_LABEL}={FIELD_MANAGER}"
 
@@ -45,7 +45,14 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     if webhook is not None:
         settings.admission.server = webhook.server
         settings.admission.managed = webhook.managed
-    memo.kube = Kube(_client())
+    kube = Kube(_client())
+    memo.kube = kube
+    memo.refresh = RefreshQueue(lambda key: refresh_status(kube, *key))
+
+
+@kopf.on.cleanup()
+def stop_refreshing(memo: kopf.Memo, **_: Any) -> None:
+    memo.refresh.stop()
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -68,4 +75,4 @@ def reconcile_spec(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: A
 def child_changed(labels: kopf.Labels, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
     owner = labels.get(INSTANCE_LABEL)
     if owner and namespace:
-        refresh_status(memo.kube, namespace, owner)
+        memo.refresh.request((namespace, owner))

@@ -8,7 +8,10 @@ create nothing exists, and on update the running topology stays as it was.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -24,6 +27,8 @@ from disagg.operator.k8s_apply import Kube
 from disagg.operator.kv_status import pod_kv
 from disagg.operator.status import compute, incompatibility_message, to_json, workload
 from disagg.worker.errors import Violation
+
+_LOG = logging.getLogger("disagg.operator.status")
 
 
 @dataclass(frozen=True)
@@ -138,3 +143,80 @@ def _write_invalid(kube: Kube, body: Mapping[str, Any], verdict: Verdict) -> boo
         return False
     kube.patch_status(metadata["namespace"], metadata["name"], rendered)
     return True
+
+
+class RefreshQueue:
+    """A deduplicating work queue for status refreshes, as controller-runtime's workqueue does it.
+
+    A pod's or workload's event only says "look at this deployment again". `request` returns at once; a key
+    waits in the queue at most once however many events name it, and one key is never refreshed by two
+    workers at a time (a request during its refresh queues it again, to be read afresh). A failed refresh is
+    logged with its traceback and retried after `retry_delay`, so a transient API error cannot leave a
+    stale status behind.
+    """
+
+    def __init__(
+        self,
+        refresh: Callable[[tuple[str, str]], object],
+        *,
+        workers: int = 4,
+        retry_delay: float = 1.0,
+    ) -> None:
+        self._refresh = refresh
+        self._retry_delay = retry_delay
+        self._ready = threading.Condition()
+        self._order: deque[tuple[str, str]] = deque()
+        self._queued: set[tuple[str, str]] = set()
+        self._busy: set[tuple[str, str]] = set()
+        self._again: set[tuple[str, str]] = set()
+        self._stopping = False
+        self._threads = [
+            threading.Thread(target=self._work, name=f"disagg-status-{index}", daemon=True)
+            for index in range(workers)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def request(self, key: tuple[str, str]) -> None:
+        with self._ready:
+            if key in self._busy:
+                self._again.add(key)
+            elif key not in self._queued:
+                self._queued.add(key)
+                self._order.append(key)
+                self._ready.notify()
+
+    def stop(self) -> None:
+        with self._ready:
+            self._stopping = True
+            self._ready.notify_all()
+
+    def _take(self) -> tuple[str, str] | None:
+        with self._ready:
+            while not self._order and not self._stopping:
+                self._ready.wait()
+            if self._stopping:
+                return None
+            key = self._order.popleft()
+            self._queued.discard(key)
+            self._busy.add(key)
+            return key
+
+    def _work(self) -> None:
+        while (key := self._take()) is not None:
+            failed = False
+            try:
+                self._refresh(key)
+            except Exception:
+                failed = True
+                _LOG.exception("Status refresh of %s/%s failed; retrying in %.1f s", *key, self._retry_delay)
+            with self._ready:
+                self._busy.discard(key)
+                again = key in self._again
+                self._again.discard(key)
+            if failed:
+                timer = threading.Timer(self._retry_delay, self.request, args=(key,))
+                timer.daemon = True
+                timer.start()
+            elif again:
+                self.request(key)

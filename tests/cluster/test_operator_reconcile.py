@@ -142,11 +142,16 @@ def test_scaling_and_spec_changes_converge(cluster: Cluster, ns: str) -> None:
     create(cluster, ns, prefill={"replicas": 2})
     wait_for("two prefill instances", lambda: len(cluster.names(ns, NAME)["StatefulSet"]) == 2)
     cluster.patch_spec(ns, NAME, {"prefill": {"replicas": 1}, "decode": {"replicas": 3}})
-    names = wait_for(
-        "prefill scaled in",
-        lambda: satisfied(cluster.names(ns, NAME), lambda n: n["StatefulSet"] == ["gemma-prefill-0"]),
+    wait_for(
+        "prefill scaled in (its StatefulSet and Service pruned)",
+        lambda: satisfied(
+            cluster.names(ns, NAME),
+            lambda n: (
+                n["StatefulSet"] == ["gemma-prefill-0"]
+                and n["Service"] == ["gemma-decode", "gemma-prefill-0"]
+            ),
+        ),
     )
-    assert names["Service"] == ["gemma-decode", "gemma-prefill-0"]
     deployment = cluster.apps.read_namespaced_deployment("gemma-decode", ns)
     assert deployment.spec.replicas == 3
     cluster.patch_spec(ns, NAME, {"prefill": {"blockSize": 64}, "decode": {"blockSize": 64}})

@@ -1,0 +1,75 @@
+"""The status-refresh work queue: bursts of events for one deployment collapse, no key runs twice at once,
+nothing requested is lost, and a failed refresh is retried."""
+
+from __future__ import annotations
+
+import threading
+
+from disagg.operator.reconcile import RefreshQueue
+
+Key = tuple[str, str]
+
+
+class Recorder:
+    def __init__(self, block_first: bool = False, fail_first: int = 0) -> None:
+        self.calls: list[Key] = []
+        self.lock = threading.Lock()
+        self.started = threading.Event()
+        self.release = threading.Event()
+        self.block_first = block_first
+        self.fail_first = fail_first
+        self.running: set[Key] = set()
+        self.overlap = False
+        self.done = threading.Condition()
+
+    def __call__(self, key: Key) -> None:
+        with self.lock:
+            self.overlap |= key in self.running
+            self.running.add(key)
+            first = not self.calls
+            self.calls.append(key)
+        try:
+            if first and self.block_first:
+                self.started.set()
+                assert self.release.wait(10)
+            if self.fail_first > 0:
+                self.fail_first -= 1
+                raise RuntimeError("apiserver unavailable")
+        finally:
+            with self.lock:
+                self.running.discard(key)
+            with self.done:
+                self.done.notify_all()
+
+    def wait_calls(self, count: int) -> list[Key]:
+        with self.done:
+            assert self.done.wait_for(lambda: len(self.calls) >= count, timeout=10), self.calls
+        return self.calls
+
+
+def test_a_burst_during_a_refresh_costs_one_more_refresh() -> None:
+    recorder = Recorder(block_first=True)
+    queue = RefreshQueue(recorder, workers=3)
+    try:
+        queue.request(("ns", "a"))
+        assert recorder.started.wait(10)
+        for _ in range(50):
+            queue.request(("ns", "a"))
+        queue.request(("ns", "b"))
+        assert sorted(recorder.wait_calls(2)) == [("ns", "a"), ("ns", "b")]
+        recorder.release.set()
+        calls = recorder.wait_calls(3)
+        assert calls.count(("ns", "a")) == 2 and calls.count(("ns", "b")) == 1
+        assert not recorder.overlap
+    finally:
+        queue.stop()
+
+
+def test_a_failed_refresh_is_retried() -> None:
+    recorder = Recorder(fail_first=2)
+    queue = RefreshQueue(recorder, workers=1, retry_delay=0.01)
+    try:
+        queue.request(("ns", "a"))
+        assert recorder.wait_calls(3) == [("ns", "a")] * 3
+    finally:
+        queue.stop()
