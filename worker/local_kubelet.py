@@ -147,6 +147,10 @@ class LocalKubelet:
         self._stop(name)
 
     def stop_all(self) -> None:
+        # Signal every sidecar first: one stopped alone would wait out handshakes with peers already gone.
+        for local in self.pods.values():
+            if local.process.poll() is None:
+                local.process.send_signal(signal.SIGTERM)
         for name in list(self.pods):
             self._stop(name)
 

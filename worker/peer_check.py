@@ -143,11 +143,11 @@ def check_peer(
     """
     if peer.host is None:
         raise ValueError(f"{peer.where} has no IP yet")
+    if config.role == "prefill" and local is None:
+        raise ValueError("a prefill stage checks its decode peers against its registered KV")
     topology = config.topology
     try:
         if config.role == "prefill":
-            if local is None:
-                raise ValueError("a prefill stage checks its decode peers against its registered KV")
             targets = handshake_targets(config.tp_size, config.tp_rank, topology.decode_tp, 1)
         else:
             tp_ranks = handshake_target_tp_ranks(config.tp_size, config.tp_rank, topology.prefill_tp)
@@ -161,7 +161,7 @@ def check_peer(
             local_factors=config.compat_factors,
             timeout_s=timeout_s,
         )
-        if config.role == "prefill" and local is not None:
+        if local is not None and config.role == "prefill":
             for rank in ranks:
                 plan_decode_rank(local, rank.metadata, topology.decode_tp)
     except DisaggError as exc:
