@@ -12,18 +12,22 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes import client
 from local_cluster import ControlPlane
 from operator_harness import Cluster, OperatorProcess, example, wait_for
 
 from disagg.operator.api import DisaggDeploymentSpec
 from disagg.operator.compat import role_factors
 from disagg.worker import wire
-from disagg.worker.k8s_report import POD_CONDITION
+from disagg.worker.errors import MissingLayers
+from disagg.worker.k8s_report import POD_CONDITION, PodReporter
 from disagg.worker.local_kubelet import LocalKubelet, with_engine_hash, with_layer_names
+from disagg.worker.peer_check import Outcome, Peer, PeerResult
 
 NAME = "kv"
 # A small hybrid model (sliding-window layers with a full-attention layer every 6th) keeps the pools tiny.
@@ -33,6 +37,7 @@ SPEC_PATCH: dict[str, Any] = {
     "decode": {"replicas": 2},
 }
 TIMEOUT_S = 120.0
+T0 = datetime(2026, 11, 30, 9, 0, 0, tzinfo=UTC)
 
 
 @pytest.fixture(scope="module")
@@ -226,3 +231,69 @@ def test_a_prefill_stage_whose_layers_do_not_match_turns_it_false_until_it_is_fi
     kv_condition(cluster, kubelet, ns, "True", "HandshakesSucceeded")
     recovered = events(cluster, ns, stage1, "HandshakesSucceeded")
     assert [e["type"] for e in recovered] == ["Normal"], "the recovery is posted as a Normal Event"
+
+
+def test_the_reporter_keeps_the_kubelets_conditions_and_counts_repeated_refusals(
+    control_plane: ControlPlane, namespace: str
+) -> None:
+    core = client.CoreV1Api(control_plane.api_client)
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "stage-1"},
+        "spec": {
+            "containers": [{"name": "kv-worker", "image": "disagg"}],
+            "readinessGates": [{"conditionType": POD_CONDITION}],
+        },
+    }
+    core.create_namespaced_pod(namespace, pod)
+    core.patch_namespaced_pod_status(
+        "stage-1", namespace, {"status": {"conditions": [{"type": "Ready", "status": "False"}]}}
+    )
+    times = iter(T0 + timedelta(minutes=minute) for minute in range(10))
+    reporter = PodReporter(control_plane.api_client, namespace, "stage-1", clock=lambda: next(times))
+    peer = Peer("decode-a", "decode", 0, "decode-a", "10.0.0.9", 5600)
+    missing = PeerResult(peer, MissingLayers("the decoder does not advertise model.layers.6"))
+    refused = Outcome("False", "MissingLayers", "refused by decode pod decode-a", (missing,))
+
+    def stored() -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+        conditions = {
+            c.type: c for c in core.read_namespaced_pod_status("stage-1", namespace).status.conditions
+        }
+        listed = core.list_namespaced_event(namespace, _preload_content=False)
+        found = {
+            t: {"status": c.status, "reason": c.reason, "since": c.last_transition_time}
+            for t, c in conditions.items()
+        }
+        return found, json.loads(listed.data)["items"]
+
+    assert reporter.report(refused)
+    assert not reporter.report(refused), "an unchanged outcome is not written again"
+    conditions, posted = stored()
+    assert conditions["Ready"]["status"] == "False", "the kubelet's condition is left alone"
+    assert conditions[POD_CONDITION]["reason"] == "MissingLayers"
+    assert [(e["reason"], e["count"]) for e in posted] == [("MissingLayers", 2)]
+    assert (
+        posted[0]["message"]
+        == "decode pod decode-a at 10.0.0.9:5600: the decoder does not advertise model.layers.6"
+    )
+
+    # A restarted sidecar finds the Event it posted and keeps counting.
+    restarted = PodReporter(control_plane.api_client, namespace, "stage-1", clock=lambda: next(times))
+    unreachable = Outcome("False", "PeerUnreachable", "decode-a did not answer", (missing,))
+    assert restarted.report(unreachable)
+    conditions, posted = stored()
+    assert [(e["reason"], e["count"]) for e in posted] == [("MissingLayers", 3)]
+    assert conditions[POD_CONDITION]["reason"] == "PeerUnreachable"
+    assert conditions[POD_CONDITION]["since"] == T0, "same status: the transition time stays"
+
+    assert restarted.report(
+        Outcome("True", "HandshakesSucceeded", "handshakes succeeded with decode pod decode-a")
+    )
+    conditions, posted = stored()
+    assert conditions[POD_CONDITION]["status"] == "True"
+    assert conditions[POD_CONDITION]["since"] == T0 + timedelta(minutes=3)
+    assert sorted((e["type"], e["reason"]) for e in posted) == [
+        ("Normal", "HandshakesSucceeded"),
+        ("Warning", "MissingLayers"),
+    ]
