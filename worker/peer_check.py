@@ -6,10 +6,11 @@ the prefill side `push_producer.plan_decode_rank` (block sizes, layer alignment 
 a peer this module accepts is one the connector would accept, and a refusal carries the connector's reason.
 
 Peers are found from their Pods (labels, IP, side-channel port) and reported as one outcome for this pod's
-condition. A pod stays usable while at least one peer works: one bad decoder must not make every prefill
-stage unready, so this pod's condition turns False only when every reachable peer refuses it, while each
-refusal still reaches the deployment's `KVTransferReady` through the refused peer's own condition, and is
-posted as an Event here.
+condition. A pod stays usable while at least one peer engine works with it (for a decoder: every stage of a
+prefill engine): one bad decoder must not make every prefill stage unready. So this pod's condition turns
+False only when peers refuse it and no peer engine is usable; a refusal by some peers is still named in the
+message, posted as an Event here, and reaches the deployment's `KVTransferReady` through the refused pod's
+own condition, which is False.
 """
 
 from __future__ import annotations
