@@ -9,8 +9,9 @@ Peers are found from their Pods (labels, IP, side-channel port) and reported as 
 condition. A pod stays usable while at least one peer engine works with it (for a decoder: every stage of a
 prefill engine): one bad decoder must not make every prefill stage unready. So this pod's condition turns
 False only when peers refuse it and no peer engine is usable; a refusal by some peers is still named in the
-message, posted as an Event here, and reaches the deployment's `KVTransferReady` through the refused pod's
-own condition, which is False.
+message and posted as an Event here. The pod at fault (a decoder on another engine version, a stage with
+other layers) is refused by every peer, so its own condition is False, naming them, and the operator's
+`KVTransferReady` turns False with its reason.
 """
 
 from __future__ import annotations
