@@ -78,7 +78,7 @@ def reconcile(kube: Kube, body: Mapping[str, Any]) -> Outcome:
     owner = _owner(body)
     verdict = judge(body.get("spec") or {})
     if verdict.violations:
-        refresh_status(kube, owner.namespace, owner.name)
+        _write_status(kube, body, verdict, kube.children(owner.namespace, owner.name, owner.uid))
         return Outcome((), (), verdict.message)
     # judge() reports a violation whenever the spec cannot be parsed or planned.
     assert verdict.spec is not None and verdict.report is not None and verdict.report.plan is not None
@@ -86,13 +86,15 @@ def reconcile(kube: Kube, body: Mapping[str, Any]) -> Outcome:
     for obj in desired:
         kube.apply(obj)
     wanted = {(obj["kind"], obj["metadata"]["name"]) for obj in desired}
-    deleted = []
+    kept, deleted = [], []
     for child in kube.children(owner.namespace, owner.name, owner.uid):
         key = (child["kind"], child["metadata"]["name"])
-        if key not in wanted:
+        if key in wanted:
+            kept.append(child)
+        else:
             kube.delete(key[0], owner.namespace, key[1])
             deleted.append(f"{key[0]} {key[1]}")
-    refresh_status(kube, owner.namespace, owner.name)
+    _write_status(kube, body, verdict, kept)
     return Outcome(tuple(f"{kind} {name}" for kind, name in sorted(wanted)), tuple(deleted), None)
 
 
@@ -101,27 +103,33 @@ def refresh_status(kube: Kube, namespace: str, name: str) -> bool:
     body = kube.read_deployment(namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return False
-    metadata = body["metadata"]
     verdict = judge(body.get("spec") or {})
+    children = kube.children(namespace, name, body["metadata"]["uid"]) if verdict.report is not None else []
+    return _write_status(kube, body, verdict, children)
+
+
+def _write_status(
+    kube: Kube, body: Mapping[str, Any], verdict: Verdict, children: list[dict[str, Any]]
+) -> bool:
+    metadata = body["metadata"]
     if verdict.report is None:
         # The stored object breaks the schema (possible only without the CRD's validation): say so and stop.
         return _write_invalid(kube, body, verdict)
-    children = kube.children(namespace, name, metadata["uid"])
     workloads = [workload(child) for child in children if child["kind"] in ("StatefulSet", "Deployment")]
-    current = body.get("status") or {}
+    current = dict(body.get("status") or {})
     status = compute(
         generation=int(metadata.get("generation") or 1),
         previous=cond.parse(current.get("conditions")),
         violations=verdict.violations,
         report=verdict.report,
         workloads=workloads,
-        pods=[pod_kv(pod) for pod in kube.pods(namespace, name)],
+        pods=[pod_kv(pod) for pod in kube.pods(metadata["namespace"], metadata["name"])],
         now=datetime.now(UTC),
     )
     rendered = to_json(status)
     if rendered == current:
         return False
-    kube.patch_status(namespace, name, rendered)
+    kube.patch_status(metadata["namespace"], metadata["name"], rendered)
     return True
 
 
