@@ -8,6 +8,7 @@
 #   bash hack/control-plane.sh start      # install if needed, then start (a no-op when already running)
 #   eval "$(bash hack/control-plane.sh env)"   # KUBECONFIG and PATH (kubectl, helm, etcdctl)
 #   bash hack/control-plane.sh status | stop | teardown
+#   bash hack/control-plane.sh paths      # kubeconfig=, bin=, state=, server= lines for programs
 #
 # Settings (environment): DISAGG_CACHE, DISAGG_STATE, DISAGG_ETCD_PORT, DISAGG_ETCD_PEER_PORT,
 # DISAGG_APISERVER_PORT, DISAGG_PRE_APPLY (manifests applied before the controller manager starts, so its
@@ -125,16 +126,13 @@ fetch_source() {
   echo "$tree"
 }
 
-# The vendored reflect2 1.0.1 breaks at run time with Go >= 1.18; Debian's 1.0.2 replaces it.
+# The vendored reflect2 1.0.1 breaks at run time with Go >= 1.18; Debian's 1.0.2 replaces it. Only vendor/
+# matters: the 1.20 build runs in GOPATH mode (hack/lib/init.sh exports GO111MODULE=off).
 fix_reflect2() {
   local tree=$1 debian_src=/usr/share/gocode/src/github.com/modern-go/reflect2
   [[ -d $debian_src ]] || die "$debian_src missing (golang-github-modern-go-reflect2-dev)"
   rm -rf "$tree/vendor/github.com/modern-go/reflect2"
   cp -r "$debian_src" "$tree/vendor/github.com/modern-go/reflect2"
-  sed -i 's#github.com/modern-go/reflect2 v1\.0\.1#github.com/modern-go/reflect2 v1.0.2#' \
-    "$tree/go.mod" "$tree/vendor/modules.txt"
-  find "$tree/staging" -name go.mod -exec sed -i \
-    's#github.com/modern-go/reflect2 v1\.0\.1#github.com/modern-go/reflect2 v1.0.2#' {} +
 }
 
 build_kubernetes() {
@@ -149,8 +147,8 @@ EOF
   log "building ${BUILT[*]} from $tree (about 8 minutes on 2 cores); log: $WORK/build.log"
   (
     cd "$tree"
-    export PATH=/usr/lib/go-1.19/bin:$PATH GOFLAGS=-mod=vendor GO111MODULE=on GOPROXY=off GOTOOLCHAIN=local
-    export KUBE_GIT_VERSION_FILE=$version_file GOCACHE=$WORK/gocache GOPATH=$WORK/gopath
+    export PATH=/usr/lib/go-1.19/bin:$PATH GOPROXY=off GOTOOLCHAIN=local
+    export KUBE_GIT_VERSION_FILE=$version_file GOCACHE=$WORK/gocache
     make WHAT="cmd/kube-apiserver cmd/kube-controller-manager cmd/kubectl"
   ) >"$WORK/build.log" 2>&1 || die "the build failed; see $WORK/build.log"
   local b
@@ -233,7 +231,7 @@ cmd_install() {
     tree=$(fetch_source)
     fix_reflect2 "$tree"
     build_kubernetes "$tree"
-    rm -rf "$WORK/src" "$WORK/gocache" "$WORK/gopath"
+    rm -rf "$WORK/src" "$WORK/gocache"
   fi
   [[ -x $BIN/etcd && -x $BIN/etcdctl ]] || install_etcd
   [[ -x $BIN/helm && -x $BIN/kubectl_1.31 ]] || install_helm
