@@ -90,7 +90,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Install here, outside every test's timeout: the first install on a machine builds for minutes."""
-    if not any(item.get_closest_marker("cluster") for item in session.items):
+    if session.config.option.collectonly or not any(
+        item.get_closest_marker("cluster") for item in session.items
+    ):
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None and not Paths.from_script().installed:
