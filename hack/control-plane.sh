@@ -235,7 +235,8 @@ cmd_install() {
   fi
   [[ -x $BIN/etcd && -x $BIN/etcdctl ]] || install_etcd
   [[ -x $BIN/helm && -x $BIN/kubectl_1.31 ]] || install_helm
-  rm -rf "$WORK/etcd" "$WORK/helm"
+  # The private apt lists (~120 MB) are fetched again if an install ever needs them.
+  rm -rf "$WORK/etcd" "$WORK/helm" "$WORK/apt"
   "$BIN/kube-apiserver" --version >&2
   "$BIN/helm" version --short >&2
   {
