@@ -162,8 +162,10 @@ def test_scaling_and_spec_changes_converge(cluster: Cluster, ns: str) -> None:
         return args[args.index("--block-size") + 1] if args[args.index("--block-size") + 1] == "64" else None
 
     assert wait_for("block size 64 in the engine args", block_size) == "64"
-    cluster.wait_condition(ns, NAME, "Compatible", "True")
-    assert (cluster.condition(ns, NAME, "Compatible") or {})["observedGeneration"] == 3
+    wait_for(
+        "Compatible for generation 3",
+        lambda: (cluster.condition(ns, NAME, "Compatible") or {}).get("observedGeneration") == 3,
+    )
 
 
 def test_deletion_cleans_up_through_owner_references(cluster: Cluster, ns: str) -> None:
