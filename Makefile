@@ -29,8 +29,11 @@ test: $(STAMP)
 test-unit: $(STAMP)
 	$(PY) -m pytest tests -m "not nixl and not cluster and not helm"
 
+# The data path first (2 PP prefill stages + 1 decoder over NIXL, compared with the monolithic run), then the
+# control plane (operator, conditions, admission) on a private local Kubernetes control plane.
 demo: $(STAMP)
 	$(VENV)/bin/disagg demo
+	$(PY) -m disagg.worker.demo_cluster
 
 bench: $(STAMP)
 	$(VENV)/bin/disagg bench
