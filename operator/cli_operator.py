@@ -22,7 +22,11 @@ def register(subparsers: Any) -> None:
     run = commands.add_parser("run", help="Reconcile DisaggDeployments until stopped (SIGTERM, SIGINT).")
     scope = run.add_mutually_exclusive_group(required=True)
     scope.add_argument(
-        "--namespace", action="append", default=[], metavar="NS", help="Watch this namespace (repeatable)."
+        "--namespace",
+        action="append",
+        default=[],
+        metavar="NS",
+        help="Watch this namespace (repeatable; a glob such as 'team-*' works).",
     )
     scope.add_argument("--namespace-all", action="store_true", help="Watch every namespace.")
     run.add_argument("--webhook-port", type=int, help="Serve the validating admission webhook on this port.")

@@ -1,9 +1,9 @@
 """kopf handlers: each unpacks its arguments and calls one reconcile step (`disagg.operator.reconcile`).
 
 The DisaggDeployment's spec handlers converge its children; events of its StatefulSets, Deployments and Pods
-(watched with a server-side label selector) recompute its status, so `Available` follows the workloads and
-`KVTransferReady` follows the sidecars' Pod conditions. No handler sleeps or swallows an error: kopf retries
-an exception, a refused spec raises `kopf.PermanentError` after its status says why.
+(watched with a server-side label selector) queue a recompute of its status (`RefreshQueue`), so `Available`
+follows the workloads and `KVTransferReady` the sidecars' Pod conditions. No handler sleeps or swallows an
+error: kopf retries an exception, and a refused spec raises `kopf.PermanentError` after its status says why.
 """
 
 from __future__ import annotations
