@@ -12,6 +12,8 @@ import pytest
 from local_cluster import ControlPlane
 from operator_harness import Cluster, OperatorProcess, example, satisfied, wait_for
 
+from disagg.operator.webhook import refusal
+
 NAME = "gemma"
 
 
@@ -105,6 +107,8 @@ def test_incompatible_spec_creates_nothing(cluster: Cluster, ns: str) -> None:
     create(cluster, ns, "bad-decode-pp.yaml")
     refused = cluster.wait_condition(ns, NAME, "Compatible", "False")
     assert refused["reason"] == "DecodePipelineParallel"
+    # Word for word what the admission webhook refuses the same spec with.
+    assert refused["message"] == refusal(example("bad-decode-pp.yaml", ns, NAME)["spec"])
     assert "decode" in refused["message"] and "pipelineParallelSize" in refused["message"]
     assert cluster.names(ns, NAME) == {"StatefulSet": [], "Deployment": [], "Service": [], "ConfigMap": []}
     events = wait_for(
