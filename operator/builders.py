@@ -68,14 +68,22 @@ class Owner:
 
 
 def child_name(owner: str, *parts: str) -> str:
-    """`<owner>-<parts>`, shortened with a stable hash when it would exceed what a StatefulSet can carry."""
+    """`<owner>-<parts>` as a DNS-1035 label (what a Service name must be) short enough for StatefulSet pods.
+
+    A DisaggDeployment name is a DNS subdomain: it may hold dots, start with a digit or be long. Such a name
+    is rewritten (dots to dashes, a leading letter, truncation), and a hash of the original keeps two
+    rewritten names from colliding.
+    """
     suffix = "-".join(parts)
     name = f"{owner}-{suffix}"
-    if len(name) <= MAX_CHILD_NAME:
+    if len(name) <= MAX_CHILD_NAME and "." not in owner and owner[:1].isalpha():
         return name
     digest = hashlib.sha256(owner.encode()).hexdigest()[:8]
+    stem = owner.replace(".", "-")
+    if not stem[:1].isalpha():
+        stem = f"d-{stem}"
     keep = MAX_CHILD_NAME - len(suffix) - len(digest) - 2
-    return f"{owner[:keep].rstrip('-.')}-{digest}-{suffix}"
+    return f"{stem[:keep].rstrip('-')}-{digest}-{suffix}"
 
 
 def prefill_name(owner: str, replica: int) -> str:

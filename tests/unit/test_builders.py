@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
 from dd_specs import spec
+from hypothesis import given
+from hypothesis import strategies as st
 
 from disagg.operator.api import DisaggDeploymentSpec
 from disagg.operator.builders import (
@@ -334,3 +337,27 @@ class TestNames:
 
     def test_short_names_are_plain(self) -> None:
         assert child_name("gemma", "prefill", "0") == "gemma-prefill-0"
+
+    def test_dotted_and_digit_names_become_distinct_service_names(self) -> None:
+        dotted, dashed = child_name("gemma.v1", "decode"), child_name("gemma-v1", "decode")
+        assert dashed == "gemma-v1-decode"
+        assert dotted.startswith("gemma-v1-") and dotted != dashed
+        assert child_name("3b-model", "decode").startswith("d-3b-model-")
+
+
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+# DNS subdomains, as Kubernetes allows for a custom object's name.
+owner_names = st.from_regex(r"[a-z0-9]([-a-z0-9.]{0,200}[a-z0-9])?", fullmatch=True).filter(
+    lambda name: ".." not in name and "-." not in name and ".-" not in name
+)
+
+
+@given(owner=owner_names, replica=st.integers(min_value=0, max_value=999))
+def test_child_names_are_dns_labels_short_enough_for_statefulset_pods(owner: str, replica: int) -> None:
+    for name in (
+        child_name(owner, "prefill", str(replica)),
+        child_name(owner, "decode"),
+        child_name(owner, "topology"),
+    ):
+        assert len(name) <= MAX_CHILD_NAME
+        assert DNS_LABEL.match(name), name
