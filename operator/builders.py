@@ -35,6 +35,9 @@ COMPONENT_LABEL: Final = "app.kubernetes.io/component"
 MANAGED_BY_LABEL: Final = "app.kubernetes.io/managed-by"
 PART_OF_LABEL: Final = "app.kubernetes.io/part-of"
 DEPLOYMENT_LABEL: Final = "disagg.io/deployment"
+# The owner's full name: a label value is capped at 63 characters, an object name is not.
+DEPLOYMENT_ANNOTATION: Final = "disagg.io/deployment"
+MAX_LABEL_VALUE: Final = 63
 REPLICA_LABEL: Final = "disagg.io/replica"
 GENERATION_ANNOTATION: Final = "disagg.io/generation"
 HASH_ANNOTATION: Final = "disagg.io/compatibility-hash"
@@ -98,20 +101,28 @@ def topology_name(owner: str) -> str:
     return child_name(owner, "topology")
 
 
+def label_value(owner: str) -> str:
+    """The owner's name as a label value: itself when it fits, else a prefix and a hash of the whole."""
+    if len(owner) <= MAX_LABEL_VALUE:
+        return owner
+    digest = hashlib.sha256(owner.encode()).hexdigest()[:8]
+    return f"{owner[: MAX_LABEL_VALUE - len(digest) - 1].rstrip('-.')}-{digest}"
+
+
 def owner_labels(owner: str) -> dict[str, str]:
     """Labels on every child; the handlers list children (and kopf watches pods) by these."""
     return {
         NAME_LABEL: "disagg",
-        INSTANCE_LABEL: owner,
+        INSTANCE_LABEL: label_value(owner),
         MANAGED_BY_LABEL: FIELD_MANAGER,
         PART_OF_LABEL: "disagg",
-        DEPLOYMENT_LABEL: owner,
+        DEPLOYMENT_LABEL: label_value(owner),
     }
 
 
 def selector_labels(owner: str, role: Role, replica: int | None = None) -> dict[str, str]:
     """Immutable selector of one workload: never includes anything a spec change could alter."""
-    labels = {INSTANCE_LABEL: owner, COMPONENT_LABEL: role, ROLE_LABEL: role}
+    labels = {INSTANCE_LABEL: label_value(owner), COMPONENT_LABEL: role, ROLE_LABEL: role}
     if replica is not None:
         labels[REPLICA_LABEL] = str(replica)
     return labels
@@ -176,7 +187,7 @@ def _object(
             "name": name,
             "namespace": owner.namespace,
             "labels": {**owner_labels(owner.name), COMPONENT_LABEL: component},
-            "annotations": {GENERATION_ANNOTATION: str(owner.generation)},
+            "annotations": {GENERATION_ANNOTATION: str(owner.generation), DEPLOYMENT_ANNOTATION: owner.name},
             "ownerReferences": [owner.reference()],
         },
         **body,
@@ -372,7 +383,11 @@ def _pod_template(
     return {
         "metadata": {
             "labels": {**owner_labels(owner.name), **selector},
-            "annotations": {HASH_ANNOTATION: compat_hash, TOPOLOGY_ANNOTATION: checksum},
+            "annotations": {
+                HASH_ANNOTATION: compat_hash,
+                TOPOLOGY_ANNOTATION: checksum,
+                DEPLOYMENT_ANNOTATION: owner.name,
+            },
         },
         "spec": pod_spec,
     }

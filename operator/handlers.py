@@ -15,7 +15,7 @@ import kopf
 from kubernetes import client, config
 
 from disagg.operator.api import GROUP, PLURAL, VERSION
-from disagg.operator.builders import FIELD_MANAGER, INSTANCE_LABEL, MANAGED_BY_LABEL
+from disagg.operator.builders import DEPLOYMENT_ANNOTATION, FIELD_MANAGER, MANAGED_BY_LABEL
 from disagg.operator.k8s_apply import Kube
 from disagg.operator.reconcile import RefreshQueue, reconcile, refresh_status
 
@@ -72,7 +72,7 @@ def reconcile_spec(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: A
 @kopf.on.event("apps", "v1", "statefulsets", labels={MANAGED_BY_LABEL: FIELD_MANAGER})
 @kopf.on.event("apps", "v1", "deployments", labels={MANAGED_BY_LABEL: FIELD_MANAGER})
 @kopf.on.event("v1", "pods", labels={MANAGED_BY_LABEL: FIELD_MANAGER})
-def child_changed(labels: kopf.Labels, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
-    owner = labels.get(INSTANCE_LABEL)
+def child_changed(annotations: kopf.Annotations, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
+    owner = annotations.get(DEPLOYMENT_ANNOTATION)
     if owner and namespace:
         memo.refresh.request((namespace, owner))

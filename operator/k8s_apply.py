@@ -17,7 +17,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from disagg.operator.api import GROUP, PLURAL, VERSION
-from disagg.operator.builders import FIELD_MANAGER, INSTANCE_LABEL, MANAGED_BY_LABEL
+from disagg.operator.builders import FIELD_MANAGER, INSTANCE_LABEL, MANAGED_BY_LABEL, label_value
 
 APPLY: Final = "application/apply-patch+yaml"
 MERGE: Final = "application/merge-patch+json"
@@ -75,7 +75,7 @@ class Kube:
 
     def children(self, namespace: str, owner: str, owner_uid: str) -> list[dict[str, Any]]:
         """Every object of CHILD_KINDS this owner controls (by label, confirmed by owner reference uid)."""
-        selector = f"{INSTANCE_LABEL}={owner},{MANAGED_BY_LABEL}={FIELD_MANAGER}"
+        selector = f"{INSTANCE_LABEL}={label_value(owner)},{MANAGED_BY_LABEL}={FIELD_MANAGER}"
         found: list[dict[str, Any]] = []
         for kind, lister in self._listers().items():
             items = (
@@ -87,7 +87,7 @@ class Kube:
         return found
 
     def pods(self, namespace: str, owner: str) -> list[dict[str, Any]]:
-        selector = f"{INSTANCE_LABEL}={owner},{MANAGED_BY_LABEL}={FIELD_MANAGER}"
+        selector = f"{INSTANCE_LABEL}={label_value(owner)},{MANAGED_BY_LABEL}={FIELD_MANAGER}"
         body = _read(
             self.core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False)
         )

@@ -20,6 +20,7 @@ from disagg.operator.builders import (
     Owner,
     build,
     child_name,
+    label_value,
 )
 from disagg.operator.builders_engine import arg_violations, engine_container, is_vllm_image
 from disagg.operator.compat import evaluate
@@ -334,6 +335,19 @@ class TestNames:
         assert all(len(name) <= MAX_CHILD_NAME for name in names)
         assert child_name(owner, "decode") == child_name(owner, "decode")
         assert child_name(owner, "decode") != child_name("a" * 199 + "b", "decode")
+
+    def test_long_owner_names_fit_label_values_and_stay_in_an_annotation(self) -> None:
+        owner = Owner(name="m" * 120, namespace="ns1", uid="u", generation=1)
+        for obj in objects(spec(), owner).values():
+            labels = obj["metadata"]["labels"]
+            assert all(len(value) <= 63 for value in labels.values())
+            assert labels["app.kubernetes.io/instance"] == label_value(owner.name)
+            assert obj["metadata"]["annotations"]["disagg.io/deployment"] == owner.name
+            if "template" in obj.get("spec", {}):
+                template = obj["spec"]["template"]["metadata"]
+                assert template["annotations"]["disagg.io/deployment"] == owner.name
+                assert obj["spec"]["selector"]["matchLabels"].items() <= template["labels"].items()
+        assert label_value("m" * 120) != label_value("m" * 119 + "n")
 
     def test_short_names_are_plain(self) -> None:
         assert child_name("gemma", "prefill", "0") == "gemma-prefill-0"
