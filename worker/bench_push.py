@@ -302,6 +302,12 @@ def run(shape: Shape, repeats: int, handshakes: int, pool_dir: str) -> int:
             f"prefill {_backing(src.resident_bytes(), src.nbytes)}; load average {load_before[0]:.1f} -> "
             f"{load_after[0]:.1f} on {os.cpu_count()} CPUs; decoder minor faults while timed: {faults}"
         )
+        if dst_resident[1] < dst.nbytes:
+            print(
+                "  the decoder's pool is not all in huge pages: CMA pins the target's pages one by one, so "
+                "no push beats the process_vm_writev row; put --pool-dir on hugetlbfs or a tmpfs mounted "
+                "huge=always"
+            )
         copy_best, copy_median = rate(memcpy)
         print(f"  {memcpy.label + ' (baseline)':44s} {copy_best:7.2f} / {copy_median:7.2f} GB/s")
         for row in [cma] + [case[0] for case in cases]:

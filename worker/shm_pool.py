@@ -23,15 +23,22 @@ import numpy.typing as npt
 # Linux 5.14+; Python's mmap module does not name it.
 MADV_POPULATE_WRITE = 23
 PAGE_BYTES = mmap.PAGESIZE
-# /proc/self/smaps fields that count pages mapped by huge (PMD) entries: tmpfs THP, other file THP, hugetlbfs.
-_HUGE_FIELDS = ("ShmemPmdMapped:", "FilePmdMapped:", "Shared_Hugetlb:", "Private_Hugetlb:")
+# /proc/self/smaps fields that count pages mapped by huge (PMD) entries, all inside Rss: tmpfs and file THP.
+_THP_FIELDS = ("ShmemPmdMapped:", "FilePmdMapped:")
+# hugetlbfs pages, which smaps leaves out of Rss.
+_HUGETLB_FIELDS = ("Shared_Hugetlb:", "Private_Hugetlb:")
+
+
+def _file_bytes(nbytes: int, unit: int) -> int:
+    return nbytes if unit <= PAGE_BYTES else -(-nbytes // unit) * unit
 
 
 class ShmPool:
     """A uint8 numpy view over a shared mapping of `path`; `addr` is what NIXL registers.
 
-    `prefault` (default) populates every page of the mapping before it is used; `False` leaves them to be
-    faulted in on first touch.
+    `path` may be on tmpfs (/dev/shm) or hugetlbfs (a Kubernetes `emptyDir: {medium: HugePages}`); there the
+    file is rounded up to whole huge pages. `prefault` (default) populates every page of the mapping before it
+    is used; `False` leaves them to be faulted in on first touch.
     """
 
     def __init__(
@@ -46,17 +53,21 @@ class ShmPool:
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(self.path, flags, 0o600)
         try:
+            # hugetlbfs sizes files in whole huge pages; the pool is the first `nbytes` of the file.
+            unit = os.fstatvfs(fd).f_bsize
             if create:
                 if nbytes is None or nbytes <= 0:
                     raise ValueError(f"a new pool needs a positive size, got {nbytes}")
-                os.ftruncate(fd, nbytes)
+                os.ftruncate(fd, _file_bytes(nbytes, unit))
             size = os.fstat(fd).st_size
-            if nbytes is not None and size != nbytes:
+            if nbytes is not None and size != _file_bytes(nbytes, unit):
                 raise ValueError(f"{self.path} holds {size} bytes, expected {nbytes}")
             self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        self.array: npt.NDArray[np.uint8] = np.frombuffer(self._mmap, dtype=np.uint8)
+        self.array: npt.NDArray[np.uint8] = np.frombuffer(
+            self._mmap, dtype=np.uint8, count=size if nbytes is None else nbytes
+        )
         if prefault:
             self._prefault()
 
@@ -95,7 +106,10 @@ class ShmPool:
                     inside = int(low, 16) <= start < int(high, 16)
                 elif inside and head == "Rss:":
                     rss += int(rest.split()[0]) * 1024
-                elif inside and head in _HUGE_FIELDS:
+                elif inside and head in _THP_FIELDS:
+                    huge += int(rest.split()[0]) * 1024
+                elif inside and head in _HUGETLB_FIELDS:
+                    rss += int(rest.split()[0]) * 1024
                     huge += int(rest.split()[0]) * 1024
         return rss, huge
 

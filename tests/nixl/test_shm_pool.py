@@ -5,6 +5,7 @@ Residency is read from this process's own page tables (/proc/self/smaps), not in
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -57,3 +58,35 @@ def test_opening_a_pool_maps_every_page_and_keeps_its_bytes(path: Path) -> None:
     finally:
         other.close()
         owner.close()
+
+
+def _hugetlbfs_mount() -> Path | None:
+    with open("/proc/mounts") as mounts:
+        for line in mounts:
+            _, where, fstype, *_ = line.split()
+            if fstype == "hugetlbfs" and os.access(where, os.W_OK):
+                return Path(where)
+    return None
+
+
+@pytest.mark.skipif(_hugetlbfs_mount() is None, reason="no writable hugetlbfs mount on this host")
+def test_a_pool_on_hugetlbfs_is_rounded_to_huge_pages_and_mapped_by_them(tmp_path: Path) -> None:
+    mount = _hugetlbfs_mount()
+    assert mount is not None
+    path = mount / f"disagg-pool-{tmp_path.name}"
+    try:
+        pool = ShmPool.create(path, NBYTES)
+    except OSError as exc:  # ENOMEM: the mount exists but its huge pages are taken
+        pytest.skip(f"no free huge pages: {exc}")
+    try:
+        unit = os.statvfs(mount).f_bsize
+        assert pool.nbytes == NBYTES
+        assert path.stat().st_size == -(-NBYTES // unit) * unit
+        assert pool.resident_bytes() == (path.stat().st_size, path.stat().st_size)
+        pool.array[-1] = 5
+        other = ShmPool(path, NBYTES)
+        assert other.nbytes == NBYTES and other.array[-1] == 5
+        other.close()
+    finally:
+        pool.close()
+        path.unlink(missing_ok=True)
