@@ -1,8 +1,8 @@
 """`disagg worker` (the KV worker sidecar of an engine pod) and `disagg demo` (the data path on this machine).
 
 `disagg worker` reads its whole configuration from the environment and the topology file it names (see
-`disagg.worker.sidecar_config`); `disagg worker sidecar --mode transfer` is the same command as the operator's
-pod spec spells it.
+`disagg.worker.sidecar_config`); `disagg worker sidecar --mode transfer|watch` is the same command as the
+operator's pod spec spells it.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ def register(subparsers: Any) -> None:
         "worker",
         help="run the KV worker sidecar (configured by DISAGG_* environment variables and a topology file)",
         description=(
-            "Run the KV worker sidecar: owns the NIXL agent, registers the engine's KV pool, serves the side "
-            "channel and pushes KV with layer-name routing. Exits 0 on SIGTERM."
+            "Run the KV worker sidecar. transfer: owns the NIXL agent, registers the engine's KV pool, "
+            "serves the side channel and pushes KV with layer-name routing. watch: the engine moves its own "
+            "KV (vLLM's NixlPushConnector); the sidecar handshakes the engine's side channel and its peers' "
+            "and reports to its Pod, moving no data. Exits 0 on SIGTERM."
         ),
     )
     worker.add_argument(
@@ -25,9 +27,9 @@ def register(subparsers: Any) -> None:
     )
     worker.add_argument(
         "--mode",
-        choices=["transfer"],
+        choices=["transfer", "watch"],
         default="transfer",
-        help="transfer: the sidecar moves the engine's KV itself",
+        help="transfer: the sidecar moves the engine's KV itself; watch: the engine does, this reports",
     )
     worker.set_defaults(func=_worker)
 
@@ -41,6 +43,11 @@ def register(subparsers: Any) -> None:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    if args.mode == "watch":
+        from disagg.worker.watch import main as watch
+
+        watched: int = watch()
+        return watched
     from disagg.worker.sidecar import main
 
     code: int = main()

@@ -11,11 +11,13 @@ One process per worker (PP stage, TP rank). It
   payload of the engine's other workers, as vLLM's scheduler serves every worker of an engine;
 - runs the push connector (`PushProducer` on prefill, `PushConsumer` on decode) with layer-name routing;
 - serves `/healthz`, `/readyz` and Prometheus metrics, logs one JSON object per line, and on SIGTERM stops
-  serving, releases its NIXL agent and exits 0.
+  serving, releases its NIXL agent and exits 0;
+- in a pod (`status_loop.pod_api_client`), once the engine has registered, checks its peers every
+  `PEER_REPORT_INTERVAL_S` and writes its Pod's `disagg.io/kv-transfer-ready` condition (`PeerReporter`).
 
 Threads: the main thread owns the NIXL agent (every NIXL call, every connector `poll()`, every reply and
-event written to the engine). Socket readers, the side-channel server, the payload republisher and the HTTP
-server only decode, queue or serve bytes.
+event written to the engine). Socket readers, the side-channel server, the payload republisher, the peer
+reporter and the HTTP server only decode, queue, serve bytes or read the registered layout.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -77,6 +79,7 @@ from disagg.worker.routing import compute_desc_ids, expand_logical_blocks, regio
 from disagg.worker.shm_pool import ShmPool
 from disagg.worker.side_channel import SideChannelServer, fetch_payloads, handshake_targets
 from disagg.worker.sidecar_config import SidecarConfig, WorkerEndpoint
+from disagg.worker.status_loop import PeerReporter, pod_api_client
 from disagg.worker.transport import NixlTransport
 
 log = logging.getLogger("disagg.worker.sidecar")
@@ -87,6 +90,7 @@ REPUBLISH_RETRY_S = 0.5
 REPUBLISH_REFRESH_S = 30.0
 KEEP_FINISHED = 10_000
 """Finished requests remembered for `QueryRequest`."""
+PEER_REPORT_INTERVAL_S = 10.0
 
 
 class JsonFormatter(logging.Formatter):
@@ -484,8 +488,18 @@ class _Tracked:
 
 
 class Sidecar:
-    def __init__(self, config: SidecarConfig) -> None:
+    def __init__(self, config: SidecarConfig, env: Mapping[str, str] | None = None) -> None:
+        """`env` (default `os.environ`) tells whether this sidecar runs in a pod and reports to its Pod."""
         self.config = config
+        env = os.environ if env is None else env
+        api = pod_api_client(env)
+        # Built now so that a pod spec without DISAGG_DEPLOYMENT fails at start, not at the engine's register;
+        # started once the engine has registered (the prefill check plans against the registered layout).
+        self.peer_reporter: PeerReporter | None = (
+            None
+            if api is None
+            else PeerReporter.for_pod(config, None, api, env, interval_s=PEER_REPORT_INTERVAL_S)
+        )
         self.metrics = SidecarMetrics(config.role, config.engine_id, config.pp_rank, config.tp_rank)
         self.health = Health()
         self.stopping = threading.Event()
@@ -639,6 +653,9 @@ class Sidecar:
         self._connector = PushProducer(local) if self.config.role == "prefill" else PushConsumer(local)
         self._registered = message
         self._update_readiness()
+        if self.peer_reporter is not None:
+            self.peer_reporter.local = local
+            self.peer_reporter.start()
         _event(
             logging.INFO,
             "KV pool registered",
@@ -728,6 +745,9 @@ class Sidecar:
 
     def close(self) -> None:
         _event(logging.INFO, "sidecar stopping", pending_requests=self._pending)
+        if self.peer_reporter is not None:
+            self.peer_reporter.stop()
+            self.peer_reporter.reporter.core.api_client.close()
         self.engine_socket.stop()
         self.republisher.stop()
         self.side_channel.stop()

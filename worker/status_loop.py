@@ -18,17 +18,19 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
+from typing import Any, Final
 
 import urllib3
 from kubernetes import client
+from kubernetes import config as kube_config
 
 from disagg.worker.errors import DisaggError, WorkerConfigError
 from disagg.worker.k8s_report import PodReporter, kube_client
 from disagg.worker.layout import build_stage_layout
-from disagg.worker.peer_check import DEPLOYMENT_LABEL, ROLE_LABEL, check_round, peer_role
+from disagg.worker.peer_check import DEPLOYMENT_LABEL, ROLE_LABEL, Outcome, check_round, peer_role
 from disagg.worker.push import LocalKV, agent_name
 from disagg.worker.shm_pool import ShmPool
 from disagg.worker.side_channel import DEFAULT_HANDSHAKE_TIMEOUT_S, SideChannelServer
@@ -37,6 +39,10 @@ from disagg.worker.sidecar_config import SidecarConfig, from_env
 log = logging.getLogger("disagg.worker.status_loop")
 DEFAULT_INTERVAL_S = 10.0
 DEFAULT_NUM_BLOCKS = 4
+SERVICE_ACCOUNT_TOKEN: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
+
+Check = Callable[[Sequence[Mapping[str, Any]]], Outcome]
+"""One round's verdict from the peer pods of this pod's deployment."""
 
 
 def peer_selector(deployment: str, config: SidecarConfig) -> str:
@@ -50,10 +56,15 @@ def report_once(
     deployment: str,
     *,
     timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+    check: Check | None = None,
 ) -> None:
-    """One round: list the peers, handshake each, write this pod's condition and Events."""
+    """One round: list the peers, handshake each (`check`, by default `peer_check.check_round` with
+    `local`), write this pod's condition and Events."""
     pods = reporter.list_pods(peer_selector(deployment, config))
-    reporter.report(check_round(config, local, pods, timeout_s=timeout_s))
+    if check is None:
+        reporter.report(check_round(config, local, pods, timeout_s=timeout_s))
+    else:
+        reporter.report(check(pods))
 
 
 class PeerReporter:
@@ -61,7 +72,8 @@ class PeerReporter:
 
     The thread makes no NIXL call (handshakes are ZMQ; planning a decode rank reads the registered layout), so
     a sidecar whose main thread owns the NIXL agent can run it beside its loop. An API server that is briefly
-    unreachable or refuses a write costs one round, logged, not the sidecar.
+    unreachable or refuses a write costs one round, logged, not the sidecar. `check` replaces the round's
+    peer check (a watching sidecar checks its own engine too, see `disagg.worker.watch`).
     """
 
     def __init__(
@@ -72,12 +84,14 @@ class PeerReporter:
         deployment: str,
         *,
         interval_s: float = DEFAULT_INTERVAL_S,
+        check: Check | None = None,
     ) -> None:
         self.config = config
         self.local = local
         self.reporter = reporter
         self.deployment = deployment
         self.interval_s = interval_s
+        self.check = check
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="disagg-peer-reporter", daemon=True)
 
@@ -90,10 +104,12 @@ class PeerReporter:
         env: Mapping[str, str],
         *,
         interval_s: float = DEFAULT_INTERVAL_S,
+        check: Check | None = None,
     ) -> PeerReporter:
         """The reporter of the pod `env` names (`POD_NAMESPACE`, `POD_NAME`, `DISAGG_DEPLOYMENT`)."""
         reporter = PodReporter(api, _required(env, "POD_NAMESPACE"), _required(env, "POD_NAME"))
-        return cls(config, local, reporter, _required(env, "DISAGG_DEPLOYMENT"), interval_s=interval_s)
+        deployment = _required(env, "DISAGG_DEPLOYMENT")
+        return cls(config, local, reporter, deployment, interval_s=interval_s, check=check)
 
     def start(self) -> PeerReporter:
         self._thread.start()
@@ -107,10 +123,26 @@ class PeerReporter:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                report_once(self.config, self.local, self.reporter, self.deployment)
+                report_once(self.config, self.local, self.reporter, self.deployment, check=self.check)
             except (client.ApiException, urllib3.exceptions.HTTPError) as exc:
                 log.warning("%s: could not report to the API server this round: %s", self.reporter.pod, exc)
             self._stop.wait(self.interval_s)
+
+
+def pod_api_client(env: Mapping[str, str]) -> client.ApiClient | None:
+    """A client for the API server when `env` is a pod's (`POD_NAME` and `POD_NAMESPACE` set) and credentials
+    exist: the in-cluster service account, else the `KUBECONFIG` file `env` names. None otherwise (the
+    data-path demo, the sidecar tests), so a sidecar outside a pod never tries to reach an API server."""
+    if not env.get("POD_NAME") or not env.get("POD_NAMESPACE"):
+        return None
+    if env.get("KUBERNETES_SERVICE_HOST") and SERVICE_ACCOUNT_TOKEN.is_file():
+        kube_config.load_incluster_config()  # type: ignore[no-untyped-call]
+        return client.ApiClient()
+    kubeconfig = env.get("KUBECONFIG")
+    if kubeconfig and all(Path(path).is_file() for path in kubeconfig.split(os.pathsep) if path):
+        api: client.ApiClient = kube_config.new_client_from_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
+        return api
+    return None
 
 
 def _required(env: Mapping[str, str], name: str) -> str:
