@@ -4,8 +4,11 @@ Per prefill replica: a StatefulSet with one pod per pipeline stage (pod ordinal 
 parallel) and the headless Service that governs it. Decode: a Deployment and a headless Service. A ConfigMap
 carries the topology plan every sidecar reads. Every engine pod gets the KV worker sidecar (downward-API
 identity, side channel, `IPC_LOCK`, RDMA, shared memory) and a readiness gate on the condition the sidecar
-writes. Everything carries an owner reference to the DisaggDeployment, so deletion is garbage collection, and
-only fields that exist in Kubernetes 1.20 (apps/v1, core/v1).
+writes, and runs as the deployment's own ServiceAccount, which a RoleBinding gives the installation's worker
+ClusterRole (the sidecar patches its Pod's condition, reads its peers and posts Events). Everything carries an
+owner reference to the DisaggDeployment, so deletion is garbage collection, and only fields that exist in
+Kubernetes 1.20 (apps/v1, core/v1, rbac.authorization.k8s.io/v1). `disagg plan` builds the same objects from a
+file, which has no uid yet: then the owner reference is left out (the operator adds it).
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ TOPOLOGY_KEY: Final = "topology.json"
 TOPOLOGY_DIR: Final = "/etc/disagg/topology"
 ENGINE_CONTAINER: Final = "engine"
 SIDECAR_CONTAINER: Final = "kv-worker"
+WORKER_CLUSTER_ROLE_ENV: Final = "DISAGG_WORKER_CLUSTERROLE"
+DEFAULT_WORKER_CLUSTER_ROLE: Final = "disagg-worker"
 # A StatefulSet's pods carry `controller-revision-hash: <name>-<10 chars>`, a label value capped at 63.
 MAX_CHILD_NAME: Final = 52
 
@@ -56,18 +61,34 @@ class Owner:
 
     name: str
     namespace: str
-    uid: str
+    # None for a spec read from a file (`disagg plan`): the object does not exist yet, so nothing can own.
+    uid: str | None
     generation: int
 
-    def reference(self) -> dict[str, Any]:
-        return {
-            "apiVersion": API_VERSION,
-            "kind": KIND,
-            "name": self.name,
-            "uid": self.uid,
-            "controller": True,
-            "blockOwnerDeletion": True,
-        }
+    def references(self) -> list[dict[str, Any]]:
+        if self.uid is None:
+            return []
+        return [
+            {
+                "apiVersion": API_VERSION,
+                "kind": KIND,
+                "name": self.name,
+                "uid": self.uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+
+
+@dataclass(frozen=True)
+class Installation:
+    """What the operator's installation (the Helm chart, through environment variables) decides."""
+
+    worker_cluster_role: str = DEFAULT_WORKER_CLUSTER_ROLE
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> Installation:
+        return cls(worker_cluster_role=environ.get(WORKER_CLUSTER_ROLE_ENV) or DEFAULT_WORKER_CLUSTER_ROLE)
 
 
 def child_name(owner: str, *parts: str) -> str:
@@ -101,6 +122,11 @@ def topology_name(owner: str) -> str:
     return child_name(owner, "topology")
 
 
+def worker_account_name(owner: str) -> str:
+    """The engine pods' ServiceAccount and the RoleBinding that grants it the worker ClusterRole."""
+    return child_name(owner, "kv-worker")
+
+
 def label_value(owner: str) -> str:
     """The owner's name as a label value: itself when it fits, else a prefix and a hash of the whole."""
     if len(owner) <= MAX_LABEL_VALUE:
@@ -129,7 +155,7 @@ def selector_labels(owner: str, role: Role, replica: int | None = None) -> dict[
 
 
 def topology_document(
-    spec: DisaggDeploymentSpec, owner: Owner, plan: TopologyPlan, hashes: Mapping[str, str]
+    spec: DisaggDeploymentSpec, owner: Owner, plan: TopologyPlan, hashes: Mapping[Role, str]
 ) -> str:
     """The plan plus what a sidecar needs to build its KV layout (`disagg.worker.sidecar_config` reads it)."""
     model = spec.model
@@ -155,15 +181,20 @@ def topology_document(
 
 
 def build(
-    spec: DisaggDeploymentSpec, owner: Owner, plan: TopologyPlan, hashes: Mapping[str, str]
+    spec: DisaggDeploymentSpec,
+    owner: Owner,
+    plan: TopologyPlan,
+    hashes: Mapping[Role, str],
+    installation: Installation = Installation(),
 ) -> list[dict[str, Any]]:
-    """Every object the deployment needs, in apply order (the ConfigMap before the pods that mount it)."""
+    """Every object the deployment needs, in apply order (what the pods mount or run as comes first)."""
     topology = topology_document(spec, owner, plan, hashes)
     checksum = hashlib.sha256(topology.encode()).hexdigest()[:16]
     objects: list[dict[str, Any]] = [
         _object(
             "v1", "ConfigMap", topology_name(owner.name), owner, "topology", data={TOPOLOGY_KEY: topology}
-        )
+        ),
+        *_worker_access(owner, installation),
     ]
     for replica in range(spec.prefill.replicas):
         name = prefill_name(owner.name, replica)
@@ -180,18 +211,41 @@ def build(
 def _object(
     api_version: str, kind: str, name: str, owner: Owner, component: str, **body: Any
 ) -> dict[str, Any]:
-    return {
-        "apiVersion": api_version,
-        "kind": kind,
-        "metadata": {
-            "name": name,
-            "namespace": owner.namespace,
-            "labels": {**owner_labels(owner.name), COMPONENT_LABEL: component},
-            "annotations": {GENERATION_ANNOTATION: str(owner.generation), DEPLOYMENT_ANNOTATION: owner.name},
-            "ownerReferences": [owner.reference()],
-        },
-        **body,
+    metadata: dict[str, Any] = {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": {**owner_labels(owner.name), COMPONENT_LABEL: component},
+        "annotations": {GENERATION_ANNOTATION: str(owner.generation), DEPLOYMENT_ANNOTATION: owner.name},
     }
+    references = owner.references()
+    if references:
+        metadata["ownerReferences"] = references
+    return {"apiVersion": api_version, "kind": kind, "metadata": metadata, **body}
+
+
+def _worker_access(owner: Owner, installation: Installation) -> list[dict[str, Any]]:
+    """The sidecars' identity: a ServiceAccount per deployment, bound in its namespace only.
+
+    A RoleBinding to the shared ClusterRole (rather than a Role per deployment) keeps the permission set in
+    one place, the chart, and lets the operator grant it with `bind` alone instead of holding it.
+    """
+    name = worker_account_name(owner.name)
+    return [
+        _object("v1", "ServiceAccount", name, owner, "kv-worker"),
+        _object(
+            "rbac.authorization.k8s.io/v1",
+            "RoleBinding",
+            name,
+            owner,
+            "kv-worker",
+            roleRef={
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": installation.worker_cluster_role,
+            },
+            subjects=[{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}],
+        ),
+    ]
 
 
 def _service(
@@ -361,6 +415,7 @@ def _pod_template(
         "volumeMounts": mounts,
     }
     pod_spec: dict[str, Any] = {
+        "serviceAccountName": worker_account_name(owner.name),
         "containers": [engine_container_spec, sidecar],
         "readinessGates": [{"conditionType": POD_CONDITION}],
         "enableServiceLinks": False,

@@ -7,12 +7,11 @@ the committed CRD is stale), 2 the file is not a valid DisaggDeployment (YAML or
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
+import dataclasses
 import json
+import os
 import sys
 import textwrap
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -24,7 +23,7 @@ if TYPE_CHECKING:
 EXIT_OK = 0
 EXIT_INCOMPATIBLE = 1
 EXIT_INVALID = 2
-BUILDERS_MODULE = "disagg.operator.builders"
+DEFAULT_NAMESPACE = "default"
 
 
 @dataclass(frozen=True)
@@ -142,14 +141,12 @@ def _summary_lines(dd: DisaggDeployment, report: CompatReport) -> list[str]:
 
 def run_check(args: argparse.Namespace) -> int:
     out = sys.stdout
-    from disagg.operator.compat import evaluate
-
     path = Path(args.file)
     try:
         dd = load_deployment(path)
     except SpecFileError as error:
         return _print_invalid(error, path, args.output, out)
-    report = evaluate(dd.spec)
+    report = _judge(dd)
     code = EXIT_OK if report.compatible else EXIT_INCOMPATIBLE
     if args.output == "json":
         json.dump(_report_json(path, dd, report), out, indent=2)
@@ -167,32 +164,55 @@ def run_check(args: argparse.Namespace) -> int:
     return code
 
 
-def manifest_builder() -> Callable[[DisaggDeployment], list[dict[str, Any]]] | None:
-    """`build_all(dd)` of the manifest builders, or None where this installation has none."""
-    if importlib.util.find_spec(BUILDERS_MODULE) is None:
+def _judge(dd: DisaggDeployment) -> CompatReport:
+    """The operator's verdict: the compatibility rules plus engine arguments that contradict the spec."""
+    from disagg.operator.builders_engine import arg_violations
+    from disagg.operator.compat import evaluate
+
+    report = evaluate(dd.spec)
+    return dataclasses.replace(report, violations=(*report.violations, *arg_violations(dd.spec)))
+
+
+def _plan_namespace(dd: DisaggDeployment) -> str:
+    return dd.metadata.namespace or DEFAULT_NAMESPACE
+
+
+def plan_manifests(dd: DisaggDeployment, report: CompatReport) -> list[dict[str, Any]] | None:
+    """The objects the operator would apply for this file, built by the operator's own builders.
+
+    A file has no uid, so the owner reference (which the operator adds) is left out. None when the operator
+    would refuse the spec or the file names no object.
+    """
+    from disagg.operator.builders import Installation, Owner, build
+
+    if not report.compatible or report.plan is None or not dd.metadata.name:
         return None
-    build_all: Callable[[DisaggDeployment], list[dict[str, Any]]] | None = getattr(
-        importlib.import_module(BUILDERS_MODULE), "build_all", None
+    owner = Owner(
+        name=dd.metadata.name,
+        namespace=_plan_namespace(dd),
+        uid=None,
+        generation=dd.metadata.generation or 1,
     )
-    return build_all
+    return build(dd.spec, owner, report.plan, report.hashes, Installation.from_environ(os.environ))
 
 
 def run_plan(args: argparse.Namespace) -> int:
     out, err = sys.stdout, sys.stderr
     import yaml
 
-    from disagg.operator.compat import evaluate
-
     path = Path(args.file)
     try:
         dd = load_deployment(path)
     except SpecFileError as error:
         return _print_invalid(error, path, "json" if args.output == "json" else "text", out)
-    report = evaluate(dd.spec)
-    build_all = manifest_builder()
-    manifests = build_all(dd) if report.compatible and build_all is not None else None
+    report = _judge(dd)
+    manifests = plan_manifests(dd, report)
     if args.output in ("json", "yaml"):
-        document = {**_report_json(path, dd, report), "manifests": manifests}
+        document = {
+            **_report_json(path, dd, report),
+            "manifests": manifests,
+            "ownerReferencesOmitted": manifests is not None,
+        }
         if args.output == "json":
             json.dump(document, out, indent=2)
             out.write("\n")
@@ -200,11 +220,44 @@ def run_plan(args: argparse.Namespace) -> int:
             yaml.safe_dump(document, out, sort_keys=False, width=110)
     else:
         _print_plan_text(dd, report, out)
-        if manifests:
-            out.write(yaml.safe_dump_all(manifests, sort_keys=False, width=110, explicit_start=True))
+        if manifests is not None:
+            _print_manifest_header(dd, manifests, out)
+            out.write(_dump_manifests(manifests))
     if report.compatible and manifests is None:
-        err.write(f"note: {BUILDERS_MODULE}.build_all is not available; only the topology is shown\n")
+        err.write(
+            f"{path}: metadata.name is missing, so no manifests can be named; only the topology is shown\n"
+        )
     return EXIT_OK if report.compatible else EXIT_INCOMPATIBLE
+
+
+def _dump_manifests(manifests: list[dict[str, Any]]) -> str:
+    """YAML documents as `kubectl apply -f` reads them, with multi-line strings (the topology) as blocks."""
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    def text(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None)
+
+    Dumper.add_representer(str, text)
+    dumped: str = yaml.dump_all(manifests, Dumper=Dumper, sort_keys=False, width=110, explicit_start=True)
+    return dumped
+
+
+def _print_manifest_header(dd: DisaggDeployment, manifests: list[dict[str, Any]], out: TextIO) -> None:
+    out.write(f"# manifests: the {len(manifests)} objects the operator server-side-applies, in order:\n")
+    for obj in manifests:
+        out.write(f"#   - {obj['kind']} {obj['metadata']['name']}\n")
+    out.write(
+        "# The operator also sets each object's metadata.ownerReferences to the DisaggDeployment (whose uid\n"
+        "# exists only once the API server stores it), so deleting the DisaggDeployment deletes them.\n"
+    )
+    if dd.metadata.namespace is None:
+        out.write(
+            f"# namespace: the file names none, so {DEFAULT_NAMESPACE} is shown; the operator uses the "
+            "namespace the DisaggDeployment is created in.\n"
+        )
 
 
 def _print_plan_text(dd: DisaggDeployment, report: CompatReport, out: TextIO) -> None:
@@ -268,8 +321,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     plan = subparsers.add_parser(
         "plan",
         help="the topology and the manifests a DisaggDeployment would create",
-        description="Print the prefill stages (layer names, routing mode) and, where the manifest builders "
-        "are installed, the Kubernetes objects the operator would apply. Exit codes as for `check`.",
+        description="Print the prefill stages (layer names, routing mode) and the Kubernetes objects the "
+        "operator would apply (built by the operator's own builders; the owner reference it adds is left "
+        "out, because a file has no uid). An incompatible spec prints no objects. Exit codes as for `check`.",
     )
     plan.add_argument("file", help="DisaggDeployment YAML file")
     plan.add_argument(

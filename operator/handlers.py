@@ -9,13 +9,14 @@ error: kopf retries an exception, and a refused spec raises `kopf.PermanentError
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import kopf
 from kubernetes import client, config
 
 from disagg.operator.api import GROUP, PLURAL, VERSION
-from disagg.operator.builders import DEPLOYMENT_ANNOTATION, FIELD_MANAGER, MANAGED_BY_LABEL
+from disagg.operator.builders import DEPLOYMENT_ANNOTATION, FIELD_MANAGER, MANAGED_BY_LABEL, Installation
 from disagg.operator.k8s_apply import Kube
 from disagg.operator.reconcile import RefreshQueue, reconcile, refresh_status
 
@@ -47,6 +48,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         settings.admission.managed = webhook.managed
     kube = Kube(_client())
     memo.kube = kube
+    memo.installation = Installation.from_environ(os.environ)
     memo.refresh = RefreshQueue(lambda key: refresh_status(kube, *key))
 
 
@@ -59,7 +61,7 @@ def stop_refreshing(memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
 def reconcile_spec(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
-    outcome = reconcile(memo.kube, body)
+    outcome = reconcile(memo.kube, body, memo.installation)
     if outcome.refused is not None:
         kopf.event(body, type="Warning", reason="SpecRefused", message=outcome.refused)
         raise kopf.PermanentError(outcome.refused)

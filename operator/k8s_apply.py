@@ -21,7 +21,7 @@ from disagg.operator.builders import FIELD_MANAGER, INSTANCE_LABEL, MANAGED_BY_L
 
 APPLY: Final = "application/apply-patch+yaml"
 MERGE: Final = "application/merge-patch+json"
-CHILD_KINDS: Final = ("StatefulSet", "Deployment", "Service", "ConfigMap")
+CHILD_KINDS: Final = ("StatefulSet", "Deployment", "Service", "ConfigMap", "ServiceAccount", "RoleBinding")
 
 
 @dataclass
@@ -30,11 +30,13 @@ class Kube:
     apps: client.AppsV1Api = field(init=False)
     core: client.CoreV1Api = field(init=False)
     custom: client.CustomObjectsApi = field(init=False)
+    rbac: client.RbacAuthorizationV1Api = field(init=False)
 
     def __post_init__(self) -> None:
         self.apps = client.AppsV1Api(self.api)
         self.core = client.CoreV1Api(self.api)
         self.custom = client.CustomObjectsApi(self.api)
+        self.rbac = client.RbacAuthorizationV1Api(self.api)
 
     def _appliers(self) -> Mapping[str, Callable[..., Any]]:
         return {
@@ -42,6 +44,8 @@ class Kube:
             "Deployment": self.apps.patch_namespaced_deployment,
             "Service": self.core.patch_namespaced_service,
             "ConfigMap": self.core.patch_namespaced_config_map,
+            "ServiceAccount": self.core.patch_namespaced_service_account,
+            "RoleBinding": self.rbac.patch_namespaced_role_binding,
         }
 
     def _listers(self) -> Mapping[str, Callable[..., Any]]:
@@ -50,6 +54,8 @@ class Kube:
             "Deployment": self.apps.list_namespaced_deployment,
             "Service": self.core.list_namespaced_service,
             "ConfigMap": self.core.list_namespaced_config_map,
+            "ServiceAccount": self.core.list_namespaced_service_account,
+            "RoleBinding": self.rbac.list_namespaced_role_binding,
         }
 
     def _deleters(self) -> Mapping[str, Callable[..., Any]]:
@@ -58,6 +64,8 @@ class Kube:
             "Deployment": self.apps.delete_namespaced_deployment,
             "Service": self.core.delete_namespaced_service,
             "ConfigMap": self.core.delete_namespaced_config_map,
+            "ServiceAccount": self.core.delete_namespaced_service_account,
+            "RoleBinding": self.rbac.delete_namespaced_role_binding,
         }
 
     def apply(self, obj: Mapping[str, Any]) -> None:

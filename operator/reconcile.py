@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from disagg.operator import conditions as cond
 from disagg.operator.api import ConditionStatus, DisaggDeploymentSpec
-from disagg.operator.builders import Owner, build
+from disagg.operator.builders import Installation, Owner, build
 from disagg.operator.builders_engine import arg_violations
 from disagg.operator.compat import CompatReport, evaluate
 from disagg.operator.k8s_apply import Kube
@@ -73,21 +73,22 @@ def _owner(body: Mapping[str, Any]) -> Owner:
     )
 
 
-def reconcile(kube: Kube, body: Mapping[str, Any]) -> Outcome:
+def reconcile(kube: Kube, body: Mapping[str, Any], installation: Installation) -> Outcome:
     """Converge the children on the spec (or refuse it), then write the status."""
     owner = _owner(body)
+    uid: str = body["metadata"]["uid"]
     verdict = judge(body.get("spec") or {})
     if verdict.violations:
-        _write_status(kube, body, verdict, kube.children(owner.namespace, owner.name, owner.uid))
+        _write_status(kube, body, verdict, kube.children(owner.namespace, owner.name, uid))
         return Outcome((), (), verdict.message)
     # judge() reports a violation whenever the spec cannot be parsed or planned.
     assert verdict.spec is not None and verdict.report is not None and verdict.report.plan is not None
-    desired = build(verdict.spec, owner, verdict.report.plan, verdict.report.hashes)
+    desired = build(verdict.spec, owner, verdict.report.plan, verdict.report.hashes, installation)
     for obj in desired:
         kube.apply(obj)
     wanted = {(obj["kind"], obj["metadata"]["name"]) for obj in desired}
     kept, deleted = [], []
-    for child in kube.children(owner.namespace, owner.name, owner.uid):
+    for child in kube.children(owner.namespace, owner.name, uid):
         key = (child["kind"], child["metadata"]["name"])
         if key in wanted:
             kept.append(child)

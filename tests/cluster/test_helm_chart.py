@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import re
 import secrets
 import signal
 import socket
@@ -99,6 +100,7 @@ TEMPLATED = [
     ("secret", "-webhook-tls", True),
     ("clusterrole", "-cluster", False),
     ("clusterrole", "-workloads", False),
+    ("clusterrole", "-worker", False),
     ("clusterrolebinding", "-cluster", False),
     ("clusterrolebinding", "-workloads", False),
     ("validatingwebhookconfiguration", "", False),
@@ -133,20 +135,39 @@ WORKLOAD_GRANTS = {
     ("", "configmaps"): {"get", "list", "watch", "create", "patch", "delete"},
     ("", "pods"): {"get", "list", "watch"},
     ("", "events"): {"create", "patch"},
+    ("", "serviceaccounts"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("rbac.authorization.k8s.io", "rolebindings"): {"get", "list", "watch", "create", "patch", "delete"},
+}
+BASIC_USER_GRANTS = {
+    ("authorization.k8s.io", "selfsubjectaccessreviews"): {"create"},
+    ("authorization.k8s.io", "selfsubjectrulesreviews"): {"create"},
 }
 OUTSIDE_WATCHED_NAMESPACES = {
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
     ("", "namespaces"): {"list", "watch"},
-    ("authorization.k8s.io", "selfsubjectaccessreviews"): {"create"},
-    ("authorization.k8s.io", "selfsubjectrulesreviews"): {"create"},
+} | BASIC_USER_GRANTS
+# What a KV-worker sidecar may do in its own namespace (the chart's worker ClusterRole).
+WORKER_GRANTS = {
+    ("", "pods"): {"get", "list", "watch"},
+    ("", "pods/status"): {"get", "patch"},
+    ("", "events"): {"create", "get", "patch"},
 }
-EXPECTED_GRANTS = WORKLOAD_GRANTS | OUTSIDE_WATCHED_NAMESPACES
+
+
+def workload_grants(release: Release) -> dict[tuple[str, str], set[str]]:
+    """The workload grants plus `bind` on this release's worker ClusterRole, and on no other role."""
+    bind = {("rbac.authorization.k8s.io", f"clusterroles[{release.fullname}-worker]"): {"bind"}}
+    return WORKLOAD_GRANTS | bind
 
 
 def granted(release: Release, namespace: str) -> dict[tuple[str, str], set[str]]:
     """`kubectl auth can-i --list` as the operator's ServiceAccount, resource rows only."""
-    account = f"system:serviceaccount:{release.namespace}:{release.fullname}"
-    proc = release.cp.kubectl("auth", "can-i", "--list", f"--as={account}", "-n", namespace)
+    return granted_to(release.cp, f"system:serviceaccount:{release.namespace}:{release.fullname}", namespace)
+
+
+def granted_to(cp: ControlPlane, user: str, namespace: str) -> dict[tuple[str, str], set[str]]:
+    """Resource rows of `kubectl auth can-i --list`; a row limited to named objects is `resource[names]`."""
+    proc = cp.kubectl("auth", "can-i", "--list", f"--as={user}", "-n", namespace)
     assert proc.returncode == 0, proc.stderr
     grants: dict[tuple[str, str], set[str]] = {}
     for line in proc.stdout.splitlines()[1:]:
@@ -155,8 +176,9 @@ def granted(release: Release, namespace: str) -> dict[tuple[str, str], set[str]]
         resource = line.split()[0]
         name, _, sub = resource.partition("/")
         plural, _, group = name.partition(".")
-        key = (group, f"{plural}/{sub}" if sub else plural)
-        grants.setdefault(key, set()).update(line[line.rindex("[") + 1 : line.rindex("]")].split())
+        _, names, verbs = re.findall(r"\[([^\]]*)\]", line)
+        key = (group, (f"{plural}/{sub}" if sub else plural) + (f"[{names}]" if names else ""))
+        grants.setdefault(key, set()).update(verbs.split())
     return grants
 
 
@@ -209,8 +231,22 @@ def test_install_upgrade_uninstall_on_the_1_20_api_server(release: Release) -> N
     assert pod["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
 
     # RBAC as the API server evaluates it: exactly the operator's needs, here and in any other namespace.
-    assert granted(release, ns) == EXPECTED_GRANTS
-    assert granted(release, "default") == EXPECTED_GRANTS
+    assert granted(release, ns) == workload_grants(release) | OUTSIDE_WATCHED_NAMESPACES
+    assert granted(release, "default") == workload_grants(release) | OUTSIDE_WATCHED_NAMESPACES
+    # The worker ClusterRole, bound in one namespace as the operator binds it, grants a sidecar exactly this.
+    bound = release.cp.kubectl(
+        "create",
+        "rolebinding",
+        "probe-kv-worker",
+        "-n",
+        ns,
+        f"--clusterrole={release.fullname}-worker",
+        f"--serviceaccount={ns}:probe-kv-worker",
+    )
+    assert bound.returncode == 0, bound.stderr
+    sidecar = f"system:serviceaccount:{ns}:probe-kv-worker"
+    assert granted_to(release.cp, sidecar, ns) == WORKER_GRANTS | BASIC_USER_GRANTS
+    assert granted_to(release.cp, sidecar, "default") == BASIC_USER_GRANTS
 
     secret = release.must_get("secret", f"{release.fullname}-webhook-tls")
     config = release.must_get("validatingwebhookconfiguration", release.fullname, namespaced=False)
@@ -262,7 +298,7 @@ def test_watch_namespaces_grant_the_workload_permissions_only_there(release: Rel
     )
     assert release.get("clusterrolebinding", f"{release.fullname}-workloads", namespaced=False) is None
     release.must_get("rolebinding", f"{release.fullname}-workloads")
-    assert granted(release, ns) == EXPECTED_GRANTS
+    assert granted(release, ns) == workload_grants(release) | OUTSIDE_WATCHED_NAMESPACES
     assert granted(release, "default") == OUTSIDE_WATCHED_NAMESPACES
 
 

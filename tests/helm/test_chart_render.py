@@ -83,7 +83,7 @@ def test_helm_lint_strict_passes(helm_bin: Path, values: Mapping[str, object]) -
 
 def test_every_object_carries_the_standard_labels(helm_bin: Path) -> None:
     objs = render(helm_bin)
-    assert len(objs) == 9
+    assert len(objs) == 10
     for obj in objs:
         labels = obj["metadata"]["labels"]
         where = f"{obj['kind']}/{obj['metadata']['name']}"
@@ -92,7 +92,7 @@ def test_every_object_carries_the_standard_labels(helm_bin: Path) -> None:
         assert labels["app.kubernetes.io/version"] == CHART_META["appVersion"], where
         assert labels["app.kubernetes.io/managed-by"] == "Helm", where
         assert labels["helm.sh/chart"] == f"disagg-{CHART_META['version']}", where
-        assert labels["app.kubernetes.io/component"] in {"operator", "webhook"}, where
+        assert labels["app.kubernetes.io/component"] in {"operator", "webhook", "worker"}, where
     deployment = one(objs, "Deployment")
     selector = deployment["spec"]["selector"]["matchLabels"]
     assert selector == {
@@ -114,6 +114,16 @@ WORKLOAD_RULES = {
     ("", "configmaps"): {"get", "list", "watch", "create", "patch", "delete"},
     ("", "pods"): {"get", "list", "watch"},
     ("", "events"): {"create", "patch"},
+    ("", "serviceaccounts"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("rbac.authorization.k8s.io", "rolebindings"): {"get", "list", "watch", "create", "patch", "delete"},
+    # Only to bind the worker ClusterRole to each deployment's sidecars (resourceNames: that one role).
+    ("rbac.authorization.k8s.io", f"clusterroles[{RELEASE}-disagg-worker]"): {"bind"},
+}
+# What each engine pod's KV-worker sidecar does: its own Pod condition, its peers, its Events.
+WORKER_RULES = {
+    ("", "pods"): {"get", "list", "watch"},
+    ("", "pods/status"): {"get", "patch"},
+    ("", "events"): {"create", "get", "patch"},
 }
 CLUSTER_RULES = {
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
@@ -124,21 +134,28 @@ CLUSTER_RULES = {
 def flatten_rules(role: Obj) -> dict[tuple[str, str], set[str]]:
     grants: dict[tuple[str, str], set[str]] = {}
     for rule in role["rules"]:
-        assert "resourceNames" not in rule and "nonResourceURLs" not in rule
-        for field in ("apiGroups", "resources", "verbs"):
-            assert "*" not in rule[field], f"wildcard in {role['metadata']['name']}: {rule}"
+        assert "nonResourceURLs" not in rule
+        for field in ("apiGroups", "resources", "verbs", "resourceNames"):
+            assert "*" not in rule.get(field, ()), f"wildcard in {role['metadata']['name']}: {rule}"
+        # A rule limited to named objects is keyed as `resource[name ...]`, as `kubectl auth can-i --list`.
+        names = f"[{' '.join(rule['resourceNames'])}]" if "resourceNames" in rule else ""
         for group in rule["apiGroups"]:
             for resource in rule["resources"]:
-                grants.setdefault((group, resource), set()).update(rule["verbs"])
+                grants.setdefault((group, resource + names), set()).update(rule["verbs"])
     return grants
 
 
 def test_rbac_grants_exactly_the_operators_needs_without_wildcards(helm_bin: Path) -> None:
     objs = render(helm_bin)
     roles = by_kind(objs, "ClusterRole")
-    assert set(roles) == {f"{RELEASE}-disagg-cluster", f"{RELEASE}-disagg-workloads"}
+    assert set(roles) == {
+        f"{RELEASE}-disagg-cluster",
+        f"{RELEASE}-disagg-workloads",
+        f"{RELEASE}-disagg-worker",
+    }
     assert flatten_rules(roles[f"{RELEASE}-disagg-cluster"]) == CLUSTER_RULES
     assert flatten_rules(roles[f"{RELEASE}-disagg-workloads"]) == WORKLOAD_RULES
+    assert flatten_rules(roles[f"{RELEASE}-disagg-worker"]) == WORKER_RULES
     assert by_kind(objs, "Role") == {}
     assert by_kind(objs, "RoleBinding") == {}
     # The chart owns the webhook configuration, so the operator may not touch admission configuration at all.
@@ -147,7 +164,8 @@ def test_rbac_grants_exactly_the_operators_needs_without_wildcards(helm_bin: Pat
 
     account = one(objs, "ServiceAccount")["metadata"]["name"]
     bindings = by_kind(objs, "ClusterRoleBinding")
-    assert {b["roleRef"]["name"] for b in bindings.values()} == set(roles)
+    # The worker role is bound by the operator, per DisaggDeployment and namespace: never cluster-wide.
+    assert {b["roleRef"]["name"] for b in bindings.values()} == set(roles) - {f"{RELEASE}-disagg-worker"}
     for binding in bindings.values():
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}]
     assert one(objs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == account
@@ -217,6 +235,8 @@ def test_operator_command_probes_and_mounts_match_the_operator_cli(helm_bin: Pat
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["DISAGG_LOG_LEVEL"] == "info"
     assert env["DISAGG_WORKER_IMAGE"] == f"ghcr.io/disagg/disagg-worker:{CHART_META['appVersion']}"
+    # The same name the workload role may bind and the worker ClusterRole carries.
+    assert env["DISAGG_WORKER_CLUSTERROLE"] == f"{RELEASE}-disagg-worker"
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
     assert mounts[CERT_DIR]["readOnly"] is True
     assert "/tmp" in mounts  # the only writable path under a read-only root filesystem

@@ -17,6 +17,7 @@ from disagg.operator.builders import (
     MAX_CHILD_NAME,
     SIDECAR_CONTAINER,
     TOPOLOGY_KEY,
+    Installation,
     Owner,
     build,
     child_name,
@@ -28,12 +29,16 @@ from disagg.operator.kv_status import POD_CONDITION
 from disagg.worker.sidecar_config import parse_topology
 
 OWNER = Owner(name="gemma-pp2", namespace="ns1", uid="0f0e-uid", generation=7)
+CHART_DEFAULT = Installation()
 
 
-def objects(model: DisaggDeploymentSpec, owner: Owner = OWNER) -> dict[tuple[str, str], dict[str, Any]]:
+def objects(
+    model: DisaggDeploymentSpec, owner: Owner = OWNER, installation: Installation = CHART_DEFAULT
+) -> dict[tuple[str, str], dict[str, Any]]:
     report = evaluate(model)
     assert report.compatible and report.plan is not None, report.violations
-    return {(o["kind"], o["metadata"]["name"]): o for o in build(model, owner, report.plan, report.hashes)}
+    built = build(model, owner, report.plan, report.hashes, installation)
+    return {(o["kind"], o["metadata"]["name"]): o for o in built}
 
 
 def pod_spec(obj: dict[str, Any]) -> dict[str, Any]:
@@ -57,6 +62,8 @@ class TestObjectSet:
     def test_example_builds_topology_services_and_workloads(self) -> None:
         assert list(objects(spec())) == [
             ("ConfigMap", "gemma-pp2-topology"),
+            ("ServiceAccount", "gemma-pp2-kv-worker"),
+            ("RoleBinding", "gemma-pp2-kv-worker"),
             ("Service", "gemma-pp2-prefill-0"),
             ("StatefulSet", "gemma-pp2-prefill-0"),
             ("Service", "gemma-pp2-decode"),
@@ -90,6 +97,15 @@ class TestObjectSet:
             assert metadata["labels"]["app.kubernetes.io/managed-by"] == "disagg-operator"
             assert metadata["labels"]["app.kubernetes.io/name"] == "disagg"
             assert metadata["annotations"]["disagg.io/generation"] == "7"
+
+    def test_without_a_uid_nothing_is_owned_and_nothing_else_differs(self) -> None:
+        # `disagg plan` builds from a file, which has no uid: the operator adds the reference.
+        unowned = objects(spec(), Owner(name="gemma-pp2", namespace="ns1", uid=None, generation=7))
+        owned = objects(spec())
+        assert all("ownerReferences" not in obj["metadata"] for obj in unowned.values())
+        for key, obj in owned.items():
+            metadata = {k: v for k, v in obj["metadata"].items() if k != "ownerReferences"}
+            assert unowned[key] == {**obj, "metadata": metadata}
 
     def test_build_is_deterministic(self) -> None:
         assert objects(spec()) == objects(spec())
@@ -155,6 +171,46 @@ class TestDeployment:
         assert deployment["apiVersion"] == "apps/v1"
         assert deployment["spec"]["replicas"] == replicas
         assert deployment["spec"]["selector"]["matchLabels"]["disagg.io/role"] == "decode"
+
+
+class TestWorkerAccess:
+    def test_every_engine_pod_runs_as_the_deployments_worker_account(self) -> None:
+        built = objects(spec({"prefill": {"replicas": 2}}))
+        workloads = [obj for (kind, _), obj in built.items() if kind in ("StatefulSet", "Deployment")]
+        assert len(workloads) == 3
+        assert {pod_spec(obj)["serviceAccountName"] for obj in workloads} == {"gemma-pp2-kv-worker"}
+        assert built["ServiceAccount", "gemma-pp2-kv-worker"]["metadata"]["namespace"] == "ns1"
+
+    def test_the_rolebinding_grants_the_installations_cluster_role_in_the_namespace_only(self) -> None:
+        binding = objects(spec(), installation=Installation(worker_cluster_role="rel-disagg-worker"))[
+            "RoleBinding", "gemma-pp2-kv-worker"
+        ]
+        assert binding["apiVersion"] == "rbac.authorization.k8s.io/v1"
+        assert binding["metadata"]["namespace"] == "ns1"
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "ClusterRole",
+            "name": "rel-disagg-worker",
+        }
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": "gemma-pp2-kv-worker", "namespace": "ns1"}
+        ]
+
+    def test_the_cluster_role_comes_from_the_environment(self) -> None:
+        assert Installation.from_environ({}).worker_cluster_role == "disagg-worker"
+        assert (
+            Installation.from_environ({"DISAGG_WORKER_CLUSTERROLE": ""}).worker_cluster_role
+            == "disagg-worker"
+        )
+        named = Installation.from_environ({"DISAGG_WORKER_CLUSTERROLE": "ops-disagg-worker"})
+        assert named.worker_cluster_role == "ops-disagg-worker"
+
+    def test_long_owner_names_give_a_valid_account_name(self) -> None:
+        owner = Owner(name="m" * 120, namespace="ns1", uid="u", generation=1)
+        built = objects(spec(), owner)
+        [account] = [name for kind, name in built if kind == "ServiceAccount"]
+        assert len(account) <= 63 and re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", account)
+        assert ("RoleBinding", account) in built
 
 
 class TestSidecar:

@@ -15,11 +15,12 @@ from dd_specs import EXAMPLES, VALID_EXAMPLE, valid_document
 
 from disagg.operator import crd
 from disagg.operator.api import DisaggDeployment
+from disagg.operator.builders import Installation, Owner, build
 from disagg.operator.cli import main
-from disagg.operator.cli_check import manifest_builder
+from disagg.operator.compat import evaluate
+from disagg.operator.kv_status import POD_CONDITION
 
 REPO = Path(__file__).resolve().parents[2]
-BUILDERS = "disagg.operator.builders"
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -148,14 +149,82 @@ def test_plan_prints_stages_with_layer_names(capsys: pytest.CaptureFixture[str])
     )
     named = {name.strip(" #,") for line in lines if line.startswith("#     ") for name in line.split(", ")}
     assert named == {f"model.layers.{i}.self_attn.attn" for i in range(62)}
+    assert err == ""
+
+
+def _operator_objects(path: Path) -> list[dict[str, Any]]:
+    """What the operator builds for the file, owner reference aside (the operator path, called directly)."""
+    dd = DisaggDeployment.model_validate(yaml.safe_load(path.read_text()))
+    report = evaluate(dd.spec)
+    assert report.plan is not None and dd.metadata.name and dd.metadata.namespace
+    owner = Owner(dd.metadata.name, dd.metadata.namespace, "uid-from-the-api-server", 1)
+    built = build(dd.spec, owner, report.plan, report.hashes, Installation())
+    for obj in built:
+        assert obj["metadata"].pop("ownerReferences")[0]["uid"] == "uid-from-the-api-server"
+    return built
+
+
+def _by_kind(documents: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    found: dict[str, list[dict[str, Any]]] = {}
+    for document in documents:
+        found.setdefault(document["kind"], []).append(document)
+    return found
+
+
+def test_plan_prints_the_manifests_the_operator_applies(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", str(VALID_EXAMPLE))
+    assert code == 0
+    assert "# The operator also sets each object's metadata.ownerReferences to the DisaggDeployment" in out
     documents = [doc for doc in yaml.safe_load_all(out) if doc is not None]
-    build_all = manifest_builder()
-    if build_all is None:
-        assert documents == []
-        assert f"note: {BUILDERS}.build_all is not available" in err
-    else:
-        dd = DisaggDeployment.model_validate(yaml.safe_load(VALID_EXAMPLE.read_text()))
-        assert documents == json.loads(json.dumps(build_all(dd)))
+    assert documents == _operator_objects(VALID_EXAMPLE)
+    kinds = _by_kind(documents)
+    [statefulset] = kinds["StatefulSet"]
+    pod = statefulset["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["engine", "kv-worker"]
+    assert pod["readinessGates"] == [{"conditionType": POD_CONDITION}]
+    assert pod["serviceAccountName"] == "gemma-pp2-kv-worker"
+    assert [d["metadata"]["name"] for d in kinds["Deployment"]] == ["gemma-pp2-decode"]
+    assert {s["metadata"]["name"] for s in kinds["Service"]} == {"gemma-pp2-prefill-0", "gemma-pp2-decode"}
+    [topology] = kinds["ConfigMap"]
+    assert json.loads(topology["data"]["topology.json"])["deployment"] == "gemma-pp2"
+    assert [a["metadata"]["name"] for a in kinds["ServiceAccount"]] == ["gemma-pp2-kv-worker"]
+    assert kinds["RoleBinding"][0]["roleRef"]["name"] == "disagg-worker"
+    assert all("ownerReferences" not in d["metadata"] for d in documents)
+    header = [line for line in out.splitlines() if line.startswith("#   - ")]
+    assert header == [f"#   - {d['kind']} {d['metadata']['name']}" for d in documents]
+
+
+def test_plan_names_the_installations_worker_cluster_role(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DISAGG_WORKER_CLUSTERROLE", "ops-disagg-worker")
+    _, out, _ = run(capsys, "plan", str(VALID_EXAMPLE))
+    [binding] = _by_kind([doc for doc in yaml.safe_load_all(out) if doc is not None])["RoleBinding"]
+    assert binding["roleRef"]["name"] == "ops-disagg-worker"
+
+
+def test_plan_without_a_namespace_says_which_one_it_shows(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    document = yaml.safe_load(VALID_EXAMPLE.read_text())
+    del document["metadata"]["namespace"]
+    code, out, _ = run(capsys, "plan", str(_write(tmp_path, document)))
+    assert code == 0
+    assert "# namespace: the file names none, so default is shown" in out
+    documents = [doc for doc in yaml.safe_load_all(out) if doc is not None]
+    assert {d["metadata"]["namespace"] for d in documents} == {"default"}
+
+
+def test_plan_of_an_engine_argument_conflict_exits_1_and_prints_no_manifests(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # The operator refuses contradicting engine arguments, so the plan must not show objects for them.
+    path = _write(tmp_path, valid_document({"engine": {"extraArgs": ["--block-size", "16"]}}))
+    code, out, _ = run(capsys, "plan", str(path))
+    assert code == 1
+    assert "EngineArgumentConflict" in out
+    assert [doc for doc in yaml.safe_load_all(out) if doc is not None] == []
+    assert run(capsys, "check", str(path))[0] == 1
 
 
 def test_plan_of_an_incompatible_file_exits_1_and_prints_no_manifests(
@@ -174,7 +243,26 @@ def test_plan_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0
     result = json.loads(out)
     assert result["topology"]["stages"][1]["layers"][0] == "model.layers.31.self_attn.attn"
-    assert "manifests" in result
+    assert result["manifests"] == _operator_objects(VALID_EXAMPLE)
+    assert result["ownerReferencesOmitted"] is True
+
+
+def test_plan_yaml(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", "-o", "yaml", str(VALID_EXAMPLE))
+    assert code == 0
+    result = yaml.safe_load(out)
+    assert result["manifests"] == _operator_objects(VALID_EXAMPLE)
+    assert {"StatefulSet", "Deployment", "Service", "ConfigMap"} <= set(_by_kind(result["manifests"]))
+
+
+@pytest.mark.parametrize("output", ["json", "yaml"])
+def test_plan_of_an_incompatible_file_has_no_manifests_in_either_format(
+    capsys: pytest.CaptureFixture[str], output: str
+) -> None:
+    code, out, _ = run(capsys, "plan", "-o", output, str(EXAMPLES / "bad-layer-partition.yaml"))
+    assert code == 1
+    result = yaml.safe_load(out)
+    assert result["compatible"] is False and result["manifests"] is None
 
 
 def test_crd_generate_prints_either_variant(capsys: pytest.CaptureFixture[str]) -> None:

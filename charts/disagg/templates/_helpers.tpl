@@ -57,6 +57,14 @@ app.kubernetes.io/component: operator
 {{- end }}
 {{- end }}
 
+{{/*
+The ClusterRole the operator binds to each DisaggDeployment's sidecars (it is told the name through
+DISAGG_WORKER_CLUSTERROLE). With rbac.create=false a ClusterRole of this name must exist.
+*/}}
+{{- define "disagg.workerClusterRoleName" -}}
+{{- printf "%s-worker" (include "disagg.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
 {{- define "disagg.webhookServiceName" -}}
 {{- printf "%s-webhook" (include "disagg.fullname" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}
