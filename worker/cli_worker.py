@@ -31,6 +31,12 @@ def register(subparsers: Any) -> None:
         default="transfer",
         help="transfer: the sidecar moves the engine's KV itself; watch: the engine does, this reports",
     )
+    worker.add_argument(
+        "--interval",
+        type=float,
+        default=10.0,
+        help="watch: seconds between rounds of handshakes and reports (default 10)",
+    )
     worker.set_defaults(func=_worker)
 
     demo = subparsers.add_parser(
@@ -46,7 +52,10 @@ def _worker(args: argparse.Namespace) -> int:
     if args.mode == "watch":
         from disagg.worker.watch import main as watch
 
-        watched: int = watch()
+        if args.interval <= 0:
+            print("--interval must be positive")
+            return 2
+        watched: int = watch(interval_s=args.interval)
         return watched
     from disagg.worker.sidecar import main
 
