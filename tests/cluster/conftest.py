@@ -11,6 +11,7 @@ import os
 import re
 import secrets
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -70,6 +71,7 @@ def namespace(control_plane: ControlPlane, request: pytest.FixtureRequest) -> It
     core = client.CoreV1Api(control_plane.api_client)
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
     try:
+        _wait_for_default_token(core, name)
         yield name
     finally:
         try:
@@ -77,6 +79,22 @@ def namespace(control_plane: ControlPlane, request: pytest.FixtureRequest) -> It
         except client.ApiException as exc:
             if exc.status != 404:
                 raise
+
+
+def _wait_for_default_token(core: client.CoreV1Api, namespace: str, timeout_s: float = 60.0) -> None:
+    """Kubernetes 1.20 refuses a Pod until the controller manager has given the namespace's `default`
+    ServiceAccount its token ("No API token found for service account"), so a test creating Pods directly
+    waits for that first, as a kubelet-less client would."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if core.read_namespaced_service_account("default", namespace).secrets:
+                return
+        except client.ApiException as exc:
+            if exc.status != 404:
+                raise
+        time.sleep(0.2)
+    raise AssertionError(f"{namespace}: no token for the default ServiceAccount within {timeout_s:.0f} s")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
