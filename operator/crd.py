@@ -138,8 +138,8 @@ SPEC_RULES: Final[tuple[CelRule, ...]] = (
         "self.prefill.blockSize == self.decode.blockSize || (self.kvTransfer.connector == 'Pull' && "
         f"!{_HMA} && self.prefill.blockSize < self.decode.blockSize && "
         "self.decode.blockSize % self.prefill.blockSize == 0)",
-        "prefill.blockSize must equal decode.blockSize (the pull connector without HMA also accepts a prefill "
-        "blockSize that divides decode's)",
+        "prefill.blockSize must equal decode.blockSize (the pull connector without HMA also accepts a "
+        "prefill blockSize that divides decode's)",
     ),
     CelRule(
         "DecodeTPExceedsPrefillTP",

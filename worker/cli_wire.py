@@ -65,6 +65,7 @@ def _builtins(obj: object) -> Any:
 def detect(data: bytes) -> tuple[str, Any]:
     """The kind of message and its decoded value; WireFormatError listing why each kind did not fit."""
     import msgspec
+
     from disagg.worker import wire
     from disagg.worker.errors import WireFormatError
 
@@ -115,6 +116,7 @@ def detect(data: bytes) -> tuple[str, Any]:
 
 def run_decode(args: argparse.Namespace) -> int:
     import msgspec
+
     from disagg.worker import wire
     from disagg.worker.errors import WireFormatError
 

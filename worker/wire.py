@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal, TypeVar
 
 import msgspec
+
 from disagg.worker.errors import CompatibilityHashMismatch, EngineIdMismatch, WireFormatError
 
 NIXL_CONNECTOR_VERSION: Final = 12

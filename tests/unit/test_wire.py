@@ -9,10 +9,11 @@ from typing import Any
 
 import msgspec
 import pytest
-from disagg.worker import wire
-from disagg.worker.errors import CompatibilityHashMismatch, EngineIdMismatch, WireFormatError
 from hypothesis import given
 from hypothesis import strategies as st
+
+from disagg.worker import wire
+from disagg.worker.errors import CompatibilityHashMismatch, EngineIdMismatch, WireFormatError
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 MANIFEST = json.loads((GOLDEN / "manifest.json").read_text())

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 import pytest
+
 from disagg.operator.cli import main
 from disagg.worker import wire
 
