@@ -30,6 +30,11 @@ MEM_TYPES = ("DRAM", "VRAM")
 # Single-host runs (tests, benchmarks) keep UCX on loopback; without it UCX stripes TCP over every interface.
 LOOPBACK_UCX_ENV: Mapping[str, str] = {"UCX_NET_DEVICES": "lo"}
 
+# UCX's CMA transport copies in 512 KiB `process_vm_writev` calls by default and each call has a fixed cost:
+# into the same huge-page pool, 512 KiB calls move 10.6 GB/s where 8 MiB calls move 12.1 (one call: 12.4).
+# UCX ignores the key where it has no CMA transport; a caller's own `engine_config` replaces this one.
+UCX_ENGINE_CONFIG = "CMA_SEG_SIZE=8m"
+
 
 def _nixl_api() -> Any:
     # Imported lazily: `disagg` command modules and the operator must not load NIXL at import time.
@@ -133,7 +138,7 @@ class NixlTransport:
         conf = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[])
         self.name = agent_name
         self._agent = api.nixl_agent(agent_name, conf)
-        self._agent.create_backend("UCX", dict(ucx_params or {}))
+        self._agent.create_backend("UCX", {"engine_config": UCX_ENGINE_CONFIG, **(ucx_params or {})})
         self._registrations: dict[Registration, Any] = {}
         self._peers: set[str] = set()
 
