@@ -233,6 +233,29 @@ def test_install_upgrade_uninstall_on_the_1_20_api_server(release: Release) -> N
     # RBAC as the API server evaluates it: exactly the operator's needs, here and in any other namespace.
     assert granted(release, ns) == workload_grants(release) | OUTSIDE_WATCHED_NAMESPACES
     assert granted(release, "default") == workload_grants(release) | OUTSIDE_WATCHED_NAMESPACES
+    # RBAC escalation prevention: the operator may bind the worker role, whose permissions it does not hold,
+    # but not a role that would give a ServiceAccount more than it has itself.
+    operator = f"system:serviceaccount:{ns}:{release.fullname}"
+
+    def bind_as_operator(role: str) -> subprocess.CompletedProcess[str]:
+        return release.cp.kubectl(
+            "create",
+            "rolebinding",
+            "as-operator",
+            "-n",
+            ns,
+            f"--clusterrole={role}",
+            f"--serviceaccount={ns}:as-operator",
+            f"--as={operator}",
+            "--dry-run=server",
+        )
+
+    allowed = bind_as_operator(f"{release.fullname}-worker")
+    assert allowed.returncode == 0, allowed.stderr
+    # (A role whose permissions it holds, such as its own, it may bind: that grants nothing new.)
+    for other in ("edit", "admin"):
+        refused_bind = bind_as_operator(other)
+        assert refused_bind.returncode != 0 and "forbidden" in refused_bind.stderr, refused_bind.stderr
     # The worker ClusterRole, bound in one namespace as the operator binds it, grants a sidecar exactly this.
     bound = release.cp.kubectl(
         "create",

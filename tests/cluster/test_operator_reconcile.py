@@ -4,14 +4,19 @@ and the KVTransferReady aggregation of the sidecars' Pod conditions. One operato
 
 from __future__ import annotations
 
+import json
 import secrets
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
-from local_cluster import ControlPlane
+import yaml
+from local_cluster import REPO, ControlPlane
 from operator_harness import Cluster, OperatorProcess, example, satisfied, wait_for
 
+from disagg.operator.builders import DEFAULT_WORKER_CLUSTER_ROLE
 from disagg.operator.webhook import refusal
 
 NAME = "gemma"
@@ -229,3 +234,78 @@ def test_available_and_kv_transfer_ready_follow_the_pods(cluster: Cluster, ns: s
     )
     healed = cluster.wait_condition(ns, NAME, "KVTransferReady", "True", "HandshakesSucceeded")
     assert healed["lastTransitionTime"] >= failed["lastTransitionTime"]
+
+
+@pytest.fixture(scope="module")
+def worker_cluster_role(
+    cluster: Cluster, helm: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """The chart's worker ClusterRole as release "disagg" names it: the operator's default binding target."""
+    chart = str(REPO / "charts" / "disagg")
+    rendered = subprocess.run(
+        [str(helm), "template", "disagg", chart, "--show-only", "templates/clusterrole-worker.yaml"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert rendered.returncode == 0, rendered.stderr
+    role = yaml.safe_load(rendered.stdout)
+    assert role["metadata"]["name"] == DEFAULT_WORKER_CLUSTER_ROLE
+    path = tmp_path_factory.mktemp("worker-role") / "clusterrole.yaml"
+    path.write_text(rendered.stdout)
+    applied = cluster.cp.kubectl("apply", "-f", str(path))
+    assert applied.returncode == 0, applied.stderr
+    try:
+        yield DEFAULT_WORKER_CLUSTER_ROLE
+    finally:
+        cluster.cp.kubectl("delete", "clusterrole", DEFAULT_WORKER_CLUSTER_ROLE, "--ignore-not-found")
+
+
+def _get(cluster: Cluster, kind: str, ns: str, name: str) -> dict[str, Any] | None:
+    proc = cluster.cp.kubectl("get", kind, name, "-n", ns, "-o", "json")
+    if proc.returncode != 0:
+        assert "NotFound" in proc.stderr, proc.stderr
+        return None
+    found: dict[str, Any] = json.loads(proc.stdout)
+    return found
+
+
+def _can(cluster: Cluster, user: str, ns: str, verb: str, resource: str) -> str:
+    # `can-i patch pods/status` would ask about the pod named "status": a subresource is a flag.
+    kind, _, sub = resource.partition("/")
+    flags = [f"--subresource={sub}"] if sub else []
+    proc = cluster.cp.kubectl("auth", "can-i", verb, kind, *flags, f"--as={user}", "-n", ns)
+    return proc.stdout.strip()
+
+
+def test_sidecars_run_as_their_own_account_with_the_worker_role_in_their_namespace_only(
+    cluster: Cluster, ns: str, worker_cluster_role: str
+) -> None:
+    create(cluster, ns)
+    account = "gemma-kv-worker"
+    binding = wait_for("the worker RoleBinding", lambda: _get(cluster, "rolebinding", ns, account))
+    service_account = wait_for(
+        "the worker ServiceAccount", lambda: _get(cluster, "serviceaccount", ns, account)
+    )
+    body = cluster.get(ns, NAME)
+    assert body is not None
+    for obj in (binding, service_account):
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert (ref["kind"], ref["name"], ref["uid"]) == ("DisaggDeployment", NAME, body["metadata"]["uid"])
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": worker_cluster_role,
+    }
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": ns}]
+    pods = wait_for("the pods", lambda: satisfied(cluster.children(ns, NAME)["Pod"], lambda p: len(p) == 4))
+    assert {pod["spec"]["serviceAccountName"] for pod in pods} == {account}
+
+    sidecar = f"system:serviceaccount:{ns}:{account}"
+    assert _can(cluster, sidecar, ns, "patch", "pods/status") == "yes"
+    assert _can(cluster, sidecar, ns, "list", "pods") == "yes"
+    assert _can(cluster, sidecar, ns, "create", "events") == "yes"
+    assert _can(cluster, sidecar, ns, "delete", "pods") == "no"
+    assert _can(cluster, sidecar, ns, "patch", "pods") == "no"
+    assert _can(cluster, sidecar, ns, "get", "secrets") == "no"
+    assert _can(cluster, sidecar, "default", "patch", "pods/status") == "no"
