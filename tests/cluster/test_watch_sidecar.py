@@ -93,14 +93,14 @@ def create_pod(core: client.CoreV1Api, namespace: str, name: str, role: str, por
             ]
         },
     }
-    core.create_namespaced_pod(namespace, body)
+    core.create_namespaced_pod(namespace, client.V1Pod.model_validate(body))
     core.patch_namespaced_pod_status(
         name, namespace, {"status": {"phase": "Running", "podIP": HOST, "podIPs": [{"ip": HOST}]}}
     )
 
 
 def kv_condition(core: client.CoreV1Api, namespace: str, pod: str) -> dict[str, Any]:
-    response = core.read_namespaced_pod_status(pod, namespace, _preload_content=False)
+    response: Any = core.read_namespaced_pod_status(pod, namespace, _preload_content=False)
     found = find_condition(json.loads(response.data).get("status", {}).get("conditions"))
     return dict(found or {})
 
@@ -162,7 +162,7 @@ def test_a_watch_sidecar_reports_its_engine_on_its_pod(
             assert f"{HOST}:{decode_port}" in refused["message"]
             events = core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={DECODE_POD}")
             assert any(
-                e.reason == "PeerUnreachable" and e.type == "Warning" and DECODE_POD in e.message
+                e.reason == "PeerUnreachable" and e.type == "Warning" and DECODE_POD in (e.message or "")
                 for e in events.items
             ), [(e.reason, e.message) for e in events.items]
         finally:

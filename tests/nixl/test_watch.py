@@ -39,7 +39,8 @@ def pod_of(cfg: SidecarConfig, name: str) -> dict[str, Any]:
 
 def other_hash(cfg: SidecarConfig, **changes: Any) -> str:
     assert cfg.compat_factors is not None
-    return wire.compat_hash({**cfg.compat_factors, **changes})
+    hashed: str = wire.compat_hash({**cfg.compat_factors, **changes})
+    return hashed
 
 
 def test_a_decode_pod_with_a_healthy_engine_and_prefill_stage_is_ready(tmp_path: Path) -> None:
@@ -48,8 +49,8 @@ def test_a_decode_pod_with_a_healthy_engine_and_prefill_stage_is_ready(tmp_path:
     watcher = config(tmp_path, "decode", DECODE_POD, topology(), DISAGG_SIDE_CHANNEL_PORT=port)
     stage = config(tmp_path, "prefill", PREFILL_POD, topology())
     with worker(engine), worker(stage):
-        own = check_own_engine(watcher, timeout_s=2.0)
-        outcome = watch_round(watcher, DECODE_POD, [pod_of(stage, PREFILL_POD)], timeout_s=2.0)
+        own = check_own_engine(watcher)
+        outcome = watch_round(watcher, DECODE_POD, [pod_of(stage, PREFILL_POD)])
     assert [(rank.pp_rank, rank.tp_rank, rank.metadata.engine_id) for rank in own] == [(0, 0, DECODE_POD)]
     assert (outcome.status, outcome.reason) == ("True", "HandshakesSucceeded")
     assert f"prefill stage 1 (pod {PREFILL_POD})" in outcome.message
@@ -61,7 +62,7 @@ def test_a_prefill_stage_with_a_matching_decoder_is_ready(tmp_path: Path) -> Non
     watcher = config(tmp_path, "prefill", PREFILL_POD, topology(), DISAGG_SIDE_CHANNEL_PORT=port)
     decode = config(tmp_path, "decode", DECODE_POD, topology())
     with worker(engine), worker(decode):
-        outcome = watch_round(watcher, PREFILL_POD, [pod_of(decode, DECODE_POD)], timeout_s=2.0)
+        outcome = watch_round(watcher, PREFILL_POD, [pod_of(decode, DECODE_POD)])
     assert (outcome.status, outcome.reason) == ("True", "HandshakesSucceeded")
     assert f"decode pod {DECODE_POD}" in outcome.message
 
@@ -89,9 +90,9 @@ def test_the_prefill_stage_refuses_a_decoder_as_the_transfer_sidecar_would(
     decode = config(tmp_path, "decode", DECODE_POD, decode_doc)
     with worker(engine) as (local, _), worker(decode):
         target = peer_of(decode, DECODE_POD)
-        planned = check_peer(engine, local, target, timeout_s=2.0)
-        watched = check_decode_peer(watcher, check_own_engine(watcher, timeout_s=2.0), target, timeout_s=2.0)
-        outcome = watch_round(watcher, PREFILL_POD, [pod_of(decode, DECODE_POD)], timeout_s=2.0)
+        planned = check_peer(engine, local, target)
+        watched = check_decode_peer(watcher, check_own_engine(watcher), target)
+        outcome = watch_round(watcher, PREFILL_POD, [pod_of(decode, DECODE_POD)])
     assert planned is not None and watched is not None
     assert watched.reason == planned.reason == reason
     assert (outcome.status, outcome.reason) == ("False", reason)
@@ -111,7 +112,7 @@ def test_an_engine_on_another_version_than_the_spec_makes_the_pod_unready(tmp_pa
     )
     stage = config(tmp_path, "prefill", PREFILL_POD, topology())
     with worker(engine), worker(stage):
-        outcome = watch_round(watcher, DECODE_POD, [pod_of(stage, PREFILL_POD)], timeout_s=2.0)
+        outcome = watch_round(watcher, DECODE_POD, [pod_of(stage, PREFILL_POD)])
     assert (outcome.status, outcome.reason) == ("False", "CompatibilityHashMismatch")
     assert f"this pod's own engine {DECODE_POD}" in outcome.message
     assert stray in outcome.message
@@ -126,7 +127,7 @@ def test_an_engine_on_connector_version_11_is_a_version_mismatch(tmp_path: Path)
     v11 = other_hash(watcher, nixl_connector_version=11)
     doc = topology(compatibilityHashes={"prefill": v11})
     with worker(config(tmp_path, "prefill", PREFILL_POD, doc, DISAGG_SIDE_CHANNEL_PORT=port)):
-        outcome = watch_round(watcher, PREFILL_POD, [], timeout_s=2.0)
+        outcome = watch_round(watcher, PREFILL_POD, [])
     assert (outcome.status, outcome.reason) == ("False", "ConnectorVersionMismatch")
     assert "this pod's own engine tiny-prefill-0" in outcome.message
 
@@ -138,7 +139,7 @@ def test_an_engine_answering_as_another_engine_is_refused(tmp_path: Path) -> Non
         tmp_path, "decode", DECODE_POD, topology(), DISAGG_SIDE_CHANNEL_PORT=port, DISAGG_ENGINE_ID="other"
     )
     with worker(engine):
-        outcome = watch_round(watcher, DECODE_POD, [], timeout_s=2.0)
+        outcome = watch_round(watcher, DECODE_POD, [])
     assert (outcome.status, outcome.reason) == ("False", "EngineIdMismatch")
 
 
@@ -157,5 +158,5 @@ def test_a_healthy_engine_without_peers_waits_for_them(tmp_path: Path) -> None:
     engine = config(tmp_path, "decode", DECODE_POD, topology(), DISAGG_SIDE_CHANNEL_PORT=port)
     watcher = config(tmp_path, "decode", DECODE_POD, topology(), DISAGG_SIDE_CHANNEL_PORT=port)
     with worker(engine):
-        outcome = watch_round(watcher, DECODE_POD, [], timeout_s=2.0)
+        outcome = watch_round(watcher, DECODE_POD, [])
     assert (outcome.status, outcome.reason) == ("Unknown", "NoPeers")

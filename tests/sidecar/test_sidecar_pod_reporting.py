@@ -43,7 +43,7 @@ def kubeconfig(tmp_path: Path) -> Path:
 
 
 def sidecar_env(tmp_path: Path, **env: str) -> dict[str, str]:
-    return env_for(
+    built: dict[str, str] = env_for(
         tmp_path,
         topology(),
         DISAGG_ROLE="decode",
@@ -55,6 +55,7 @@ def sidecar_env(tmp_path: Path, **env: str) -> dict[str, str]:
         DISAGG_ENGINE_SOCKET=str(tmp_path / "engine.sock"),
         **env,
     )
+    return built
 
 
 @pytest.fixture
