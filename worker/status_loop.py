@@ -5,8 +5,9 @@ downward-API identity and the topology file), lays out and registers a KV pool o
 agent (no engine attaches to it), serves that worker's payload on the side channel as the connector does,
 and then, every `--interval` seconds, handshakes the other role's pods of its deployment (`peer_check`) and
 writes the result to its own Pod (`k8s_report`). The cluster tests and the control-plane demo run one per
-pod, as the sidecar would run in it. A transferring sidecar runs the same `PeerReporter` beside its main
-loop, with the `LocalKV` the engine registered.
+pod, as the sidecar would run in it. A transferring sidecar in a pod (`pod_api_client`) runs the same
+`PeerReporter` beside its main loop, with the `LocalKV` the engine registered; a watching sidecar
+(`disagg.worker.watch`) runs it with a round that handshakes its own engine first.
 """
 
 from __future__ import annotations
