@@ -10,7 +10,7 @@ import math
 from collections.abc import Iterator
 
 import pytest
-from conftest import metric
+from sidecar_procs import metric
 
 from disagg.worker.demo import DemoCluster, RequestResult, format_table, reference_tokens, summary
 from disagg.worker.engine.config import TinyConfig, encode

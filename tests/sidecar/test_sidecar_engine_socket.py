@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from conftest import SidecarProcess, free_port, metric
+from sidecar_procs import SidecarProcess, free_port, metric
 
 from disagg.worker.engine_link import (
     MAX_FRAME_BYTES,

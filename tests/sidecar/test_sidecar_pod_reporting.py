@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import HOST, free_port
+from sidecar_procs import HOST, free_port
 from test_sidecar_config import env_for, topology
 
 from disagg.worker.errors import WorkerConfigError
