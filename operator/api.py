@@ -322,7 +322,12 @@ class RoleSpec(ApiModel):
 class WorkerSpec(ApiModel):
     """The KV-transfer worker sidecar injected into every engine pod."""
 
-    image: str = Field(min_length=1, description="Sidecar container image.")
+    image: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Sidecar container image. Default: the operator's DISAGG_WORKER_IMAGE (the Helm chart's "
+        "worker.image); the spec is refused if neither is set.",
+    )
     resources: FreeForm | None = Field(default=None, description="Sidecar container resources (core/v1).")
     metrics_port: int = Field(
         default=9400, ge=1, le=65535, description="Port of the sidecar's Prometheus metrics."
@@ -341,7 +346,11 @@ class DisaggDeploymentSpec(ApiModel):
     )
     prefill: RoleSpec = Field(description="Prefill role: computes KV; may be pipeline-parallel.")
     decode: RoleSpec = Field(description="Decode role: receives KV and generates tokens; PP must be 1.")
-    worker: WorkerSpec = Field(description="The KV-transfer worker sidecar.")
+    worker: WorkerSpec = Field(
+        default_factory=lambda: WorkerSpec(),
+        json_schema_extra={"default": {}},
+        description="The KV-transfer worker sidecar.",
+    )
 
 
 class ConditionStatus(enum.StrEnum):

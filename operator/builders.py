@@ -49,6 +49,7 @@ TOPOLOGY_KEY: Final = "topology.json"
 TOPOLOGY_DIR: Final = "/etc/disagg/topology"
 ENGINE_CONTAINER: Final = "engine"
 SIDECAR_CONTAINER: Final = "kv-worker"
+WORKER_IMAGE_ENV: Final = "DISAGG_WORKER_IMAGE"
 WORKER_CLUSTER_ROLE_ENV: Final = "DISAGG_WORKER_CLUSTERROLE"
 DEFAULT_WORKER_CLUSTER_ROLE: Final = "disagg-worker"
 # A StatefulSet's pods carry `controller-revision-hash: <name>-<10 chars>`, a label value capped at 63.
@@ -85,10 +86,19 @@ class Installation:
     """What the operator's installation (the Helm chart, through environment variables) decides."""
 
     worker_cluster_role: str = DEFAULT_WORKER_CLUSTER_ROLE
+    # The sidecar image of a spec that names none.
+    worker_image: str | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> Installation:
-        return cls(worker_cluster_role=environ.get(WORKER_CLUSTER_ROLE_ENV) or DEFAULT_WORKER_CLUSTER_ROLE)
+        return cls(
+            worker_cluster_role=environ.get(WORKER_CLUSTER_ROLE_ENV) or DEFAULT_WORKER_CLUSTER_ROLE,
+            worker_image=environ.get(WORKER_IMAGE_ENV) or None,
+        )
+
+    def sidecar_image(self, spec: DisaggDeploymentSpec) -> str | None:
+        """The spec's sidecar image, else this installation's default; None when neither names one."""
+        return spec.worker.image or self.worker_image
 
 
 def child_name(owner: str, *parts: str) -> str:
@@ -201,10 +211,10 @@ def build(
         objects.append(
             _service(spec, owner, name, selector_labels(owner.name, "prefill", replica), "prefill")
         )
-        objects.append(_statefulset(spec, owner, plan, hashes["prefill"], checksum, replica))
+        objects.append(_statefulset(spec, owner, plan, hashes["prefill"], checksum, replica, installation))
     name = decode_name(owner.name)
     objects.append(_service(spec, owner, name, selector_labels(owner.name, "decode"), "decode"))
-    objects.append(_deployment(spec, owner, plan, hashes["decode"], checksum))
+    objects.append(_deployment(spec, owner, plan, hashes["decode"], checksum, installation))
     return objects
 
 
@@ -282,6 +292,7 @@ def _statefulset(
     compat_hash: str,
     checksum: str,
     replica: int,
+    installation: Installation,
 ) -> dict[str, Any]:
     name = prefill_name(owner.name, replica)
     selector = selector_labels(owner.name, "prefill", replica)
@@ -298,13 +309,20 @@ def _statefulset(
             # Every stage holds a slice of the model: they start (and restart) together.
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector},
-            "template": _pod_template(spec, owner, plan, "prefill", selector, compat_hash, checksum, master),
+            "template": _pod_template(
+                spec, owner, plan, "prefill", selector, compat_hash, checksum, master, installation
+            ),
         },
     )
 
 
 def _deployment(
-    spec: DisaggDeploymentSpec, owner: Owner, plan: TopologyPlan, compat_hash: str, checksum: str
+    spec: DisaggDeploymentSpec,
+    owner: Owner,
+    plan: TopologyPlan,
+    compat_hash: str,
+    checksum: str,
+    installation: Installation,
 ) -> dict[str, Any]:
     selector = selector_labels(owner.name, "decode")
     return _object(
@@ -316,7 +334,9 @@ def _deployment(
         spec={
             "replicas": spec.decode.replicas,
             "selector": {"matchLabels": selector},
-            "template": _pod_template(spec, owner, plan, "decode", selector, compat_hash, checksum, None),
+            "template": _pod_template(
+                spec, owner, plan, "decode", selector, compat_hash, checksum, None, installation
+            ),
         },
     )
 
@@ -362,8 +382,13 @@ def _pod_template(
     compat_hash: str,
     checksum: str,
     stage_service: str | None,
+    installation: Installation,
 ) -> dict[str, Any]:
     this = spec.prefill if role == "prefill" else spec.decode
+    sidecar_image = installation.sidecar_image(spec)
+    if sidecar_image is None:
+        # The reconcile refuses such a spec (WorkerImageMissing) before building; reaching this is a bug.
+        raise ValueError("no sidecar image: spec.worker.image and the installation's default are both unset")
     identity = _identity_env(spec, owner, role)
     engine = engine_container(spec, role, plan, stage_service=stage_service, identity_env=identity)
     side_channel = {
@@ -400,7 +425,7 @@ def _pod_template(
         engine_container_spec["securityContext"] = ipc_lock
     sidecar = {
         "name": SIDECAR_CONTAINER,
-        "image": spec.worker.image,
+        "image": sidecar_image,
         "command": ["disagg"],
         "args": ["worker", "sidecar", "--mode", "watch" if engine_moves_kv else "transfer"],
         "env": [

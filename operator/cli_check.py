@@ -165,12 +165,20 @@ def run_check(args: argparse.Namespace) -> int:
 
 
 def _judge(dd: DisaggDeployment) -> CompatReport:
-    """The operator's verdict: the compatibility rules plus engine arguments that contradict the spec."""
+    """The operator's verdict: the compatibility rules, engine arguments that contradict the spec, and a
+    sidecar image neither the spec nor this environment's DISAGG_WORKER_IMAGE names."""
+    from disagg.operator.builders import Installation
     from disagg.operator.builders_engine import arg_violations
     from disagg.operator.compat import evaluate
+    from disagg.operator.reconcile import worker_image_violations
 
     report = evaluate(dd.spec)
-    return dataclasses.replace(report, violations=(*report.violations, *arg_violations(dd.spec)))
+    found = (
+        *report.violations,
+        *arg_violations(dd.spec),
+        *worker_image_violations(dd.spec, Installation.from_environ(os.environ)),
+    )
+    return dataclasses.replace(report, violations=found)
 
 
 def _plan_namespace(dd: DisaggDeployment) -> str:

@@ -47,9 +47,10 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         settings.admission.server = webhook.server
         settings.admission.managed = webhook.managed
     kube = Kube(_client())
+    installation = Installation.from_environ(os.environ)
     memo.kube = kube
-    memo.installation = Installation.from_environ(os.environ)
-    memo.refresh = RefreshQueue(lambda key: refresh_status(kube, *key))
+    memo.installation = installation
+    memo.refresh = RefreshQueue(lambda key: refresh_status(kube, *key, installation))
 
 
 @kopf.on.cleanup()

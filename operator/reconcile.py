@@ -9,6 +9,7 @@ create nothing exists, and on update the running topology stays as it was.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -20,7 +21,7 @@ from pydantic import ValidationError
 
 from disagg.operator import conditions as cond
 from disagg.operator.api import ConditionStatus, DisaggDeploymentSpec
-from disagg.operator.builders import Installation, Owner, build
+from disagg.operator.builders import WORKER_IMAGE_ENV, Installation, Owner, build
 from disagg.operator.builders_engine import arg_violations
 from disagg.operator.compat import CompatReport, evaluate
 from disagg.operator.k8s_apply import Kube
@@ -50,8 +51,10 @@ class Outcome:
     refused: str | None
 
 
-def judge(raw_spec: Mapping[str, Any]) -> Verdict:
-    """Every reason to refuse a spec: schema errors, pre-flight rules, engine arguments that contradict it."""
+def judge(raw_spec: Mapping[str, Any], installation: Installation | None = None) -> Verdict:
+    """Every reason to refuse a spec: schema errors, pre-flight rules, engine arguments that contradict it,
+    and a sidecar image neither the spec nor the installation names. `installation` defaults to this
+    process's environment, which is the operator's (the admission webhook runs inside it)."""
     try:
         spec = DisaggDeploymentSpec.model_validate(dict(raw_spec))
     except ValidationError as error:
@@ -60,7 +63,23 @@ def judge(raw_spec: Mapping[str, Any]) -> Verdict:
         )
         return Verdict(None, None, (Violation("InvalidSpec", problems),))
     report = evaluate(spec)
-    return Verdict(spec, report, (*report.violations, *arg_violations(spec)))
+    installed = installation if installation is not None else Installation.from_environ(os.environ)
+    return Verdict(
+        spec, report, (*report.violations, *arg_violations(spec), *worker_image_violations(spec, installed))
+    )
+
+
+def worker_image_violations(spec: DisaggDeploymentSpec, installation: Installation) -> list[Violation]:
+    if installation.sidecar_image(spec) is not None:
+        return []
+    return [
+        Violation(
+            "WorkerImageMissing",
+            f"spec.worker.image is not set and the operator has no default sidecar image "
+            f"({WORKER_IMAGE_ENV} is unset): set spec.worker.image, or install the operator with the Helm "
+            "chart, which sets it from worker.image",
+        )
+    ]
 
 
 def _owner(body: Mapping[str, Any]) -> Owner:
@@ -77,7 +96,7 @@ def reconcile(kube: Kube, body: Mapping[str, Any], installation: Installation) -
     """Converge the children on the spec (or refuse it), then write the status."""
     owner = _owner(body)
     uid: str = body["metadata"]["uid"]
-    verdict = judge(body.get("spec") or {})
+    verdict = judge(body.get("spec") or {}, installation)
     if verdict.violations:
         _write_status(kube, body, verdict, kube.children(owner.namespace, owner.name, uid))
         return Outcome((), (), verdict.message)
@@ -99,12 +118,12 @@ def reconcile(kube: Kube, body: Mapping[str, Any], installation: Installation) -
     return Outcome(tuple(f"{kind} {name}" for kind, name in sorted(wanted)), tuple(deleted), None)
 
 
-def refresh_status(kube: Kube, namespace: str, name: str) -> bool:
+def refresh_status(kube: Kube, namespace: str, name: str, installation: Installation) -> bool:
     """Recompute the status from the spec, the children and the pods; write it only if it changed."""
     body = kube.read_deployment(namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return False
-    verdict = judge(body.get("spec") or {})
+    verdict = judge(body.get("spec") or {}, installation)
     children = kube.children(namespace, name, body["metadata"]["uid"]) if verdict.report is not None else []
     return _write_status(kube, body, verdict, children)
 

@@ -5,6 +5,7 @@ and the KVTransferReady aggregation of the sidecars' Pod conditions. One operato
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import subprocess
 from collections.abc import Iterator
@@ -121,6 +122,22 @@ def test_incompatible_spec_creates_nothing(cluster: Cluster, ns: str) -> None:
         lambda: [e for e in cluster.core.list_namespaced_event(ns).items if e.reason == "SpecRefused"],
     )
     assert events[0].involved_object.name == NAME and events[0].type == "Warning"
+
+
+def test_a_spec_without_a_worker_image_is_refused_when_the_operator_has_no_default(
+    cluster: Cluster, ns: str
+) -> None:
+    if os.environ.get("DISAGG_WORKER_IMAGE"):
+        pytest.skip("the operator inherits DISAGG_WORKER_IMAGE from this environment")
+    document = example("pp2-hma.yaml", ns, NAME)
+    del document["spec"]["worker"]
+    result = cluster.kubectl_apply(document)
+    assert result.returncode == 0, result.stderr
+    refused = cluster.wait_condition(ns, NAME, "Compatible", "False")
+    assert refused["reason"] == "WorkerImageMissing"
+    assert "spec.worker.image" in refused["message"] and "DISAGG_WORKER_IMAGE" in refused["message"]
+    assert cluster.names(ns, NAME) == {"StatefulSet": [], "Deployment": [], "Service": [], "ConfigMap": []}
+    assert _get(cluster, "serviceaccount", ns, "gemma-kv-worker") is None
 
 
 def test_incompatible_update_leaves_running_objects(cluster: Cluster, ns: str) -> None:

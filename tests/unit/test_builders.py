@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 import pytest
-from dd_specs import spec
+from dd_specs import DELETE, spec, spec_dict
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -26,6 +26,7 @@ from disagg.operator.builders import (
 from disagg.operator.builders_engine import arg_violations, engine_container, is_vllm_image
 from disagg.operator.compat import evaluate
 from disagg.operator.kv_status import POD_CONDITION
+from disagg.operator.reconcile import judge, worker_image_violations
 from disagg.worker.sidecar_config import parse_topology
 
 OWNER = Owner(name="gemma-pp2", namespace="ns1", uid="0f0e-uid", generation=7)
@@ -211,6 +212,38 @@ class TestWorkerAccess:
         [account] = [name for kind, name in built if kind == "ServiceAccount"]
         assert len(account) <= 63 and re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", account)
         assert ("RoleBinding", account) in built
+
+
+class TestSidecarImage:
+    def test_a_spec_without_a_worker_gets_the_installations_image(self) -> None:
+        bare = spec({"worker": DELETE})
+        assert bare.worker.image is None and bare.worker.metrics_port == 9400
+        built = objects(bare, installation=Installation(worker_image="registry.example/worker:2.0"))
+        for key in (("StatefulSet", "gemma-pp2-prefill-0"), ("Deployment", "gemma-pp2-decode")):
+            assert container(built[key], SIDECAR_CONTAINER)["image"] == "registry.example/worker:2.0"
+
+    def test_the_specs_image_wins_over_the_installations(self) -> None:
+        built = objects(spec(), installation=Installation(worker_image="registry.example/worker:2.0"))
+        sidecar = container(built["Deployment", "gemma-pp2-decode"], SIDECAR_CONTAINER)
+        assert sidecar["image"] == "ghcr.io/disagg/disagg:0.1.0"
+
+    def test_the_default_image_comes_from_the_environment(self) -> None:
+        assert Installation.from_environ({}).worker_image is None
+        assert Installation.from_environ({"DISAGG_WORKER_IMAGE": "w:1"}).worker_image == "w:1"
+
+    def test_with_no_image_anywhere_the_spec_is_refused_and_nothing_is_built(self) -> None:
+        bare = spec({"worker": DELETE})
+        [violation] = worker_image_violations(bare, Installation())
+        assert violation.reason == "WorkerImageMissing"
+        assert "spec.worker.image" in violation.message and "DISAGG_WORKER_IMAGE" in violation.message
+        assert worker_image_violations(bare, Installation(worker_image="w:1")) == []
+        assert worker_image_violations(spec(), Installation()) == []
+        verdict = judge(spec_dict(bare), Installation())
+        assert [v.reason for v in verdict.violations] == ["WorkerImageMissing"]
+        report = evaluate(bare)
+        assert report.plan is not None
+        with pytest.raises(ValueError, match="no sidecar image"):
+            build(bare, OWNER, report.plan, report.hashes, Installation())
 
 
 class TestSidecar:

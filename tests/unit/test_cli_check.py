@@ -215,6 +215,25 @@ def test_plan_without_a_namespace_says_which_one_it_shows(
     assert {d["metadata"]["namespace"] for d in documents} == {"default"}
 
 
+def test_plan_without_a_worker_image_uses_the_operators_default_or_refuses(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    document = yaml.safe_load(VALID_EXAMPLE.read_text())
+    del document["spec"]["worker"]
+    path = _write(tmp_path, document)
+    monkeypatch.delenv("DISAGG_WORKER_IMAGE", raising=False)
+    code, out, _ = run(capsys, "plan", str(path))
+    assert code == 1
+    assert "#   WorkerImageMissing: spec.worker.image is not set" in out
+    assert [doc for doc in yaml.safe_load_all(out) if doc is not None] == []
+    monkeypatch.setenv("DISAGG_WORKER_IMAGE", "registry.example/worker:2.0")
+    code, out, _ = run(capsys, "plan", str(path))
+    assert code == 0
+    [statefulset] = _by_kind([doc for doc in yaml.safe_load_all(out) if doc is not None])["StatefulSet"]
+    images = {c["name"]: c["image"] for c in statefulset["spec"]["template"]["spec"]["containers"]}
+    assert images["kv-worker"] == "registry.example/worker:2.0"
+
+
 def test_plan_of_an_engine_argument_conflict_exits_1_and_prints_no_manifests(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
