@@ -15,9 +15,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from disagg.worker import rules, wire
+from disagg.worker import wire
+from disagg.worker.decode_checks import LocalRegion, PrefillRank, check_decode_rank
 from disagg.worker.errors import (
-    BlockSizeMismatch,
     DisaggError,
     HandshakeError,
     RegionGeometryMismatch,
@@ -39,13 +39,11 @@ from disagg.worker.routing import (
     DescArray,
     IdArray,
     RegionGeometry,
-    align_remote_regions,
     compute_desc_ids,
     expand_logical_blocks,
     rank_offset_factor,
     region_capacities,
     remote_descs,
-    slice_pp_regions,
 )
 from disagg.worker.side_channel import PeerHandshake, handshake_targets
 from disagg.worker.transport import PreppedList, Xfer, XferState, merge_runs
@@ -363,72 +361,41 @@ class PushProducer:
                 log.warning("while evicting %s: %s", rank.agent, exc)
 
 
+def _prefill_rank(local: LocalKV) -> PrefillRank:
+    """`local`, as the decode checks read it."""
+    config = local.config
+    layout = local.layout
+    layers = local.transfer_layers
+    routed = None if layers is None else tuple(zip(layers.names, layers.region_indices, strict=True))
+    return PrefillRank(
+        block_size=layout.block_size,
+        routed_layers=routed,
+        pp_size=layout.pp_size,
+        stage_layers=layout.layers,
+        regions=tuple(LocalRegion(r.name, r.block_len, r.replicated) for r in layout.regions),
+        mem_types=frozenset({config.mem_type}),
+        tp_rank=config.tp_rank,
+        tp_size=config.tp_size,
+        num_kv_heads=config.model.num_kv_heads,
+        is_mla=config.model.is_mla,
+    )
+
+
 def plan_decode_rank(
     local: LocalKV, meta: wire.NixlAgentMetadata, remote_tp: int
 ) -> tuple[RegionGeometry, DescArray]:
-    """Every check that can refuse a decode rank, and its destination descriptors; no NIXL call."""
+    """Every check that can refuse a decode rank (`decode_checks.check_decode_rank`), and its destination
+    descriptors; no NIXL call."""
     config = local.config
-    layout = local.layout
-    model = config.model
-    if local.layer_routing:
-        violation = rules.block_size_mismatch(True, layout.block_size, meta.block_size)
-        if violation is not None:
-            raise BlockSizeMismatch(violation.message)
-        violation = rules.decode_tp_exceeds_prefill_tp(model.is_mla, config.tp_size, remote_tp, True)
-        if violation is not None:
-            raise HandshakeError(violation.message, reason=violation.reason)
-    elif meta.block_size != layout.block_size:
-        raise BlockSizeMismatch(
-            f"prefill block size {layout.block_size} and decode block size {meta.block_size} differ; "
-            "this connector moves whole blocks: use equal block sizes"
-        )
-    remote = RegionGeometry.from_metadata(meta)
-    if local.transfer_layers is not None:
-        aligned = align_remote_regions(remote, local.transfer_layers.names)
-        local_regions: list[int] = list(local.transfer_layers.region_indices)
-    elif layout.pp_size > 1:
-        aligned = slice_pp_regions(
-            remote,
-            start_layer=layout.layers.start,
-            num_local_layers=len(layout.layers),
-            num_local_regions=len(layout.regions),
-        )
-        local_regions = list(range(len(layout.regions)))
-    else:
-        aligned = remote
-        local_regions = list(range(len(layout.regions)))
-    if len(aligned.kv_caches_base_addr) != len(local_regions):
-        raise RegionGeometryMismatch(
-            f"the decoder has {len(aligned.kv_caches_base_addr)} regions for this stage's "
-            f"{len(local_regions)}"
-        )
-    if aligned.region_mem_types is not None and set(aligned.region_mem_types) != {config.mem_type}:
-        raise RegionGeometryMismatch(
-            f"decode regions are {sorted(set(aligned.region_mem_types))}, this worker moves "
-            f"{config.mem_type} only (mixed-memory caches are not supported by push)"
-        )
-    replicated = layout.region_replicated
-    local_heads = max(1, model.num_kv_heads // config.tp_size)
-    remote_heads = max(1, model.num_kv_heads // remote_tp)
-    for i, r in enumerate(local_regions):
-        local_len = layout.regions[r].block_len
-        want = local_len if replicated[r] else local_len * remote_heads // local_heads
-        got_len, stride = aligned.block_lens[i], aligned.block_strides[i]
-        if got_len != want or stride < got_len:
-            raise RegionGeometryMismatch(
-                f"decode region for {layout.regions[r].name} has block length {got_len} "
-                f"(stride {stride}); "
-                f"this rank ({local_heads} of {model.num_kv_heads} KV heads, block length {local_len}) "
-                f"needs {want} with stride >= length"
-            )
+    aligned, local_regions = check_decode_rank(_prefill_rank(local), meta, remote_tp)
     offset_factor = rank_offset_factor(
-        config.tp_rank, config.tp_size, remote_tp, model.num_kv_heads, model.is_mla
+        config.tp_rank, config.tp_size, remote_tp, config.model.num_kv_heads, config.model.is_mla
     )
     descs = remote_descs(
         aligned,
         local.geometry,
         local_regions=local_regions,
-        replicated=replicated,
+        replicated=local.layout.region_replicated,
         rank_offset_factor=offset_factor,
     )
     return aligned, descs

@@ -26,13 +26,8 @@ from types import FrameType
 from typing import Any
 
 from disagg.worker import rules, wire
-from disagg.worker.errors import (
-    BlockSizeMismatch,
-    DisaggError,
-    HandshakeError,
-    RegionGeometryMismatch,
-    WorkerConfigError,
-)
+from disagg.worker.decode_checks import LocalRegion, PrefillRank, check_decode_rank
+from disagg.worker.errors import DisaggError, WorkerConfigError
 from disagg.worker.layout import AttentionKind
 from disagg.worker.peer_check import (
     Outcome,
@@ -44,7 +39,6 @@ from disagg.worker.peer_check import (
     summarize,
 )
 from disagg.worker.push import as_disagg_error
-from disagg.worker.routing import RegionGeometry, align_remote_regions, slice_pp_regions
 from disagg.worker.side_channel import (
     DEFAULT_HANDSHAKE_TIMEOUT_S,
     PeerHandshake,
@@ -99,76 +93,40 @@ def _replicated(config: SidecarConfig, own: wire.NixlAgentMetadata) -> list[bool
     ]
 
 
+def _own_prefill_rank(config: SidecarConfig, own: wire.NixlAgentMetadata, tp_rank: int) -> PrefillRank:
+    """TP rank `tp_rank` of this prefill stage, advertising `own`, as the decode checks read it."""
+    model = config.topology.model
+    layer_routing = rules.requires_layer_name_routing(
+        rules.PUSH, model.hma_required, own.kv_cache_layout == "BLHNC", model.has_mamba, config.pp_size
+    )
+    routed = (
+        tuple((name, region) for region, members in enumerate(own.region_members) for name in members)
+        if layer_routing
+        else None
+    )
+    names = own.region_names or [f"region {r}" for r in range(len(own.kv_caches_base_addr))]
+    regions = zip(names, own.block_lens, _replicated(config, own), strict=True)
+    return PrefillRank(
+        block_size=own.block_size,
+        routed_layers=routed,
+        pp_size=config.pp_size,
+        stage_layers=config.topology.stage_layers[config.pp_rank],
+        regions=tuple(LocalRegion(name, block_len, replicated) for name, block_len, replicated in regions),
+        mem_types=None if own.region_mem_types is None else frozenset(own.region_mem_types),
+        tp_rank=tp_rank,
+        tp_size=config.tp_size,
+        num_kv_heads=model.num_kv_heads,
+        is_mla=model.is_mla,
+    )
+
+
 def check_decode_metadata(
     config: SidecarConfig, own: wire.NixlAgentMetadata, remote: wire.NixlAgentMetadata, tp_rank: int
 ) -> None:
     """Would TP rank `tp_rank` of this prefill stage, advertising `own`, accept a decode rank advertising
-    `remote`? The checks of `push_producer.plan_decode_rank`, with the engine's advertised metadata in place
-    of a registered `LocalKV`. Pure; raises the connector's refusal."""
-    topology = config.topology
-    model = topology.model
-    remote_tp = topology.decode_tp
-    packed = own.kv_cache_layout == "BLHNC"
-    layer_routing = rules.requires_layer_name_routing(
-        rules.PUSH, model.hma_required, packed, model.has_mamba, config.pp_size
-    )
-    if layer_routing:
-        violation = rules.block_size_mismatch(True, own.block_size, remote.block_size)
-        if violation is not None:
-            raise BlockSizeMismatch(violation.message)
-        violation = rules.decode_tp_exceeds_prefill_tp(model.is_mla, config.tp_size, remote_tp, True)
-        if violation is not None:
-            raise HandshakeError(violation.message, reason=violation.reason)
-    elif own.block_size != remote.block_size:
-        raise BlockSizeMismatch(
-            f"prefill block size {own.block_size} and decode block size {remote.block_size} differ; "
-            "this connector moves whole blocks: use equal block sizes"
-        )
-    geometry = RegionGeometry.from_metadata(remote)
-    if layer_routing:
-        names = [name for members in own.region_members for name in members]
-        local_regions = [region for region, members in enumerate(own.region_members) for _ in members]
-        aligned = align_remote_regions(geometry, names)
-    else:
-        local_regions = list(range(len(own.kv_caches_base_addr)))
-        if config.pp_size > 1:
-            layers = topology.stage_layers[config.pp_rank]
-            aligned = slice_pp_regions(
-                geometry,
-                start_layer=layers.start,
-                num_local_layers=len(layers),
-                num_local_regions=len(local_regions),
-            )
-        else:
-            aligned = geometry
-    if len(aligned.kv_caches_base_addr) != len(local_regions):
-        raise RegionGeometryMismatch(
-            f"the decoder has {len(aligned.kv_caches_base_addr)} regions for this stage's "
-            f"{len(local_regions)}"
-        )
-    if (
-        aligned.region_mem_types is not None
-        and own.region_mem_types is not None
-        and set(aligned.region_mem_types) != set(own.region_mem_types)
-    ):
-        raise RegionGeometryMismatch(
-            f"decode regions are {sorted(set(aligned.region_mem_types))}, this stage's engine moves "
-            f"{sorted(set(own.region_mem_types))} (mixed-memory caches are not supported by push)"
-        )
-    replicated = _replicated(config, own)
-    local_heads = max(1, model.num_kv_heads // config.tp_size)
-    remote_heads = max(1, model.num_kv_heads // remote_tp)
-    names_of = own.region_names or [f"region {r}" for r in range(len(own.kv_caches_base_addr))]
-    for i, r in enumerate(local_regions):
-        local_len = own.block_lens[r]
-        want = local_len if replicated[r] else local_len * remote_heads // local_heads
-        got_len, stride = aligned.block_lens[i], aligned.block_strides[i]
-        if got_len != want or stride < got_len:
-            raise RegionGeometryMismatch(
-                f"decode region for {names_of[r]} has block length {got_len} (stride {stride}); "
-                f"TP rank {tp_rank} of this stage ({local_heads} of {model.num_kv_heads} KV heads, block "
-                f"length {local_len}) needs {want} with stride >= length"
-            )
+    `remote`? `push_producer.plan_decode_rank`'s checks (`decode_checks.check_decode_rank`), with the
+    engine's advertised metadata in place of a registered `LocalKV`. Pure; raises the connector's refusal."""
+    check_decode_rank(_own_prefill_rank(config, own, tp_rank), remote, config.topology.decode_tp)
 
 
 def check_decode_peer(
