@@ -9,7 +9,9 @@ Optional fields are omitted, never null, so the generated schema stays structura
 from __future__ import annotations
 
 import enum
+import re
 from datetime import datetime
+from decimal import Decimal
 from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
@@ -29,6 +31,13 @@ DEFAULT_SIDE_CHANNEL_PORT: Final = 5600
 # server's CEL cost estimate assumes the largest possible request and can refuse the CRD.
 MAX_LAYERS: Final = 4096
 MAX_STAGES: Final = 256
+# A Kubernetes resource quantity in the forms a pool size takes (no exponent notation, no milli).
+QUANTITY_PATTERN: Final = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
+_QUANTITY_SUFFIXES: Final[dict[str, int]] = {
+    "": 1,
+    **{suffix: 1024 ** (i + 1) for i, suffix in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
+    **{suffix: 1000 ** (i + 1) for i, suffix in enumerate(("k", "M", "G", "T", "P", "E"))},
+}
 
 # Kubernetes objects the operator passes through untouched (ResourceRequirements, Affinity, Toleration):
 # typing them here would copy the core API into this CRD and drift from it.
@@ -233,6 +242,62 @@ class RDMASpec(ApiModel):
     count: int = Field(default=1, ge=1, description="RDMA devices requested per engine pod.")
 
 
+class KVPoolMedium(enum.StrEnum):
+    """What backs the KV pool volume, spelled as Kubernetes spells an emptyDir medium."""
+
+    MEMORY = "Memory"
+    HUGE_PAGES_2MI = "HugePages-2Mi"
+    HUGE_PAGES_1GI = "HugePages-1Gi"
+
+    @property
+    def huge_page_bytes(self) -> int | None:
+        """The huge page size, or None for 4 KiB-paged tmpfs."""
+        return _HUGE_PAGE_BYTES.get(self)
+
+    @property
+    def resource_name(self) -> str | None:
+        """The container resource that reserves these huge pages (`hugepages-2Mi`), or None."""
+        return None if self is KVPoolMedium.MEMORY else f"hugepages-{self.value.split('-', 1)[1]}"
+
+
+_HUGE_PAGE_BYTES: Final = {KVPoolMedium.HUGE_PAGES_2MI: 2 << 20, KVPoolMedium.HUGE_PAGES_1GI: 1 << 30}
+
+
+def quantity_bytes(quantity: str) -> Decimal:
+    """A quantity matching QUANTITY_PATTERN in bytes (exact: `1.5Gi` is 1610612736)."""
+    match = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", quantity)
+    if match is None or not re.fullmatch(QUANTITY_PATTERN, quantity):
+        raise ValueError(f"{quantity!r} is not a quantity such as 16Gi or 4096Mi")
+    return Decimal(match.group(1)) * _QUANTITY_SUFFIXES[match.group(2)]
+
+
+class KVPoolSpec(ApiModel):
+    """The shared-memory volume that holds each engine pod's KV pool, which the engine and the sidecar map.
+
+    NIXL on one host (UCX CMA) writes into a pool in huge pages at about the speed of memcpy, and into one in
+    4 KiB pages at well under half of it: give the decode pods huge pages where the nodes have them."""
+
+    medium: KVPoolMedium = Field(
+        default=KVPoolMedium.MEMORY,
+        description="Memory: tmpfs in 4 KiB pages, the pod's /dev/shm (the default). HugePages-2Mi or "
+        "HugePages-1Gi: a hugetlbfs volume of that page size mounted at /dev/hugepages, with the pool at "
+        "/dev/hugepages/kv-pool (DISAGG_KV_POOL in both containers); the engine and sidecar containers then "
+        "request and are limited to sizeLimit of hugepages-2Mi or hugepages-1Gi, and Kubernetes requires "
+        "each of them to request or limit cpu or memory too (prefill.resources, decode.resources, "
+        "worker.resources). The nodes must have the huge pages preallocated.",
+    )
+    size_limit: str | None = Field(
+        default=None,
+        pattern=QUANTITY_PATTERN,
+        max_length=64,
+        description="Size of the pool volume, a quantity such as 16Gi. Required for the HugePages media, a "
+        "whole number of huge pages; optional for Memory (the /dev/shm volume's sizeLimit).",
+    )
+
+    def size_bytes(self) -> Decimal | None:
+        return None if self.size_limit is None else quantity_bytes(self.size_limit)
+
+
 class KVTransferSpec(ApiModel):
     """How KV blocks move from prefill to decode."""
 
@@ -259,6 +324,10 @@ class KVTransferSpec(ApiModel):
     node_selector: dict[str, str] | None = Field(
         default=None,
         description="Labels of nodes that can do the transfer (RDMA-capable), applied to both roles.",
+    )
+    kv_pool: KVPoolSpec | None = Field(
+        default=None,
+        description="The volume of the engine pods' KV pool; omitted: tmpfs (/dev/shm) in 4 KiB pages.",
     )
 
 

@@ -5,7 +5,9 @@ parallel) and the headless Service that governs it. Decode: a Deployment and a h
 carries the topology plan every sidecar reads. Every engine pod gets the KV worker sidecar (downward-API
 identity, side channel, `IPC_LOCK`, RDMA, shared memory) and a readiness gate on the condition the sidecar
 writes, and runs as the deployment's own ServiceAccount, which a RoleBinding gives the installation's worker
-ClusterRole (the sidecar patches its Pod's condition, reads its peers and posts Events). Everything carries an
+ClusterRole (the sidecar patches its Pod's condition, reads its peers and posts Events). A huge page KV pool
+(`spec.kvTransfer.kvPool`) is a hugetlbfs volume of its own beside `/dev/shm`, which stays tmpfs because the
+engine's other shared-memory files (sockets, NCCL, torch) have sizes hugetlbfs refuses. Everything carries an
 owner reference to the DisaggDeployment, so deletion is garbage collection, and only fields that exist in
 Kubernetes 1.20 (apps/v1, core/v1, rbac.authorization.k8s.io/v1). `disagg plan` builds the same objects from a
 file, which has no uid yet: then the owner reference is left out (the operator adds it).
@@ -19,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from disagg.operator.api import API_VERSION, KIND, DisaggDeploymentSpec
+from disagg.operator.api import API_VERSION, KIND, DisaggDeploymentSpec, KVPoolMedium
 from disagg.operator.builders_engine import (
     HTTP_PORT,
     Role,
@@ -47,6 +49,9 @@ HASH_ANNOTATION: Final = "disagg.io/compatibility-hash"
 TOPOLOGY_ANNOTATION: Final = "disagg.io/topology-checksum"
 TOPOLOGY_KEY: Final = "topology.json"
 TOPOLOGY_DIR: Final = "/etc/disagg/topology"
+KV_POOL_VOLUME: Final = "kv-pool"
+KV_POOL_DIR: Final = "/dev/hugepages"
+KV_POOL_FILE: Final = f"{KV_POOL_DIR}/kv-pool"
 ENGINE_CONTAINER: Final = "engine"
 SIDECAR_CONTAINER: Final = "kv-worker"
 WORKER_IMAGE_ENV: Final = "DISAGG_WORKER_IMAGE"
@@ -362,7 +367,9 @@ def _identity_env(spec: DisaggDeploymentSpec, owner: Owner, role: Role) -> list[
     ]
 
 
-def _resources(base: Mapping[str, Any] | None, rdma: tuple[str, int] | None) -> dict[str, Any]:
+def _resources(
+    base: Mapping[str, Any] | None, rdma: tuple[str, int] | None, huge_pages: tuple[str, str] | None
+) -> dict[str, Any]:
     # Quantities are strings in the API's typed schema: server-side apply refuses a bare number.
     resources = {
         key: {name: str(amount) for name, amount in value.items()} for key, value in (base or {}).items()
@@ -370,7 +377,36 @@ def _resources(base: Mapping[str, Any] | None, rdma: tuple[str, int] | None) -> 
     if rdma is not None:
         # Extended resources cannot be overcommitted: a limit alone also sets the request.
         resources.setdefault("limits", {})[rdma[0]] = str(rdma[1])
+    if huge_pages is not None:
+        # Kubernetes requires hugepages requests equal to limits; both are written so neither is inferred.
+        for key in ("requests", "limits"):
+            resources.setdefault(key, {})[huge_pages[0]] = huge_pages[1]
     return resources
+
+
+def _huge_pages(spec: DisaggDeploymentSpec) -> tuple[str, str] | None:
+    """(resource name, quantity) a huge page pool reserves in each container that maps it, or None."""
+    pool = spec.kv_transfer.kv_pool
+    if pool is None or pool.medium is KVPoolMedium.MEMORY:
+        return None
+    resource = pool.medium.resource_name
+    if resource is None or pool.size_limit is None:
+        # The reconcile refuses such a spec (KVPoolSizeInvalid) before building; reaching this is a bug.
+        raise ValueError(f"a {pool.medium.value} KV pool needs spec.kvTransfer.kvPool.sizeLimit")
+    return resource, pool.size_limit
+
+
+def _pool_volumes(spec: DisaggDeploymentSpec) -> list[dict[str, Any]]:
+    pool = spec.kv_transfer.kv_pool
+    dshm: dict[str, Any] = {"medium": "Memory"}
+    if pool is None or pool.medium is KVPoolMedium.MEMORY:
+        if pool is not None and pool.size_limit is not None:
+            dshm["sizeLimit"] = pool.size_limit
+        return [{"name": "dshm", "emptyDir": dshm}]
+    return [
+        {"name": "dshm", "emptyDir": dshm},
+        {"name": KV_POOL_VOLUME, "emptyDir": {"medium": pool.medium.value, "sizeLimit": pool.size_limit}},
+    ]
 
 
 def _pod_template(
@@ -389,7 +425,11 @@ def _pod_template(
     if sidecar_image is None:
         # The reconcile refuses such a spec (WorkerImageMissing) before building; reaching this is a bug.
         raise ValueError("no sidecar image: spec.worker.image and the installation's default are both unset")
-    identity = _identity_env(spec, owner, role)
+    huge_pages = _huge_pages(spec)
+    # Both containers learn the pool's path: the engine creates the pool there, the sidecar maps only it.
+    identity = _identity_env(spec, owner, role) + (
+        [{"name": "DISAGG_KV_POOL", "value": KV_POOL_FILE}] if huge_pages else []
+    )
     engine = engine_container(spec, role, plan, stage_service=stage_service, identity_env=identity)
     side_channel = {
         "name": "side-channel",
@@ -406,7 +446,7 @@ def _pod_template(
     mounts = [
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "topology", "mountPath": TOPOLOGY_DIR, "readOnly": True},
-    ]
+    ] + ([{"name": KV_POOL_VOLUME, "mountPath": KV_POOL_DIR}] if huge_pages else [])
     ipc_lock = {"capabilities": {"add": ["IPC_LOCK"]}}
     engine_container_spec: dict[str, Any] = {
         "name": ENGINE_CONTAINER,
@@ -414,7 +454,7 @@ def _pod_template(
         "env": list(engine.env),
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}]
         + ([side_channel] if engine_moves_kv else []),
-        "resources": _resources(this.resources, rdma if engine_moves_kv else None),
+        "resources": _resources(this.resources, rdma if engine_moves_kv else None, huge_pages),
         "volumeMounts": mounts,
     }
     if engine.command:
@@ -435,7 +475,7 @@ def _pod_template(
         ],
         "ports": [{"name": "metrics", "containerPort": spec.worker.metrics_port, "protocol": "TCP"}]
         + ([] if engine_moves_kv else [side_channel]),
-        "resources": _resources(spec.worker.resources, None if engine_moves_kv else rdma),
+        "resources": _resources(spec.worker.resources, None if engine_moves_kv else rdma, huge_pages),
         "securityContext": ipc_lock,
         "volumeMounts": mounts,
     }
@@ -446,7 +486,7 @@ def _pod_template(
         "enableServiceLinks": False,
         "volumes": [
             # The engine's KV pool is a shared-memory file the sidecar maps and registers with NIXL.
-            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+            *_pool_volumes(spec),
             {"name": "topology", "configMap": {"name": topology_name(owner.name)}},
         ],
     }

@@ -3,9 +3,10 @@
 The topology rules are the worker's own (`disagg.worker.rules.check_topology`), so a spec the operator accepts
 is one the sidecars accept at startup. The compatibility hash is the worker's (`disagg.worker.wire`), computed
 per role from the spec, so a pair whose hashes would differ at handshake is refused before any pod exists.
-Only rules that exist nowhere in the worker live here: KV heads that cannot be split over a TP size, and
-hash factors that differ between roles (including the image and model revision, which vLLM does not hash
-but which change what the hashed version string and model name mean, llm-d#499 and vLLM PR #55776).
+Only rules that exist nowhere in the worker live here: KV heads that cannot be split over a TP size, hash
+factors that differ between roles (including the image and model revision, which vLLM does not hash but
+which change what the hashed version string and model name mean, llm-d#499 and vLLM PR #55776), and a huge
+page KV pool the API server or the kubelet would refuse.
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Final, Literal, TypeVar, cast
 
-from disagg.operator.api import DisaggDeploymentSpec, HybridKVCacheManager, KVCacheLayout, RoleSpec
+from disagg.operator.api import (
+    DisaggDeploymentSpec,
+    HybridKVCacheManager,
+    KVCacheLayout,
+    KVPoolMedium,
+    RoleSpec,
+)
 from disagg.operator.plan import TopologyPlan, model_geometry, plan_topology
 from disagg.worker.errors import LayoutError, Violation
 from disagg.worker.layout import ModelGeometry
@@ -123,6 +130,54 @@ def kv_heads_not_divisible(num_kv_heads: int, tp_size: int, role: Role, is_mla: 
     )
 
 
+def kv_pool_violations(spec: DisaggDeploymentSpec) -> list[Violation]:
+    """A huge page pool needs a size in whole pages, and every container that maps it (engine and sidecar)
+    needs a cpu or memory request or limit beside its hugepages, which Kubernetes refuses otherwise."""
+    pool = spec.kv_transfer.kv_pool
+    if pool is None or pool.medium is KVPoolMedium.MEMORY:
+        return []
+    page, resource = pool.medium.huge_page_bytes, pool.medium.resource_name
+    assert page is not None and resource is not None
+    size = pool.size_bytes()
+    found: list[Violation] = []
+    pages = pool.medium.value.split("-", 1)[1]
+    if size is None or size <= 0 or size % page:
+        given = "not set" if pool.size_limit is None else repr(pool.size_limit)
+        found.append(
+            Violation(
+                "KVPoolSizeInvalid",
+                f"spec.kvTransfer.kvPool.medium {pool.medium.value} needs sizeLimit, a positive whole number "
+                f"of {pages} pages, but it is {given}: set spec.kvTransfer.kvPool.sizeLimit to the pool's "
+                "size rounded up to whole pages (e.g. 16Gi)",
+            )
+        )
+    containers = {
+        "spec.prefill.resources": spec.prefill.resources,
+        "spec.decode.resources": spec.decode.resources,
+        "spec.worker.resources": spec.worker.resources,
+    }
+    for path, resources in containers.items():
+        sections = [(resources or {}).get(key) or {} for key in ("requests", "limits")]
+        if not any(name in section for section in sections for name in ("cpu", "memory")):
+            found.append(
+                Violation(
+                    "KVPoolResourcesInvalid",
+                    f"{path} has no cpu or memory request or limit, which Kubernetes requires of a container "
+                    f"with {resource}: add requests.memory (or cpu) to {path}",
+                )
+            )
+        other = {str(section[resource]) for section in sections if resource in section} - {pool.size_limit}
+        if other:
+            found.append(
+                Violation(
+                    "KVPoolResourcesInvalid",
+                    f"{path} sets {resource} to {sorted(other)[0]!r} but spec.kvTransfer.kvPool.sizeLimit is "
+                    f"{pool.size_limit!r}: remove {resource} from {path}, the operator sets it from the pool",
+                )
+            )
+    return found
+
+
 def _topology_violations(spec: DisaggDeploymentSpec, geometry: ModelGeometry) -> list[Violation]:
     def topology(role: RoleSpec) -> RoleTopology:
         partition = tuple(role.layer_partition) if role.layer_partition is not None else None
@@ -171,6 +226,7 @@ def evaluate(spec: DisaggDeploymentSpec) -> CompatReport:
     )
     if mismatch is not None:
         violations.append(mismatch)
+    violations.extend(kv_pool_violations(spec))
     return CompatReport(
         violations=tuple(violations),
         plan=plan,

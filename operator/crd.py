@@ -179,6 +179,13 @@ SPEC_RULES: Final[tuple[CelRule, ...]] = (
         "prefill and decode overrides must agree on image, version, attentionBackend, revision, dtype and "
         "kvCacheDtype",
     ),
+    # Whole pages cannot be checked here: CEL's quantity library is newer than the clusters this targets.
+    CelRule(
+        "KVPoolSizeInvalid",
+        "!has(self.kvTransfer.kvPool) || self.kvTransfer.kvPool.medium == 'Memory' || "
+        "has(self.kvTransfer.kvPool.sizeLimit)",
+        "kvTransfer.kvPool.sizeLimit is required for the HugePages media",
+    ),
 )
 
 

@@ -109,6 +109,36 @@ def test_valid_spec_creates_owned_children_and_conditions(cluster: Cluster, ns: 
     cluster.wait_condition(ns, NAME, "KVTransferReady", "Unknown", "AwaitingHandshake")
 
 
+def test_a_huge_page_kv_pool_reaches_the_pods(cluster: Cluster, ns: str) -> None:
+    """The API server validates hugepages (requests == limits, beside cpu or memory) on each pod it admits."""
+    engine = {"resources": {"requests": {"memory": "1Gi"}, "limits": {"memory": "1Gi", "nvidia.com/gpu": 2}}}
+    create(
+        cluster,
+        ns,
+        kvTransfer={"kvPool": {"medium": "HugePages-2Mi", "sizeLimit": "64Mi"}},
+        prefill=engine,
+        decode=engine,
+        worker={"resources": {"requests": {"cpu": "100m", "memory": "128Mi"}}},
+    )
+    cluster.wait_condition(ns, NAME, "Compatible", "True", "Compatible")
+    pods = wait_for("the pods", lambda: satisfied(cluster.children(ns, NAME)["Pod"], lambda p: len(p) == 4))
+    for pod in pods:
+        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+        assert volumes["kv-pool"]["emptyDir"] == {"medium": "HugePages-2Mi", "sizeLimit": "64Mi"}
+        for container in pod["spec"]["containers"]:
+            resources = container["resources"]
+            assert resources["requests"]["hugepages-2Mi"] == resources["limits"]["hugepages-2Mi"] == "64Mi"
+            variables = {item["name"]: item.get("value") for item in container["env"]}
+            assert variables["DISAGG_KV_POOL"] == "/dev/hugepages/kv-pool"
+
+
+def test_a_huge_page_kv_pool_without_a_size_is_refused(cluster: Cluster, ns: str) -> None:
+    create(cluster, ns, kvTransfer={"kvPool": {"medium": "HugePages-2Mi"}})
+    refused = cluster.wait_condition(ns, NAME, "Compatible", "False")
+    assert refused["reason"] == "KVPoolSizeInvalid" and "sizeLimit" in refused["message"]
+    assert cluster.names(ns, NAME) == {"StatefulSet": [], "Deployment": [], "Service": [], "ConfigMap": []}
+
+
 def test_incompatible_spec_creates_nothing(cluster: Cluster, ns: str) -> None:
     create(cluster, ns, "bad-decode-pp.yaml")
     refused = cluster.wait_condition(ns, NAME, "Compatible", "False")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,7 +28,7 @@ from disagg.operator.builders_engine import arg_violations, engine_container, is
 from disagg.operator.compat import evaluate
 from disagg.operator.kv_status import POD_CONDITION
 from disagg.operator.reconcile import judge, worker_image_violations
-from disagg.worker.sidecar_config import parse_topology
+from disagg.worker.sidecar_config import from_env, parse_topology
 
 OWNER = Owner(name="gemma-pp2", namespace="ns1", uid="0f0e-uid", generation=7)
 CHART_DEFAULT = Installation()
@@ -323,6 +324,75 @@ class TestSidecar:
                 {"matchExpressions": [{"key": "rdma.example/capable", "operator": "In", "values": ["true"]}]}
             ]
         }
+
+
+ENGINE_RESOURCES = {"resources": {"requests": {"memory": "2Gi"}, "limits": {"nvidia.com/gpu": 2}}}
+WORKER_RESOURCES = {"resources": {"requests": {"cpu": "1"}}}
+
+
+class TestKVPool:
+    def pool_spec(self, pool: dict[str, Any], image: str | None = None) -> DisaggDeploymentSpec:
+        patch: dict[str, Any] = {
+            "kvTransfer": {"kvPool": pool},
+            "prefill": ENGINE_RESOURCES,
+            "decode": ENGINE_RESOURCES,
+            "worker": WORKER_RESOURCES,
+        }
+        if image is not None:
+            patch["engine"] = {"image": image}
+        return spec(patch)
+
+    @pytest.mark.parametrize(
+        ("medium", "resource"), [("HugePages-2Mi", "hugepages-2Mi"), ("HugePages-1Gi", "hugepages-1Gi")]
+    )
+    @pytest.mark.parametrize("image", [None, "ghcr.io/disagg/reference-engine:0.1.0"])
+    def test_a_huge_page_pool_is_its_own_volume_reserved_in_both_containers(
+        self, medium: str, resource: str, image: str | None
+    ) -> None:
+        built = objects(self.pool_spec({"medium": medium, "sizeLimit": "4Gi"}, image))
+        for key in (("StatefulSet", "gemma-pp2-prefill-0"), ("Deployment", "gemma-pp2-decode")):
+            workload = built[key]
+            volumes = {v["name"]: v for v in pod_spec(workload)["volumes"]}
+            assert volumes["kv-pool"] == {
+                "name": "kv-pool",
+                "emptyDir": {"medium": medium, "sizeLimit": "4Gi"},
+            }
+            # /dev/shm stays tmpfs: the engine's sockets and other shared memory need 4 KiB pages.
+            assert volumes["dshm"] == {"name": "dshm", "emptyDir": {"medium": "Memory"}}
+            engine, sidecar = container(workload, ENGINE_CONTAINER), container(workload, SIDECAR_CONTAINER)
+            for c in (engine, sidecar):
+                assert {"name": "kv-pool", "mountPath": "/dev/hugepages"} in c["volumeMounts"]
+                assert env(c)["DISAGG_KV_POOL"] == "/dev/hugepages/kv-pool"
+                assert c["resources"]["requests"][resource] == c["resources"]["limits"][resource] == "4Gi"
+            assert engine["resources"]["requests"]["memory"] == "2Gi"
+            assert engine["resources"]["limits"]["nvidia.com/gpu"] == "2"
+            assert sidecar["resources"]["requests"]["cpu"] == "1"
+
+    def test_the_sidecar_takes_the_pool_path_the_builders_give(self, tmp_path: Path) -> None:
+        built = objects(self.pool_spec({"medium": "HugePages-2Mi", "sizeLimit": "4Gi"}))
+        sidecar = container(built["Deployment", "gemma-pp2-decode"], SIDECAR_CONTAINER)
+        topology = tmp_path / TOPOLOGY_KEY
+        topology.write_text(built["ConfigMap", "gemma-pp2-topology"]["data"][TOPOLOGY_KEY])
+        # What the kubelet resolves from the downward API, then the builders' literal values.
+        variables = {"POD_NAME": "gemma-pp2-decode-abc", "POD_IP": "10.0.0.9"}
+        variables |= {k: v for k, v in env(sidecar).items() if isinstance(v, str)}
+        variables["DISAGG_TOPOLOGY_FILE"] = str(topology)
+        assert from_env(variables).kv_pool == "/dev/hugepages/kv-pool"
+
+    def test_a_memory_pool_is_todays_dev_shm_with_an_optional_size(self) -> None:
+        plain = objects(spec())
+        same = objects(self.pool_spec({"medium": "Memory"}))
+        sized = objects(self.pool_spec({"medium": "Memory", "sizeLimit": "8Gi"}))
+        for key in (("StatefulSet", "gemma-pp2-prefill-0"), ("Deployment", "gemma-pp2-decode")):
+            for workload in (plain[key], same[key]):
+                assert [v["name"] for v in pod_spec(workload)["volumes"]] == ["dshm", "topology"]
+                assert all("DISAGG_KV_POOL" not in env(c) for c in pod_spec(workload)["containers"])
+                assert all(
+                    not any(name.startswith("hugepages") for name in c["resources"].get("limits", {}))
+                    for c in pod_spec(workload)["containers"]
+                )
+            volumes = {v["name"]: v for v in pod_spec(sized[key])["volumes"]}
+            assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
 
 
 class TestVllmEngine:

@@ -105,9 +105,19 @@ def _variations() -> Iterator[dict[str, Any]]:
         [None, [4, 8], [12, 0]],  # prefill layer partition
         [None, {"version": "0.15.0"}],  # decode overrides
     )
+    # KV pools rotate with the stride rather than multiply the product; the cpu/memory requests keep
+    # KVPoolResourcesInvalid (Python only: CEL cannot see container resources) out of the comparison.
+    pools: list[dict[str, Any] | None] = [
+        None,
+        {"medium": "HugePages-2Mi"},
+        {"medium": "HugePages-1Gi", "sizeLimit": "2Gi"},
+        {"medium": "Memory"},
+    ]
+    memory = {"resources": {"requests": {"memory": "1Gi"}}}
     for index, combo in enumerate(product):
         if index % 131:
             continue
+        pool = pools[(index // 131) % len(pools)]
         kind, connector, hma, layout, p_pp, d_pp, (p_tp, d_tp), (p_bs, d_bs), partition, overrides = combo
         prefill: dict[str, Any] = {
             "pipelineParallelSize": p_pp,
@@ -120,13 +130,19 @@ def _variations() -> Iterator[dict[str, Any]]:
         if overrides is not None:
             decode["overrides"] = overrides
         model: dict[str, Any] = {"numLayers": 12, **kind}
-        yield {
+        variation: dict[str, Any] = {
             "model": model,
             "kvTransfer": {"connector": connector},
             "engine": {"hybridKvCacheManager": hma, "kvCacheLayout": layout},
             "prefill": prefill,
             "decode": decode,
         }
+        if pool is not None:
+            variation["kvTransfer"]["kvPool"] = pool
+            prefill.update(memory)
+            decode.update(memory)
+            variation["worker"] = memory
+        yield variation
 
 
 def _spec_from(patch: dict[str, Any]) -> DisaggDeploymentSpec:
@@ -148,3 +164,21 @@ def test_cel_agrees_with_the_preflight_check_across_a_sweep() -> None:
     assert checked > 100
     # the sweep is only meaningful if it breaks every rule the CEL variant carries at least once
     assert reasons_seen >= {rule.reason for rule in SPEC_RULES} - SHAPE_REASONS
+
+
+@pytest.mark.parametrize("medium", ["HugePages-2Mi", "HugePages-1Gi"])
+def test_a_huge_page_pool_without_a_size_is_refused_by_cel_and_the_preflight_check(medium: str) -> None:
+    memory = {"resources": {"requests": {"memory": "1Gi"}}}
+    model = spec(
+        {"kvTransfer": {"kvPool": {"medium": medium}}, "decode": memory, "prefill": memory, "worker": memory}
+    )
+    assert cel_failures(spec_dict(model)) == ["KVPoolSizeInvalid"] == evaluate(model).reasons
+    sized = spec(
+        {
+            "kvTransfer": {"kvPool": {"medium": medium, "sizeLimit": "4Gi"}},
+            "decode": memory,
+            "prefill": memory,
+            "worker": memory,
+        }
+    )
+    assert cel_failures(spec_dict(sized)) == [] == evaluate(sized).reasons

@@ -224,3 +224,73 @@ def test_every_example_is_listed() -> None:
 def test_examples_give_their_documented_verdict(name: str) -> None:
     report = evaluate(DisaggDeployment.model_validate(load(EXAMPLES / name)).spec)
     assert report.reasons == EXPECTED_EXAMPLES[name]
+
+
+MEMORY = {"resources": {"requests": {"memory": "2Gi"}}}
+
+
+def huge_page_spec(pool: dict[str, Any], **roles: Any) -> Any:
+    return spec(
+        {"kvTransfer": {"kvPool": pool}, "prefill": MEMORY, "decode": MEMORY, "worker": MEMORY, **roles}
+    )
+
+
+@pytest.mark.parametrize(
+    "pool",
+    [
+        {"medium": "HugePages-2Mi"},
+        {"medium": "HugePages-2Mi", "sizeLimit": "0"},
+        {"medium": "HugePages-2Mi", "sizeLimit": "3Mi"},
+        {"medium": "HugePages-2Mi", "sizeLimit": "1G"},
+        {"medium": "HugePages-1Gi", "sizeLimit": "1536Mi"},
+    ],
+)
+def test_a_huge_page_pool_needs_a_size_in_whole_pages(pool: dict[str, Any]) -> None:
+    (violation,) = evaluate(huge_page_spec(pool)).violations
+    assert violation.reason == "KVPoolSizeInvalid"
+    assert "spec.kvTransfer.kvPool.sizeLimit" in str(violation) and pool["medium"] in str(violation)
+
+
+@pytest.mark.parametrize(
+    "pool",
+    [
+        {"medium": "HugePages-2Mi", "sizeLimit": "4Gi"},
+        {"medium": "HugePages-2Mi", "sizeLimit": "1.5Gi"},
+        {"medium": "HugePages-2Mi", "sizeLimit": "4000Mi"},
+        {"medium": "HugePages-1Gi", "sizeLimit": "2Gi"},
+        {"medium": "Memory"},
+        {"medium": "Memory", "sizeLimit": "3M"},
+    ],
+)
+def test_whole_page_pools_and_memory_pools_are_accepted(pool: dict[str, Any]) -> None:
+    assert evaluate(huge_page_spec(pool)).violations == ()
+
+
+def test_every_container_mapping_a_huge_page_pool_needs_cpu_or_memory() -> None:
+    gpus_only = {"resources": {"limits": {"nvidia.com/gpu": 2}}}
+    report = evaluate(
+        huge_page_spec(
+            {"medium": "HugePages-2Mi", "sizeLimit": "4Gi"}, decode=gpus_only, worker={"resources": {}}
+        )
+    )
+    assert report.reasons == ["KVPoolResourcesInvalid", "KVPoolResourcesInvalid"]
+    assert "spec.decode.resources" in str(report.violations[0]) and "hugepages-2Mi" in str(
+        report.violations[0]
+    )
+    assert "spec.worker.resources" in str(report.violations[1])
+    cpu_limit = {"resources": {"limits": {"cpu": "8"}}}
+    assert evaluate(
+        huge_page_spec({"medium": "HugePages-2Mi", "sizeLimit": "4Gi"}, decode=cpu_limit)
+    ).compatible
+    # Without huge pages Kubernetes asks nothing of the containers' resources.
+    assert evaluate(spec({"kvTransfer": {"kvPool": {"medium": "Memory"}}})).compatible
+
+
+def test_a_users_hugepages_resource_must_match_the_pool() -> None:
+    other = {"resources": {"requests": {"memory": "1Gi", "hugepages-2Mi": "1Gi"}}}
+    (violation,) = evaluate(
+        huge_page_spec({"medium": "HugePages-2Mi", "sizeLimit": "4Gi"}, prefill=other)
+    ).violations
+    assert violation.reason == "KVPoolResourcesInvalid" and "spec.prefill.resources" in str(violation)
+    same = {"resources": {"requests": {"memory": "1Gi"}, "limits": {"hugepages-2Mi": "4Gi"}}}
+    assert evaluate(huge_page_spec({"medium": "HugePages-2Mi", "sizeLimit": "4Gi"}, prefill=same)).compatible
