@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validat
 from pydantic.alias_generators import to_camel
 
 from disagg.worker import layout
+from disagg.worker.pod_contract import DEFAULT_SIDE_CHANNEL_PORT
 
 GROUP: Final = "disagg.io"
 VERSION: Final = "v1alpha1"
@@ -26,7 +27,6 @@ KIND: Final = "DisaggDeployment"
 PLURAL: Final = "disaggdeployments"
 SINGULAR: Final = "disaggdeployment"
 SHORT_NAMES: Final = ("disagg",)
-DEFAULT_SIDE_CHANNEL_PORT: Final = 5600
 # Bounds on lists that CEL rules iterate and strings they compare: without maxItems/maxLength the API
 # server's CEL cost estimate assumes the largest possible request and can refuse the CRD.
 MAX_LAYERS: Final = 4096

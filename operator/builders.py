@@ -30,8 +30,29 @@ from disagg.operator.builders_engine import (
     role_image,
     stage_dns,
 )
-from disagg.operator.kv_status import POD_CONDITION, ROLE_LABEL
 from disagg.operator.plan import TopologyPlan
+from disagg.worker.pod_contract import (
+    BLOCK_SIZE_ENV,
+    COMPATIBILITY_HASH_ENV,
+    DEPLOYMENT_ENV,
+    DEPLOYMENT_LABEL,
+    KV_POOL_ENV,
+    METRICS_PORT_ENV,
+    NODE_NAME_ENV,
+    PIPELINE_PARALLEL_SIZE_ENV,
+    POD_CONDITION,
+    POD_IP_ENV,
+    POD_NAME_ENV,
+    POD_NAMESPACE_ENV,
+    POD_UID_ENV,
+    ROLE_ENV,
+    ROLE_LABEL,
+    SIDE_CHANNEL_PORT_ENV,
+    SIDE_CHANNEL_PORT_NAME,
+    SIDECAR_CONTAINER,
+    TENSOR_PARALLEL_SIZE_ENV,
+    TOPOLOGY_FILE_ENV,
+)
 
 FIELD_MANAGER: Final = "disagg-operator"
 NAME_LABEL: Final = "app.kubernetes.io/name"
@@ -39,7 +60,6 @@ INSTANCE_LABEL: Final = "app.kubernetes.io/instance"
 COMPONENT_LABEL: Final = "app.kubernetes.io/component"
 MANAGED_BY_LABEL: Final = "app.kubernetes.io/managed-by"
 PART_OF_LABEL: Final = "app.kubernetes.io/part-of"
-DEPLOYMENT_LABEL: Final = "disagg.io/deployment"
 # The owner's full name: a label value is capped at 63 characters, an object name is not.
 DEPLOYMENT_ANNOTATION: Final = "disagg.io/deployment"
 MAX_LABEL_VALUE: Final = 63
@@ -53,7 +73,6 @@ KV_POOL_VOLUME: Final = "kv-pool"
 KV_POOL_DIR: Final = "/dev/hugepages"
 KV_POOL_FILE: Final = f"{KV_POOL_DIR}/kv-pool"
 ENGINE_CONTAINER: Final = "engine"
-SIDECAR_CONTAINER: Final = "kv-worker"
 WORKER_IMAGE_ENV: Final = "DISAGG_WORKER_IMAGE"
 WORKER_CLUSTER_ROLE_ENV: Final = "DISAGG_WORKER_CLUSTERROLE"
 DEFAULT_WORKER_CLUSTER_ROLE: Final = "disagg-worker"
@@ -280,9 +299,9 @@ def _service(
             "ports": [
                 {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
                 {
-                    "name": "side-channel",
+                    "name": SIDE_CHANNEL_PORT_NAME,
                     "port": spec.kv_transfer.side_channel_port,
-                    "targetPort": "side-channel",
+                    "targetPort": SIDE_CHANNEL_PORT_NAME,
                     "protocol": "TCP",
                 },
             ],
@@ -352,18 +371,18 @@ def _identity_env(spec: DisaggDeploymentSpec, owner: Owner, role: Role) -> list[
 
     this = spec.prefill if role == "prefill" else spec.decode
     return [
-        field("POD_NAME", "metadata.name"),
-        field("POD_NAMESPACE", "metadata.namespace"),
-        field("POD_UID", "metadata.uid"),
-        field("POD_IP", "status.podIP"),
-        field("NODE_NAME", "spec.nodeName"),
-        {"name": "DISAGG_DEPLOYMENT", "value": owner.name},
-        {"name": "DISAGG_ROLE", "value": role},
-        {"name": "DISAGG_PIPELINE_PARALLEL_SIZE", "value": str(this.pipeline_parallel_size)},
-        {"name": "DISAGG_TENSOR_PARALLEL_SIZE", "value": str(this.tensor_parallel_size)},
-        {"name": "DISAGG_BLOCK_SIZE", "value": str(this.block_size)},
-        {"name": "DISAGG_SIDE_CHANNEL_PORT", "value": str(spec.kv_transfer.side_channel_port)},
-        {"name": "DISAGG_TOPOLOGY_FILE", "value": f"{TOPOLOGY_DIR}/{TOPOLOGY_KEY}"},
+        field(POD_NAME_ENV, "metadata.name"),
+        field(POD_NAMESPACE_ENV, "metadata.namespace"),
+        field(POD_UID_ENV, "metadata.uid"),
+        field(POD_IP_ENV, "status.podIP"),
+        field(NODE_NAME_ENV, "spec.nodeName"),
+        {"name": DEPLOYMENT_ENV, "value": owner.name},
+        {"name": ROLE_ENV, "value": role},
+        {"name": PIPELINE_PARALLEL_SIZE_ENV, "value": str(this.pipeline_parallel_size)},
+        {"name": TENSOR_PARALLEL_SIZE_ENV, "value": str(this.tensor_parallel_size)},
+        {"name": BLOCK_SIZE_ENV, "value": str(this.block_size)},
+        {"name": SIDE_CHANNEL_PORT_ENV, "value": str(spec.kv_transfer.side_channel_port)},
+        {"name": TOPOLOGY_FILE_ENV, "value": f"{TOPOLOGY_DIR}/{TOPOLOGY_KEY}"},
     ]
 
 
@@ -428,11 +447,11 @@ def _pod_template(
     huge_pages = _huge_pages(spec)
     # Both containers learn the pool's path: the engine creates the pool there, the sidecar maps only it.
     identity = _identity_env(spec, owner, role) + (
-        [{"name": "DISAGG_KV_POOL", "value": KV_POOL_FILE}] if huge_pages else []
+        [{"name": KV_POOL_ENV, "value": KV_POOL_FILE}] if huge_pages else []
     )
     engine = engine_container(spec, role, plan, stage_service=stage_service, identity_env=identity)
     side_channel = {
-        "name": "side-channel",
+        "name": SIDE_CHANNEL_PORT_NAME,
         "containerPort": spec.kv_transfer.side_channel_port,
         "protocol": "TCP",
     }
@@ -470,8 +489,8 @@ def _pod_template(
         "args": ["worker", "sidecar", "--mode", "watch" if engine_moves_kv else "transfer"],
         "env": [
             *identity,
-            {"name": "DISAGG_COMPATIBILITY_HASH", "value": compat_hash},
-            {"name": "DISAGG_METRICS_PORT", "value": str(spec.worker.metrics_port)},
+            {"name": COMPATIBILITY_HASH_ENV, "value": compat_hash},
+            {"name": METRICS_PORT_ENV, "value": str(spec.worker.metrics_port)},
         ],
         "ports": [{"name": "metrics", "containerPort": spec.worker.metrics_port, "protocol": "TCP"}]
         + ([] if engine_moves_kv else [side_channel]),

@@ -18,6 +18,7 @@ from typing import Any, Final, Literal
 from disagg.operator.api import DisaggDeploymentSpec, HybridKVCacheManager, RoleSpec
 from disagg.operator.plan import TopologyPlan
 from disagg.worker.errors import Violation
+from disagg.worker.pod_contract import POD_IP_ENV, POD_NAME_ENV
 
 Role = Literal["prefill", "decode"]
 HTTP_PORT: Final = 8000
@@ -28,7 +29,7 @@ ARG_CONFLICT_REASON: Final = "EngineArgumentConflict"
 # A stage pod learns its pipeline rank from its StatefulSet ordinal (the `-N` suffix of its name): Kubernetes
 # 1.20 has no pod-index label for the downward API. Rank 0 serves the API; the other stages run headless.
 STAGE_LAUNCHER: Final = (
-    'rank="${POD_NAME##*-}"; '
+    f'rank="${{{POD_NAME_ENV}##*-}}"; '
     'if [ "$rank" = 0 ]; then exec vllm serve "$@" --node-rank 0; '
     'else exec vllm serve "$@" --node-rank "$rank" --headless; fi'
 )
@@ -242,7 +243,7 @@ def engine_container(
 def _vllm_env(spec: DisaggDeploymentSpec, role: Role, plan: TopologyPlan) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         # $(POD_IP) expands from the downward-API variable the identity env defines first.
-        {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": "$(POD_IP)"},
+        {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": f"$({POD_IP_ENV})"},
         {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(spec.kv_transfer.side_channel_port)},
         {
             "name": "VLLM_ATTENTION_BACKEND",

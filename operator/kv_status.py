@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from disagg.operator.api import ConditionStatus
+from disagg.worker.pod_contract import POD_CONDITION, ROLE_LABEL
 
-POD_CONDITION: Final = "disagg.io/kv-transfer-ready"
-ROLE_LABEL: Final = "disagg.io/role"
 _REASON_PATTERN: Final = re.compile(r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
 _ROLE_ORDER: Final = {"prefill": 0, "decode": 1}
 

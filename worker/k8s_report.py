@@ -24,8 +24,8 @@ from typing import Any, Final
 from kubernetes import client, config
 
 from disagg.worker.peer_check import Outcome, refusal_message
+from disagg.worker.pod_contract import POD_CONDITION
 
-POD_CONDITION: Final = "disagg.io/kv-transfer-ready"
 COMPONENT: Final = "disagg-kv-worker"
 FIELD_MANAGER: Final = "disagg-kv-worker"
 

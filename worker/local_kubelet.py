@@ -30,7 +30,14 @@ from typing import Any, Final
 from kubernetes import client
 
 from disagg.worker.k8s_report import rfc3339
-from disagg.worker.peer_check import DEPLOYMENT_LABEL, SIDECAR_CONTAINER
+from disagg.worker.pod_contract import (
+    COMPATIBILITY_HASH_ENV,
+    DEPLOYMENT_LABEL,
+    ENGINE_SOCKET_ENV,
+    METRICS_HOST_ENV,
+    SIDECAR_CONTAINER,
+    TOPOLOGY_FILE_ENV,
+)
 from disagg.worker.transport import LOOPBACK_UCX_ENV
 
 NODE: Final = "disagg-local-node"
@@ -218,9 +225,9 @@ class LocalKubelet:
                 fault(document, env)
             (workdir / key).write_text(json.dumps(document, indent=2))
         # The pod mounts the ConfigMap at the folder the env names; here that folder is the pod's workdir.
-        env["DISAGG_TOPOLOGY_FILE"] = str(workdir / Path(env["DISAGG_TOPOLOGY_FILE"]).name)
-        env["DISAGG_ENGINE_SOCKET"] = str(workdir / "engine.sock")
-        env["DISAGG_METRICS_HOST"] = ip
+        env[TOPOLOGY_FILE_ENV] = str(workdir / Path(env[TOPOLOGY_FILE_ENV]).name)
+        env[ENGINE_SOCKET_ENV] = str(workdir / "engine.sock")
+        env[METRICS_HOST_ENV] = ip
         process_env = {
             **{k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG")},
             **env,
@@ -321,7 +328,7 @@ def with_engine_hash(role: str, compat_hash: str) -> Fault:
 
     def fault(document: dict[str, Any], env: dict[str, str]) -> None:
         document.setdefault("compatibilityHashes", {})[role] = compat_hash
-        env["DISAGG_COMPATIBILITY_HASH"] = compat_hash
+        env[COMPATIBILITY_HASH_ENV] = compat_hash
 
     return fault
 

@@ -22,6 +22,15 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from disagg.worker.errors import DisaggError
+from disagg.worker.pod_contract import (
+    DEFAULT_SIDE_CHANNEL_PORT,
+    ENGINE_ID_ENV,
+    PP_RANK_ENV,
+    ROLE_LABEL,
+    SIDE_CHANNEL_PORT_ENV,
+    SIDE_CHANNEL_PORT_NAME,
+    SIDECAR_CONTAINER,
+)
 from disagg.worker.push import LocalKV, as_disagg_error
 from disagg.worker.push_producer import plan_decode_rank
 from disagg.worker.side_channel import (
@@ -30,13 +39,8 @@ from disagg.worker.side_channel import (
     handshake_target_tp_ranks,
     handshake_targets,
 )
-from disagg.worker.sidecar_config import DEFAULT_SIDE_CHANNEL_PORT, Role, SidecarConfig
+from disagg.worker.sidecar_config import Role, SidecarConfig
 
-# Labels and names the operator's builders put on every engine pod (a unit test pins them to the builders).
-DEPLOYMENT_LABEL: Final = "disagg.io/deployment"
-ROLE_LABEL: Final = "disagg.io/role"
-SIDECAR_CONTAINER: Final = "kv-worker"
-SIDE_CHANNEL_PORT_NAME: Final = "side-channel"
 MAX_MESSAGE_CHARS: Final = 4000
 
 Status = Literal["True", "False", "Unknown"]
@@ -84,7 +88,7 @@ def _side_channel_port(containers: Sequence[Mapping[str, Any]]) -> int:
                 return int(port["containerPort"])
     for container in containers:
         if container.get("name") == SIDECAR_CONTAINER:
-            value = _container_env(container, "DISAGG_SIDE_CHANNEL_PORT")
+            value = _container_env(container, SIDE_CHANNEL_PORT_ENV)
             if value is not None and value.isdigit():
                 return int(value)
     return DEFAULT_SIDE_CHANNEL_PORT
@@ -105,10 +109,10 @@ def peer_from_pod(pod: Mapping[str, Any]) -> Peer | None:
     containers = (pod.get("spec") or {}).get("containers") or []
     sidecar: Mapping[str, Any] = next((c for c in containers if c.get("name") == SIDECAR_CONTAINER), {})
     ordinal = _ORDINAL.match(name)
-    engine_id = _container_env(sidecar, "DISAGG_ENGINE_ID") or (
+    engine_id = _container_env(sidecar, ENGINE_ID_ENV) or (
         ordinal.group("base") if role == "prefill" and ordinal else name
     )
-    rank = _container_env(sidecar, "DISAGG_PP_RANK")
+    rank = _container_env(sidecar, PP_RANK_ENV)
     if rank is not None and rank.isdigit():
         stage = int(rank)
     else:

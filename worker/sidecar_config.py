@@ -62,11 +62,31 @@ import yaml
 from disagg.worker import wire
 from disagg.worker.errors import DisaggError, WorkerConfigError
 from disagg.worker.layout import DEFAULT_LAYER_NAME_TEMPLATE, AttentionKind, ModelGeometry, pp_partition
+from disagg.worker.pod_contract import (
+    BLOCK_SIZE_ENV,
+    COMPATIBILITY_HASH_ENV,
+    DEFAULT_SIDE_CHANNEL_PORT,
+    ENGINE_ID_ENV,
+    ENGINE_SOCKET_ENV,
+    KV_POOL_ENV,
+    LOG_LEVEL_ENV,
+    METRICS_HOST_ENV,
+    METRICS_PORT_ENV,
+    PIPELINE_PARALLEL_SIZE_ENV,
+    POD_IP_ENV,
+    POD_NAME_ENV,
+    PP_RANK_ENV,
+    ROLE_ENV,
+    SIDE_CHANNEL_HOST_ENV,
+    SIDE_CHANNEL_PORT_ENV,
+    TENSOR_PARALLEL_SIZE_ENV,
+    TOPOLOGY_FILE_ENV,
+    TP_RANK_ENV,
+)
 from disagg.worker.push import PushConfig
 
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
-DEFAULT_SIDE_CHANNEL_PORT = 5600
 DEFAULT_METRICS_PORT = 9090
 DEFAULT_ENGINE_SOCKET = "/dev/shm/disagg-engine.sock"
 _ORDINAL = re.compile(r"^(?P<base>.+)-(?P<ordinal>\d+)$")
@@ -327,58 +347,60 @@ def _check_env_equals(env: Mapping[str, str], name: str, expected: int, what: st
 
 def from_env(env: Mapping[str, str]) -> SidecarConfig:
     """The configuration from `env` (usually `os.environ`) and the topology file it names."""
-    role = env.get("DISAGG_ROLE", "")
+    role = env.get(ROLE_ENV, "")
     if role not in ROLES:
-        raise WorkerConfigError(f"DISAGG_ROLE must be one of {list(ROLES)}, got {role!r}")
-    topology_file = env.get("DISAGG_TOPOLOGY_FILE")
+        raise WorkerConfigError(f"{ROLE_ENV} must be one of {list(ROLES)}, got {role!r}")
+    topology_file = env.get(TOPOLOGY_FILE_ENV)
     if not topology_file:
-        raise WorkerConfigError("DISAGG_TOPOLOGY_FILE is not set")
+        raise WorkerConfigError(f"{TOPOLOGY_FILE_ENV} is not set")
     topology = load_topology(topology_file)
-    pod = env.get("POD_NAME", "")
+    pod = env.get(POD_NAME_ENV, "")
     ordinal = _ORDINAL.match(pod)
-    engine_id = env.get("DISAGG_ENGINE_ID") or (
-        ordinal.group("base") if role == "prefill" and ordinal else pod
-    )
+    engine_id = env.get(ENGINE_ID_ENV) or (ordinal.group("base") if role == "prefill" and ordinal else pod)
     if not engine_id:
-        raise WorkerConfigError("DISAGG_ENGINE_ID is not set and there is no POD_NAME to derive it from")
+        raise WorkerConfigError(
+            f"{ENGINE_ID_ENV} is not set and there is no {POD_NAME_ENV} to derive it from"
+        )
     default_rank = int(ordinal.group("ordinal")) if role == "prefill" and ordinal else 0
-    if role == "prefill" and not env.get("DISAGG_PP_RANK") and not ordinal:
-        raise WorkerConfigError("DISAGG_PP_RANK is not set and POD_NAME has no -<ordinal> to derive it from")
-    pp_rank = _env_int(env, "DISAGG_PP_RANK", default_rank)
-    tp_rank = _env_int(env, "DISAGG_TP_RANK", 0)
+    if role == "prefill" and not env.get(PP_RANK_ENV) and not ordinal:
+        raise WorkerConfigError(
+            f"{PP_RANK_ENV} is not set and {POD_NAME_ENV} has no -<ordinal> to derive it from"
+        )
+    pp_rank = _env_int(env, PP_RANK_ENV, default_rank)
+    tp_rank = _env_int(env, TP_RANK_ENV, 0)
     pp_size = topology.prefill_pp if role == "prefill" else 1
     tp_size = topology.prefill_tp if role == "prefill" else topology.decode_tp
     if not 0 <= pp_rank < pp_size:
-        raise WorkerConfigError(f"DISAGG_PP_RANK={pp_rank} is outside the {role} pipeline of size {pp_size}")
+        raise WorkerConfigError(f"{PP_RANK_ENV}={pp_rank} is outside the {role} pipeline of size {pp_size}")
     if not 0 <= tp_rank < tp_size:
-        raise WorkerConfigError(f"DISAGG_TP_RANK={tp_rank} is outside the {role} TP size {tp_size}")
-    _check_env_equals(env, "DISAGG_PIPELINE_PARALLEL_SIZE", pp_size, f"{role} pipeline size")
-    _check_env_equals(env, "DISAGG_TENSOR_PARALLEL_SIZE", tp_size, f"{role} tensor-parallel size")
-    _check_env_equals(env, "DISAGG_BLOCK_SIZE", topology.block_size, "blockSize")
+        raise WorkerConfigError(f"{TP_RANK_ENV}={tp_rank} is outside the {role} TP size {tp_size}")
+    _check_env_equals(env, PIPELINE_PARALLEL_SIZE_ENV, pp_size, f"{role} pipeline size")
+    _check_env_equals(env, TENSOR_PARALLEL_SIZE_ENV, tp_size, f"{role} tensor-parallel size")
+    _check_env_equals(env, BLOCK_SIZE_ENV, topology.block_size, "blockSize")
 
     factors = topology.compat_factors()
     computed = None if factors is None else wire.compat_hash(factors)
     listed = topology.compatibility_hashes.get(role)
-    from_env_hash = env.get("DISAGG_COMPATIBILITY_HASH") or None
+    from_env_hash = env.get(COMPATIBILITY_HASH_ENV) or None
     if from_env_hash and listed and from_env_hash != listed:
         raise WorkerConfigError(
-            f"DISAGG_COMPATIBILITY_HASH {from_env_hash} contradicts the topology's {role} hash {listed}"
+            f"{COMPATIBILITY_HASH_ENV} {from_env_hash} contradicts the topology's {role} hash {listed}"
         )
     compat_hash = from_env_hash or listed or computed
-    log_level = env.get("DISAGG_LOG_LEVEL", "info").lower()
+    log_level = env.get(LOG_LEVEL_ENV, "info").lower()
     if log_level not in ("debug", "info", "warning", "error"):
-        raise WorkerConfigError(f"DISAGG_LOG_LEVEL={log_level!r} is not debug, info, warning or error")
+        raise WorkerConfigError(f"{LOG_LEVEL_ENV}={log_level!r} is not debug, info, warning or error")
     return SidecarConfig(
         role=role,
         engine_id=engine_id,
         pp_rank=pp_rank,
         tp_rank=tp_rank,
-        side_channel_host=env.get("DISAGG_SIDE_CHANNEL_HOST") or env.get("POD_IP") or "127.0.0.1",
-        side_channel_port=_env_int(env, "DISAGG_SIDE_CHANNEL_PORT", DEFAULT_SIDE_CHANNEL_PORT),
-        engine_socket=env.get("DISAGG_ENGINE_SOCKET") or DEFAULT_ENGINE_SOCKET,
-        metrics_host=env.get("DISAGG_METRICS_HOST") or "0.0.0.0",
-        metrics_port=_env_int(env, "DISAGG_METRICS_PORT", DEFAULT_METRICS_PORT),
-        kv_pool=env.get("DISAGG_KV_POOL") or None,
+        side_channel_host=env.get(SIDE_CHANNEL_HOST_ENV) or env.get(POD_IP_ENV) or "127.0.0.1",
+        side_channel_port=_env_int(env, SIDE_CHANNEL_PORT_ENV, DEFAULT_SIDE_CHANNEL_PORT),
+        engine_socket=env.get(ENGINE_SOCKET_ENV) or DEFAULT_ENGINE_SOCKET,
+        metrics_host=env.get(METRICS_HOST_ENV) or "0.0.0.0",
+        metrics_port=_env_int(env, METRICS_PORT_ENV, DEFAULT_METRICS_PORT),
+        kv_pool=env.get(KV_POOL_ENV) or None,
         compat_hash=compat_hash,
         compat_factors=factors if compat_hash is not None and compat_hash == computed else None,
         log_level=log_level,

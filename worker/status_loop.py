@@ -31,7 +31,8 @@ from kubernetes import config as kube_config
 from disagg.worker.errors import DisaggError, WorkerConfigError
 from disagg.worker.k8s_report import PodReporter, kube_client
 from disagg.worker.layout import build_stage_layout
-from disagg.worker.peer_check import DEPLOYMENT_LABEL, ROLE_LABEL, Outcome, check_round, peer_role
+from disagg.worker.peer_check import Outcome, check_round, peer_role
+from disagg.worker.pod_contract import DEPLOYMENT_LABEL, ROLE_LABEL
 from disagg.worker.push import LocalKV, agent_name
 from disagg.worker.shm_pool import ShmPool
 from disagg.worker.side_channel import DEFAULT_HANDSHAKE_TIMEOUT_S, SideChannelServer

@@ -38,6 +38,7 @@ from disagg.worker.peer_check import (
     refusal_message,
     summarize,
 )
+from disagg.worker.pod_contract import LOG_LEVEL_ENV, POD_NAME_ENV
 from disagg.worker.push import as_disagg_error
 from disagg.worker.side_channel import (
     DEFAULT_HANDSHAKE_TIMEOUT_S,
@@ -208,7 +209,7 @@ def run(env: Mapping[str, str], stop: threading.Event, *, interval_s: float = DE
             "watch mode reports to its Pod: POD_NAME and POD_NAMESPACE must be set and a Kubernetes client "
             "configured (in-cluster service account or KUBECONFIG)"
         )
-    pod = env["POD_NAME"]
+    pod = env[POD_NAME_ENV]
     with api:
         reporter = PeerReporter.for_pod(
             config,
@@ -236,7 +237,7 @@ def run(env: Mapping[str, str], stop: threading.Event, *, interval_s: float = DE
 def main(env: Mapping[str, str] | None = None, *, interval_s: float = DEFAULT_INTERVAL_S) -> int:
     """`disagg worker sidecar --mode watch`: exits 0 on SIGTERM or SIGINT, 2 on a bad configuration."""
     env = os.environ if env is None else env
-    configure_logging(env.get("DISAGG_LOG_LEVEL", "info"))
+    configure_logging(env.get(LOG_LEVEL_ENV, "info"))
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

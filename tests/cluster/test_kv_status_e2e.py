@@ -25,9 +25,10 @@ from disagg.operator.api import DisaggDeploymentSpec
 from disagg.operator.compat import role_factors
 from disagg.worker import wire
 from disagg.worker.errors import MissingLayers
-from disagg.worker.k8s_report import POD_CONDITION, PodReporter
+from disagg.worker.k8s_report import PodReporter
 from disagg.worker.local_kubelet import LocalKubelet, with_engine_hash, with_layer_names
 from disagg.worker.peer_check import Outcome, Peer, PeerResult
+from disagg.worker.pod_contract import POD_CONDITION
 
 NAME = "kv"
 # A small hybrid model (sliding-window layers with a full-attention layer every 6th) keeps the pools tiny.

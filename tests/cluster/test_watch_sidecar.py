@@ -26,7 +26,7 @@ from local_cluster import ControlPlane
 from operator_harness import wait_for
 
 from disagg.worker.k8s_report import find_condition
-from disagg.worker.peer_check import DEPLOYMENT_LABEL, ROLE_LABEL, SIDE_CHANNEL_PORT_NAME, SIDECAR_CONTAINER
+from disagg.worker.pod_contract import DEPLOYMENT_LABEL, ROLE_LABEL, SIDE_CHANNEL_PORT_NAME, SIDECAR_CONTAINER
 from disagg.worker.side_channel import SideChannelServer
 from disagg.worker.sidecar_config import SidecarConfig, from_env
 from disagg.worker.status_loop import registered_kv

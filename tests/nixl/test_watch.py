@@ -16,7 +16,8 @@ from _procs import free_port
 from test_peer_check import DECODE_POD, HOST, PREFILL_POD, config, peer_of, topology, worker
 
 from disagg.worker import wire
-from disagg.worker.peer_check import ROLE_LABEL, SIDE_CHANNEL_PORT_NAME, SIDECAR_CONTAINER, check_peer
+from disagg.worker.peer_check import check_peer
+from disagg.worker.pod_contract import ROLE_LABEL, SIDE_CHANNEL_PORT_NAME, SIDECAR_CONTAINER
 from disagg.worker.sidecar_config import SidecarConfig
 from disagg.worker.watch import check_decode_peer, check_own_engine, watch_round
 

@@ -9,22 +9,20 @@ from typing import Any
 
 import yaml
 
-from disagg.operator import builders, kv_status
+from disagg.operator import builders
 from disagg.operator.api import DisaggDeploymentSpec
 from disagg.operator.compat import evaluate
 from disagg.worker.errors import CompatibilityHashMismatch, MissingLayers
-from disagg.worker.k8s_report import POD_CONDITION, condition_patch, event_body, event_name
+from disagg.worker.k8s_report import condition_patch, event_body, event_name
 from disagg.worker.local_kubelet import pod_ready, resolve_env
 from disagg.worker.peer_check import (
-    DEPLOYMENT_LABEL,
-    ROLE_LABEL,
-    SIDECAR_CONTAINER,
     Outcome,
     Peer,
     PeerResult,
     peers_from_pods,
     summarize,
 )
+from disagg.worker.pod_contract import POD_CONDITION, SIDECAR_CONTAINER
 from disagg.worker.sidecar_config import SidecarConfig, from_env
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pp2-hma.yaml"
@@ -69,13 +67,6 @@ def sidecar_config(tmp_path: Path, role: str, pod: str) -> SidecarConfig:
     path = tmp_path / "topology.json"
     path.write_text(json.dumps(doc))
     return from_env({"DISAGG_ROLE": role, "DISAGG_TOPOLOGY_FILE": str(path), "POD_NAME": pod})
-
-
-def test_names_the_sidecar_relies_on_are_the_ones_the_builders_write() -> None:
-    assert POD_CONDITION == kv_status.POD_CONDITION
-    assert ROLE_LABEL == kv_status.ROLE_LABEL
-    assert DEPLOYMENT_LABEL == builders.DEPLOYMENT_LABEL
-    assert SIDECAR_CONTAINER == builders.SIDECAR_CONTAINER
 
 
 def test_peers_come_from_the_operators_pods_with_stage_engine_and_side_channel_port(tmp_path: Path) -> None:

@@ -7,8 +7,9 @@ from typing import Any
 import pytest
 
 from disagg.operator.api import ConditionStatus
-from disagg.operator.kv_status import POD_CONDITION, aggregate, pod_kv
+from disagg.operator.kv_status import aggregate, pod_kv
 from disagg.worker import errors
+from disagg.worker.pod_contract import POD_CONDITION
 
 HANDSHAKE_REASONS = [
     cls.reason
