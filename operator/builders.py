@@ -406,10 +406,10 @@ def _resources(
 def _huge_pages(spec: DisaggDeploymentSpec) -> tuple[str, str] | None:
     """(resource name, quantity) a huge page pool reserves in each container that maps it, or None."""
     pool = spec.kv_transfer.kv_pool
-    if pool is None or pool.medium is KVPoolMedium.MEMORY:
+    resource = None if pool is None else pool.medium.resource_name
+    if pool is None or resource is None:
         return None
-    resource = pool.medium.resource_name
-    if resource is None or pool.size_limit is None:
+    if pool.size_limit is None:
         # The reconcile refuses such a spec (KVPoolSizeInvalid) before building; reaching this is a bug.
         raise ValueError(f"a {pool.medium.value} KV pool needs spec.kvTransfer.kvPool.sizeLimit")
     return resource, pool.size_limit

@@ -20,7 +20,6 @@ from disagg.operator.api import (
     DisaggDeploymentSpec,
     HybridKVCacheManager,
     KVCacheLayout,
-    KVPoolMedium,
     RoleSpec,
 )
 from disagg.operator.plan import TopologyPlan, model_geometry, plan_topology
@@ -134,10 +133,10 @@ def kv_pool_violations(spec: DisaggDeploymentSpec) -> list[Violation]:
     """A huge page pool needs a size in whole pages, and every container that maps it (engine and sidecar)
     needs a cpu or memory request or limit beside its hugepages, which Kubernetes refuses otherwise."""
     pool = spec.kv_transfer.kv_pool
-    if pool is None or pool.medium is KVPoolMedium.MEMORY:
+    page = None if pool is None else pool.medium.huge_page_bytes
+    resource = None if pool is None else pool.medium.resource_name
+    if pool is None or page is None or resource is None:
         return []
-    page, resource = pool.medium.huge_page_bytes, pool.medium.resource_name
-    assert page is not None and resource is not None
     size = pool.size_bytes()
     found: list[Violation] = []
     pages = pool.medium.value.split("-", 1)[1]
