@@ -17,7 +17,7 @@ other layers) is refused by every peer, so its own condition is False, naming th
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -35,6 +35,7 @@ from disagg.worker.push import LocalKV, as_disagg_error
 from disagg.worker.push_producer import plan_decode_rank
 from disagg.worker.side_channel import (
     DEFAULT_HANDSHAKE_TIMEOUT_S,
+    PeerHandshake,
     handshake,
     handshake_target_tp_ranks,
     handshake_targets,
@@ -134,6 +135,34 @@ def peers_from_pods(pods: Iterable[Mapping[str, Any]], config: SidecarConfig) ->
     return sorted(peers, key=lambda peer: (peer.stage, peer.pod))
 
 
+def handshake_peer(
+    config: SidecarConfig, peer: Peer, host: str, targets: Sequence[tuple[int, int]], *, timeout_s: float
+) -> list[PeerHandshake]:
+    """Handshake `targets` of `peer` at `host` expecting this sidecar's compatibility hash and the peer's
+    engine id, as the connector would."""
+    return handshake(
+        host,
+        peer.port,
+        targets,
+        expected_hash=config.compat_hash,
+        expected_engine_id=peer.engine_id,
+        local_factors=config.compat_factors,
+        timeout_s=timeout_s,
+    )
+
+
+def peer_refusal(peer: Peer, check: Callable[[], object]) -> DisaggError | None:
+    """Run one check of `peer`; the connector's refusal it raised, or None when the peer would be accepted."""
+    try:
+        check()
+    except DisaggError as exc:
+        return exc
+    except ValueError as exc:
+        # The routing helpers raise ValueError for geometry they cannot pair (TP sizes that do not divide).
+        return as_disagg_error(exc, f"handshake with {peer.where}")
+    return None
+
+
 def check_peer(
     config: SidecarConfig,
     local: LocalKV | None,
@@ -147,35 +176,23 @@ def check_peer(
     rank writes to and plans each one; a decode pod asks the prefill stage for the ranks its TP rank registers
     with. Nothing here adds a NIXL agent.
     """
-    if peer.host is None:
+    host = peer.host
+    if host is None:
         raise ValueError(f"{peer.where} has no IP yet")
     if config.role == "prefill" and local is None:
         raise ValueError("a prefill stage checks its decode peers against its registered KV")
     topology = config.topology
-    try:
-        if config.role == "prefill":
+
+    def check() -> None:
+        if local is not None and config.role == "prefill":
             targets = handshake_targets(config.tp_size, config.tp_rank, topology.decode_tp, 1)
+            for rank in handshake_peer(config, peer, host, targets, timeout_s=timeout_s):
+                plan_decode_rank(local, rank.metadata, topology.decode_tp)
         else:
             tp_ranks = handshake_target_tp_ranks(config.tp_size, config.tp_rank, topology.prefill_tp)
-            targets = [(peer.stage, tp) for tp in tp_ranks]
-        ranks = handshake(
-            peer.host,
-            peer.port,
-            targets,
-            expected_hash=config.compat_hash,
-            expected_engine_id=peer.engine_id,
-            local_factors=config.compat_factors,
-            timeout_s=timeout_s,
-        )
-        if local is not None and config.role == "prefill":
-            for rank in ranks:
-                plan_decode_rank(local, rank.metadata, topology.decode_tp)
-    except DisaggError as exc:
-        return exc
-    except ValueError as exc:
-        # The routing helpers raise ValueError for geometry they cannot pair (TP sizes that do not divide).
-        return as_disagg_error(exc, f"handshake with {peer.where}")
-    return None
+            handshake_peer(config, peer, host, [(peer.stage, tp) for tp in tp_ranks], timeout_s=timeout_s)
+
+    return peer_refusal(peer, check)
 
 
 @dataclass(frozen=True)

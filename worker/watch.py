@@ -34,12 +34,13 @@ from disagg.worker.peer_check import (
     Peer,
     PeerResult,
     check_peer,
+    handshake_peer,
+    peer_refusal,
     peers_from_pods,
     refusal_message,
     summarize,
 )
 from disagg.worker.pod_contract import LOG_LEVEL_ENV, POD_NAME_ENV
-from disagg.worker.push import as_disagg_error
 from disagg.worker.side_channel import (
     DEFAULT_HANDSHAKE_TIMEOUT_S,
     PeerHandshake,
@@ -139,31 +140,21 @@ def check_decode_peer(
 ) -> DisaggError | None:
     """A prefill stage's check of one decode pod: handshake the decode ranks each of its engine's TP ranks
     writes to, and check each against that rank's own metadata (`own`, from `check_own_engine`)."""
-    if peer.host is None:
+    host = peer.host
+    if host is None:
         raise ValueError(f"{peer.where} has no IP yet")
     decode_tp = config.topology.decode_tp
-    try:
+
+    def check() -> None:
         wanted = {mine.tp_rank: handshake_targets(config.tp_size, mine.tp_rank, decode_tp, 1) for mine in own}
         targets = sorted({target for ranks in wanted.values() for target in ranks})
-        ranks = handshake(
-            peer.host,
-            peer.port,
-            targets,
-            expected_hash=config.compat_hash,
-            expected_engine_id=peer.engine_id,
-            local_factors=config.compat_factors,
-            timeout_s=timeout_s,
-        )
+        ranks = handshake_peer(config, peer, host, targets, timeout_s=timeout_s)
         by_target = {(rank.pp_rank, rank.tp_rank): rank.metadata for rank in ranks}
         for mine in own:
             for target in wanted[mine.tp_rank]:
                 check_decode_metadata(config, mine.metadata, by_target[target], mine.tp_rank)
-    except DisaggError as exc:
-        return exc
-    except ValueError as exc:
-        # The routing helpers raise ValueError for geometry they cannot pair (TP sizes that do not divide).
-        return as_disagg_error(exc, f"handshake with {peer.where}")
-    return None
+
+    return peer_refusal(peer, check)
 
 
 def watch_round(
