@@ -27,6 +27,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
 
+from disagg.worker.pod_contract import POD_CONDITION, ROLE_LABEL
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "hack" / "control-plane.sh"
 CRD = REPO / "crds" / "disagg.io_disaggdeployments.yaml"
@@ -188,7 +190,7 @@ class Demo:
         self.say(
             "    own loopback IP and runs its KV sidecar as a local process with the pod's identity; the"
         )
-        self.say("    sidecars handshake their peers and write the disagg.io/kv-transfer-ready Pod condition")
+        self.say(f"    sidecars handshake their peers and write the {POD_CONDITION} Pod condition")
         name = self._sample_name(VALID_SAMPLE)
         api = config.new_client_from_config(config_file=str(self.control_plane.kubeconfig))  # type: ignore[no-untyped-call]
         self.kubelet = LocalKubelet(
@@ -201,7 +203,8 @@ class Demo:
             "get",
             "pods",
             "-o",
-            'custom-columns=POD:.metadata.name,KV-TRANSFER-READY:.status.conditions[?(@.type=="disagg.io/kv-transfer-ready")].message',
+            "custom-columns=POD:.metadata.name,KV-TRANSFER-READY:"
+            f'.status.conditions[?(@.type=="{POD_CONDITION}")].message',
         )
 
     def break_and_fix_a_decoder(self, timeout_s: float) -> None:
@@ -215,7 +218,7 @@ class Demo:
 
         name = self._sample_name(VALID_SAMPLE)
         spec = DisaggDeploymentSpec.model_validate(yaml.safe_load(VALID_SAMPLE.read_text())["spec"])
-        decoders = self.kubectl("get", "pods", "-l", "disagg.io/role=decode", "-o", "name").stdout.split()
+        decoders = self.kubectl("get", "pods", "-l", f"{ROLE_LABEL}=decode", "-o", "name").stdout.split()
         decoder = sorted(decoders)[0].removeprefix("pod/")
         stale = wire.compat_hash({**role_factors(spec, "decode"), "vllm_version": "0.13.0"})
         self.say(f"==> Restarting decode pod {decoder} on engine 0.13.0 (a stale image the spec cannot see)")
