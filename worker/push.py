@@ -1,4 +1,5 @@
-"""What the push connector's producer and consumer share: configuration, identity, the local KV registration.
+"""What the push connector's producer and consumer share: configuration, identity, the local KV registration
+and the bookkeeping of connected peer engines (`PushSide`).
 
 The connector has two single-threaded state machines, `PushProducer` (prefill, `push_producer.py`) and
 `PushConsumer` (decode, `push_consumer.py`). Their public methods that take work (`request_finished`,
@@ -9,20 +10,24 @@ decoding, no NIXL) run on one background thread, and their results are applied b
 
 from __future__ import annotations
 
+import logging
+import queue
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
 from disagg.worker import rules, wire
-from disagg.worker.errors import DisaggError
+from disagg.worker.errors import DisaggError, HandshakeError
 from disagg.worker.layout import ModelGeometry, StageLayout
 from disagg.worker.routing import BlockIds, IdArray, RegionGeometry, TransferLayers, local_descs
 from disagg.worker.side_channel import DEFAULT_HANDSHAKE_TIMEOUT_S, PeerHandshake, handshake
 from disagg.worker.transport import LOCAL_AGENT, NixlTransport, PreppedList
+
+log = logging.getLogger(__name__)
 
 _RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 
@@ -231,3 +236,88 @@ def as_disagg_error(exc: BaseException, what: str) -> DisaggError:
 
 
 Clock = Callable[[], float]
+
+T = TypeVar("T")
+
+
+def drain(inbox: queue.SimpleQueue[T]) -> Iterator[T]:
+    """What other threads enqueued, without blocking."""
+    while True:
+        try:
+            yield inbox.get_nowait()
+        except queue.Empty:
+            return
+
+
+class PeerEngine(Protocol):
+    """A connected peer engine as `PushSide` keeps it."""
+
+    last_active: float
+
+    def peers(self) -> Iterable[tuple[str, PreppedList | None]]:
+        """Each NIXL agent added for the engine, with the descriptors prepared for it, if any."""
+        ...
+
+
+E = TypeVar("E", bound=PeerEngine)
+
+
+class PushSide(Generic[E]):
+    """What the producer and the consumer keep alike: the handshake thread, the connected peer engines
+    (added and evicted the same way) and the notif stream."""
+
+    def __init__(self, local: LocalKV, clock: Clock) -> None:
+        self.local = local
+        self.config = local.config
+        self.transport = local.transport
+        self._clock = clock
+        self._engines: dict[str, E] = {}
+        self._handshakes = HandshakeJobs(self.config)
+
+    def close(self) -> None:
+        self._handshakes.close()
+        for engine_id in list(self._engines):
+            self._evict(engine_id)
+
+    def _notifs(self) -> Iterator[tuple[str, bytes, wire.Notif]]:
+        """Every notif received since the last call; an unreadable one is logged and skipped."""
+        for sender, messages in self.transport.notifs().items():
+            for message in messages:
+                try:
+                    notif = wire.parse_notif(message)
+                except DisaggError as exc:
+                    log.warning("ignoring an unreadable notif from %s: %s", sender, exc)
+                    continue
+                yield sender, message, notif
+
+    def _add_agent(self, engine_id: str, peer: PeerHandshake, role: str) -> str:
+        """Add the NIXL agent of one rank of `engine_id`; refuse one not named for that rank."""
+        name = agent_name(engine_id, peer.pp_rank, peer.tp_rank)
+        # A restarted peer keeps its agent name; its old connection info must go first.
+        self.transport.remove_peer(name)
+        loaded = self.transport.add_peer(peer.metadata.agent_metadata)
+        if loaded != name:
+            self.transport.remove_peer(loaded)
+            raise HandshakeError(
+                f"{role} rank (pp {peer.pp_rank}, tp {peer.tp_rank}) of {engine_id!r} runs NIXL "
+                f"agent {loaded!r}, expected {name!r}"
+            )
+        return name
+
+    def _evict_idle(self, now: float, busy: set[str]) -> None:
+        for engine_id, engine in list(self._engines.items()):
+            if engine_id not in busy and now - engine.last_active > self.config.engine_ttl_s:
+                log.info("evicting engine %r after %.0f s idle", engine_id, now - engine.last_active)
+                self._evict(engine_id)
+
+    def _evict(self, engine_id: str) -> None:
+        engine = self._engines.pop(engine_id, None)
+        if engine is None:
+            return
+        for agent, prepped in engine.peers():
+            try:
+                if prepped is not None:
+                    self.transport.release_prepped(prepped)
+                self.transport.remove_peer(agent)
+            except DisaggError as exc:
+                log.warning("while evicting %s: %s", agent, exc)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from disagg.worker import wire
@@ -20,15 +20,16 @@ from disagg.worker.errors import DisaggError, HandshakeError, RegistrationTimeou
 from disagg.worker.push import (
     Clock,
     Failure,
-    HandshakeJobs,
     LocalKV,
+    PushSide,
     RemoteEngine,
-    agent_name,
     as_disagg_error,
+    drain,
     group_arrays,
 )
 from disagg.worker.routing import BlockIds
 from disagg.worker.side_channel import PeerHandshake, handshake_targets
+from disagg.worker.transport import PreppedList
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,9 @@ class _PrefillEngine:
     agents: list[str]
     last_active: float
 
+    def peers(self) -> Iterator[tuple[str, PreppedList | None]]:
+        return ((agent, None) for agent in self.agents)
+
 
 @dataclass
 class ConsumerEvents:
@@ -56,21 +60,16 @@ class ConsumerEvents:
     failed: list[Failure] = field(default_factory=list)
 
 
-class PushConsumer:
+class PushConsumer(PushSide[_PrefillEngine]):
     def __init__(self, local: LocalKV, *, clock: Clock = time.monotonic) -> None:
         if local.layout.pp_size != 1:
             raise HandshakeError(
                 "the push consumer counts completions per decode rank and needs decode PP 1",
                 reason="DecodePipelineParallel",
             )
-        self.local = local
-        self.config = local.config
-        self.transport = local.transport
-        self._clock = clock
+        super().__init__(local, clock)
         self._inbox: queue.SimpleQueue[tuple[str, list[list[int]], RemoteEngine]] = queue.SimpleQueue()
         self._expected: dict[str, _Expected] = {}
-        self._engines: dict[str, _PrefillEngine] = {}
-        self._handshakes = HandshakeJobs(self.config)
         self._next_heartbeat = clock() + self.config.heartbeat_interval_s
 
     # -- called by the engine (any thread) ------------------------------------------------------------------
@@ -85,11 +84,7 @@ class PushConsumer:
     def poll(self) -> ConsumerEvents:
         events = ConsumerEvents()
         now = self._clock()
-        while True:
-            try:
-                request_id, blocks, remote = self._inbox.get_nowait()
-            except queue.Empty:
-                break
+        for request_id, blocks, remote in drain(self._inbox):
             needed = remote.pp_size * max(1, remote.tp_size // self.config.tp_size)
             self._expected[request_id] = _Expected(
                 blocks, remote, now + self.config.push_registration_timeout_s, needed
@@ -99,17 +94,12 @@ class PushConsumer:
         self._read_notifs(now, events)
         self._heartbeat(now, events)
         self._watchdog(now, events)
-        self._evict_idle(now)
+        self._evict_idle(now, {e.remote.engine_id for e in self._expected.values()})
         return events
 
     @property
     def pending_requests(self) -> frozenset[str]:
         return frozenset(self._expected)
-
-    def close(self) -> None:
-        self._handshakes.close()
-        for engine_id in list(self._engines):
-            self._evict(engine_id)
 
     # -- steps -----------------------------------------------------------------------------------------------
 
@@ -169,15 +159,7 @@ class PushConsumer:
         agents: list[str] = []
         try:
             for peer in peers:
-                name = agent_name(remote.engine_id, peer.pp_rank, peer.tp_rank)
-                self.transport.remove_peer(name)
-                loaded = self.transport.add_peer(peer.metadata.agent_metadata)
-                agents.append(loaded)
-                if loaded != name:
-                    raise HandshakeError(
-                        f"prefill rank (pp {peer.pp_rank}, tp {peer.tp_rank}) of {remote.engine_id!r} runs "
-                        f"NIXL agent {loaded!r}, expected {name!r}"
-                    )
+                agents.append(self._add_agent(remote.engine_id, peer, "prefill"))
         except DisaggError:
             for agent in agents:
                 self.transport.remove_peer(agent)
@@ -185,27 +167,21 @@ class PushConsumer:
         self._engines[remote.engine_id] = _PrefillEngine(remote, agents, now)
 
     def _read_notifs(self, now: float, events: ConsumerEvents) -> None:
-        for sender, messages in self.transport.notifs().items():
-            for message in messages:
-                try:
-                    notif = wire.parse_notif(message)
-                except DisaggError as exc:
-                    log.warning("ignoring an unreadable notif from %s: %s", sender, exc)
-                    continue
-                if not isinstance(notif, wire.CompletionNotif):
-                    log.warning("unexpected %s from %s on a consumer", type(notif).__name__, sender)
-                    continue
-                expected = self._expected.get(notif.req_id)
-                if expected is None:
-                    log.warning("Potentially invalid KV blocks for unrecognized request %s", notif.req_id)
-                    continue
-                expected.received += 1
-                engine = self._engines.get(expected.remote.engine_id)
-                if engine is not None:
-                    engine.last_active = now
-                if expected.received >= expected.needed:
-                    del self._expected[notif.req_id]
-                    events.finished.append(notif.req_id)
+        for sender, _, notif in self._notifs():
+            if not isinstance(notif, wire.CompletionNotif):
+                log.warning("unexpected %s from %s on a consumer", type(notif).__name__, sender)
+                continue
+            expected = self._expected.get(notif.req_id)
+            if expected is None:
+                log.warning("Potentially invalid KV blocks for unrecognized request %s", notif.req_id)
+                continue
+            expected.received += 1
+            engine = self._engines.get(expected.remote.engine_id)
+            if engine is not None:
+                engine.last_active = now
+            if expected.received >= expected.needed:
+                del self._expected[notif.req_id]
+                events.finished.append(notif.req_id)
 
     def _heartbeat(self, now: float, events: ConsumerEvents) -> None:
         if now < self._next_heartbeat:
@@ -241,19 +217,3 @@ class PushConsumer:
                 )
                 log.warning("%s", error)
                 events.failed.append(Failure.of(request_id, error))
-
-    def _evict_idle(self, now: float) -> None:
-        busy = {e.remote.engine_id for e in self._expected.values()}
-        for engine_id, engine in list(self._engines.items()):
-            if engine_id not in busy and now - engine.last_active > self.config.engine_ttl_s:
-                self._evict(engine_id)
-
-    def _evict(self, engine_id: str) -> None:
-        engine = self._engines.pop(engine_id, None)
-        if engine is None:
-            return
-        for agent in engine.agents:
-            try:
-                self.transport.remove_peer(agent)
-            except DisaggError as exc:
-                log.warning("while evicting %s: %s", agent, exc)

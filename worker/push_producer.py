@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from disagg.worker import wire
@@ -26,12 +26,12 @@ from disagg.worker.errors import (
 from disagg.worker.push import (
     Clock,
     Failure,
-    HandshakeJobs,
     LocalKV,
+    PushSide,
     RemoteEngine,
-    agent_name,
     as_disagg_error,
     base_request_id,
+    drain,
     group_arrays,
 )
 from disagg.worker.routing import (
@@ -74,6 +74,9 @@ class _DecodeEngine:
     ranks: list[_DecodeRank]
     last_active: float
 
+    def peers(self) -> Iterator[tuple[str, PreppedList | None]]:
+        return ((rank.agent, rank.prepped) for rank in self.ranks)
+
 
 @dataclass
 class _Sending:
@@ -93,17 +96,12 @@ class ProducerEvents:
     """Registrations received (decoder request ids), for observability."""
 
 
-class PushProducer:
+class PushProducer(PushSide[_DecodeEngine]):
     def __init__(self, local: LocalKV, *, clock: Clock = time.monotonic) -> None:
-        self.local = local
-        self.config = local.config
-        self.transport = local.transport
-        self._clock = clock
+        super().__init__(local, clock)
         self._inbox: queue.SimpleQueue[tuple[str, list[IdArray]]] = queue.SimpleQueue()
         self._held: dict[str, _Held] = {}
         self._registrations: dict[str, wire.PushRegistration] = {}
-        self._engines: dict[str, _DecodeEngine] = {}
-        self._handshakes = HandshakeJobs(self.config)
         self._waiting: dict[str, list[tuple[str, wire.PushRegistration]]] = {}
         self._sending: list[_Sending] = []
 
@@ -118,18 +116,14 @@ class PushProducer:
     def poll(self) -> ProducerEvents:
         events = ProducerEvents()
         now = self._clock()
-        while True:
-            try:
-                request_id, blocks = self._inbox.get_nowait()
-            except queue.Empty:
-                break
+        for request_id, blocks in drain(self._inbox):
             self._held[request_id] = _Held(blocks, now + self.config.kv_lease_duration_s)
         self._read_notifs(now, events)
         self._apply_handshakes(now, events)
         self._match(now, events)
         self._poll_transfers(now, events)
         self._expire(now, events)
-        self._evict_idle(now)
+        self._evict_idle(now, {s.engine_id for s in self._sending})
         return events
 
     @property
@@ -140,31 +134,20 @@ class PushProducer:
     def connected_engines(self) -> frozenset[str]:
         return frozenset(self._engines)
 
-    def close(self) -> None:
-        self._handshakes.close()
-        for engine_id in list(self._engines):
-            self._evict(engine_id)
-
     # -- steps -----------------------------------------------------------------------------------------------
 
     def _read_notifs(self, now: float, events: ProducerEvents) -> None:
-        for sender, messages in self.transport.notifs().items():
-            for message in messages:
-                try:
-                    notif = wire.parse_notif(message)
-                except DisaggError as exc:
-                    log.warning("ignoring an unreadable notif from %s: %s", sender, exc)
-                    continue
-                if isinstance(notif, wire.PushRegistration):
-                    self._registrations[notif.request_id] = notif
-                    events.registered.append(notif.request_id)
-                elif isinstance(notif, wire.HeartbeatNotif):
-                    for request_id in notif.req_ids:
-                        held = self._find_held(request_id)
-                        if held is not None:
-                            held.deadline = max(held.deadline, now + self.config.heartbeat_extension_s)
-                else:
-                    log.warning("unexpected completion notif %r from %s on a producer", message[:80], sender)
+        for sender, message, notif in self._notifs():
+            if isinstance(notif, wire.PushRegistration):
+                self._registrations[notif.request_id] = notif
+                events.registered.append(notif.request_id)
+            elif isinstance(notif, wire.HeartbeatNotif):
+                for request_id in notif.req_ids:
+                    held = self._find_held(request_id)
+                    if held is not None:
+                        held.deadline = max(held.deadline, now + self.config.heartbeat_extension_s)
+            else:
+                log.warning("unexpected completion notif %r from %s on a producer", message[:80], sender)
 
     def _find_held_id(self, request_id: str) -> str | None:
         if request_id in self._held:
@@ -219,16 +202,7 @@ class PushProducer:
         ranks = []
         try:
             for peer, geometry, descs in planned:
-                name = agent_name(engine_id, peer.pp_rank, peer.tp_rank)
-                # A restarted decoder keeps its agent name; its old connection info must go first.
-                self.transport.remove_peer(name)
-                loaded = self.transport.add_peer(peer.metadata.agent_metadata)
-                if loaded != name:
-                    self.transport.remove_peer(loaded)
-                    raise HandshakeError(
-                        f"decode rank (pp {peer.pp_rank}, tp {peer.tp_rank}) of {engine_id!r} runs NIXL "
-                        f"agent {loaded!r}, expected {name!r}"
-                    )
+                name = self._add_agent(engine_id, peer, "decode")
                 ranks.append(
                     _DecodeRank(name, geometry, descs, self.transport.prep(name, descs, self.config.mem_type))
                 )
@@ -341,24 +315,6 @@ class PushProducer:
                 )
                 del self._held[request_id]
                 events.expired.append(request_id)
-
-    def _evict_idle(self, now: float) -> None:
-        busy = {s.engine_id for s in self._sending}
-        for engine_id, engine in list(self._engines.items()):
-            if engine_id not in busy and now - engine.last_active > self.config.engine_ttl_s:
-                log.info("evicting decode engine %r after %.0f s idle", engine_id, now - engine.last_active)
-                self._evict(engine_id)
-
-    def _evict(self, engine_id: str) -> None:
-        engine = self._engines.pop(engine_id, None)
-        if engine is None:
-            return
-        for rank in engine.ranks:
-            try:
-                self.transport.release_prepped(rank.prepped)
-                self.transport.remove_peer(rank.agent)
-            except DisaggError as exc:
-                log.warning("while evicting %s: %s", rank.agent, exc)
 
 
 def _prefill_rank(local: LocalKV) -> PrefillRank:
