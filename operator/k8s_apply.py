@@ -21,7 +21,6 @@ from disagg.operator.builders import FIELD_MANAGER, INSTANCE_LABEL, MANAGED_BY_L
 
 APPLY: Final = "application/apply-patch+yaml"
 MERGE: Final = "application/merge-patch+json"
-CHILD_KINDS: Final = ("StatefulSet", "Deployment", "Service", "ConfigMap", "ServiceAccount", "RoleBinding")
 
 
 @dataclass
@@ -82,7 +81,7 @@ class Kube:
         )
 
     def children(self, namespace: str, owner: str, owner_uid: str) -> list[dict[str, Any]]:
-        """Every object of CHILD_KINDS this owner controls (by label, confirmed by owner reference uid)."""
+        """Every object of the kinds the operator applies that this owner controls (by label, then uid)."""
         selector = f"{INSTANCE_LABEL}={label_value(owner)},{MANAGED_BY_LABEL}={FIELD_MANAGER}"
         found: list[dict[str, Any]] = []
         for kind, lister in self._listers().items():

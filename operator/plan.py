@@ -37,8 +37,6 @@ class TopologyPlan:
     transfer_mode: Literal["push", "pull"]
     hma: bool
     packed: bool
-    has_mamba: bool
-    is_mla: bool
     prefill_tp: int
     decode_tp: int
     stages: tuple[StagePlan, ...]
@@ -122,8 +120,6 @@ def plan_topology(spec: DisaggDeploymentSpec, geometry: ModelGeometry | None = N
         transfer_mode=transfer_mode,
         hma=geometry.hma_required,
         packed=packed,
-        has_mamba=geometry.has_mamba,
-        is_mla=geometry.is_mla,
         prefill_tp=prefill.tensor_parallel_size,
         decode_tp=spec.decode.tensor_parallel_size,
         stages=stages,
