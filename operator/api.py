@@ -39,6 +39,9 @@ _QUANTITY_SUFFIXES: Final[dict[str, int]] = {
     **{suffix: 1000 ** (i + 1) for i, suffix in enumerate(("k", "M", "G", "T", "P", "E"))},
 }
 
+# metav1.Condition's reason: CamelCase, for machines.
+REASON_PATTERN: Final = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
+
 # Kubernetes objects the operator passes through untouched (ResourceRequirements, Affinity, Toleration):
 # typing them here would copy the core API into this CRD and drift from it.
 FreeForm = Annotated[
@@ -438,7 +441,7 @@ class Condition(ApiModel):
     reason: str = Field(
         min_length=1,
         max_length=1024,
-        pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$",
+        pattern=REASON_PATTERN,
         description="CamelCase reason for the last transition, for machines.",
     )
     # Required but possibly empty, as in metav1.Condition; an empty-string schema default is refused by

@@ -14,10 +14,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from disagg.operator.api import ConditionStatus
+from disagg.operator.api import REASON_PATTERN, ConditionStatus
 from disagg.worker.pod_contract import POD_CONDITION, ROLE_LABEL
 
-_REASON_PATTERN: Final = re.compile(r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
 _ROLE_ORDER: Final = {"prefill": 0, "decode": 1}
 
 
@@ -98,7 +97,7 @@ def aggregate(pods: Iterable[PodKV]) -> KVVerdict:
 def _reason(raw: object) -> str:
     # A sidecar's reason is copied into our own condition, whose schema requires the CamelCase pattern.
     text = str(raw or "")
-    return text if _REASON_PATTERN.match(text) else "TransferFailed"
+    return text if re.match(REASON_PATTERN, text) else "TransferFailed"
 
 
 def _ordinal(name: str) -> int | None:

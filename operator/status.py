@@ -20,7 +20,7 @@ from disagg.operator.api import (
     RoleHashes,
     RoleStatus,
 )
-from disagg.operator.builders import GENERATION_ANNOTATION
+from disagg.operator.builders import COMPONENT_LABEL, GENERATION_ANNOTATION
 from disagg.operator.compat import CompatReport
 from disagg.operator.kv_status import PodKV, aggregate
 from disagg.worker.errors import Violation
@@ -55,7 +55,7 @@ def workload(obj: Mapping[str, Any]) -> Workload:
     return Workload(
         kind=str(obj.get("kind", "")),
         name=str(metadata.get("name", "")),
-        role=str((metadata.get("labels") or {}).get("app.kubernetes.io/component", "")),
+        role=str((metadata.get("labels") or {}).get(COMPONENT_LABEL, "")),
         desired=int(spec.get("replicas", 1)),
         replicas=int(status.get("replicas") or 0),
         ready=int(status.get("readyReplicas") or 0),
