@@ -97,10 +97,6 @@ class PushConsumer(PushSide[_PrefillEngine]):
         self._evict_idle(now, {e.remote.engine_id for e in self._expected.values()})
         return events
 
-    @property
-    def pending_requests(self) -> frozenset[str]:
-        return frozenset(self._expected)
-
     # -- steps -----------------------------------------------------------------------------------------------
 
     def _register(self, now: float, events: ConsumerEvents) -> None:

@@ -130,10 +130,6 @@ class PushProducer(PushSide[_DecodeEngine]):
     def held_requests(self) -> frozenset[str]:
         return frozenset(self._held)
 
-    @property
-    def connected_engines(self) -> frozenset[str]:
-        return frozenset(self._engines)
-
     # -- steps -----------------------------------------------------------------------------------------------
 
     def _read_notifs(self, now: float, events: ProducerEvents) -> None:

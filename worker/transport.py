@@ -218,7 +218,10 @@ class NixlTransport:
         return PreppedList(agent, int(descs.shape[0]), handle)
 
     def release_prepped(self, prepped: PreppedList) -> None:
-        self._agent.release_dlist_handle(prepped.handle)
+        try:
+            self._agent.release_dlist_handle(prepped.handle)
+        except Exception as exc:
+            raise _failed(f"release descriptors prepared for {prepped.agent!r}", exc) from exc
 
     def write(
         self,
@@ -239,13 +242,7 @@ class NixlTransport:
             handle = self._agent.make_prepped_xfer("WRITE", local.handle, lids, remote.handle, rids, notif)
         except Exception as exc:
             raise _failed(f"prepare WRITE of {len(lids)} descriptors to {remote.agent!r}", exc) from exc
-        xfer = Xfer(remote.agent, len(lids), handle)
-        try:
-            self._agent.transfer(handle)
-        except Exception as exc:
-            self.release(xfer)
-            raise _failed(f"post WRITE to {remote.agent!r}", exc) from exc
-        return xfer
+        return self._post(Xfer(remote.agent, len(lids), handle))
 
     def write_descs(
         self,
@@ -264,12 +261,15 @@ class NixlTransport:
             handle = self._agent.initialize_xfer("WRITE", local_list, remote_list, peer, notif)
         except Exception as exc:
             raise _failed(f"prepare WRITE of {len(local)} descriptors to {peer!r}", exc) from exc
-        xfer = Xfer(peer, len(local), handle)
+        return self._post(Xfer(peer, len(local), handle))
+
+    def _post(self, xfer: Xfer) -> Xfer:
+        """Start a prepared transfer; one that cannot start is released here, as no caller holds it yet."""
         try:
-            self._agent.transfer(handle)
+            self._agent.transfer(xfer.handle)
         except Exception as exc:
             self.release(xfer)
-            raise _failed(f"post WRITE to {peer!r}", exc) from exc
+            raise _failed(f"post WRITE to {xfer.peer!r}", exc) from exc
         return xfer
 
     def state(self, xfer: Xfer) -> XferState:
