@@ -12,7 +12,7 @@ import enum
 import re
 from datetime import datetime
 from decimal import Decimal
-from typing import Annotated, Any, Final, Literal
+from typing import Annotated, Any, Final, Literal, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 from pydantic.alias_generators import to_camel
@@ -27,6 +27,9 @@ KIND: Final = "DisaggDeployment"
 PLURAL: Final = "disaggdeployments"
 SINGULAR: Final = "disaggdeployment"
 SHORT_NAMES: Final = ("disagg",)
+Role = Literal["prefill", "decode"]
+ROLES: Final[tuple[Role, Role]] = ("prefill", "decode")
+_T = TypeVar("_T")
 # Bounds on lists that CEL rules iterate and strings they compare: without maxItems/maxLength the API
 # server's CEL cost estimate assumes the largest possible request and can refuse the CRD.
 MAX_LAYERS: Final = 4096
@@ -423,6 +426,15 @@ class DisaggDeploymentSpec(ApiModel):
         json_schema_extra={"default": {}},
         description="The KV-transfer worker sidecar.",
     )
+
+    def role(self, role: Role) -> RoleSpec:
+        return self.prefill if role == "prefill" else self.decode
+
+    def effective(self, role: Role, name: str, shared: _T) -> _T:
+        """A role's override (`spec.<role>.overrides.<name>`) of a shared setting, or the shared value."""
+        overrides = self.role(role).overrides
+        value = getattr(overrides, name) if overrides is not None else None
+        return shared if value is None else cast(_T, value)
 
 
 class ConditionStatus(enum.StrEnum):

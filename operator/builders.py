@@ -21,10 +21,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from disagg.operator.api import API_VERSION, KIND, DisaggDeploymentSpec, KVPoolMedium
+from disagg.operator.api import API_VERSION, KIND, DisaggDeploymentSpec, KVPoolMedium, Role
 from disagg.operator.builders_engine import (
     HTTP_PORT,
-    Role,
     engine_container,
     is_vllm_image,
     role_image,
@@ -369,7 +368,7 @@ def _identity_env(spec: DisaggDeploymentSpec, owner: Owner, role: Role) -> list[
     def field(name: str, path: str) -> dict[str, Any]:
         return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
 
-    this = spec.prefill if role == "prefill" else spec.decode
+    this = spec.role(role)
     return [
         field(POD_NAME_ENV, "metadata.name"),
         field(POD_NAMESPACE_ENV, "metadata.namespace"),
@@ -439,7 +438,7 @@ def _pod_template(
     stage_service: str | None,
     installation: Installation,
 ) -> dict[str, Any]:
-    this = spec.prefill if role == "prefill" else spec.decode
+    this = spec.role(role)
     sidecar_image = installation.sidecar_image(spec)
     if sidecar_image is None:
         # The reconcile refuses such a spec (WorkerImageMissing) before building; reaching this is a bug.

@@ -13,14 +13,13 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Any, Final
 
-from disagg.operator.api import DisaggDeploymentSpec, HybridKVCacheManager, RoleSpec
+from disagg.operator.api import DisaggDeploymentSpec, HybridKVCacheManager, Role
 from disagg.operator.plan import TopologyPlan
 from disagg.worker.errors import Violation
 from disagg.worker.pod_contract import POD_IP_ENV, POD_NAME_ENV
 
-Role = Literal["prefill", "decode"]
 HTTP_PORT: Final = 8000
 # vLLM's torch.distributed rendezvous between the pipeline stages of one prefill instance.
 MASTER_PORT: Final = 29500
@@ -59,18 +58,12 @@ def is_vllm_image(image: str) -> bool:
     return "vllm" in last.lower()
 
 
-def role_spec(spec: DisaggDeploymentSpec, role: Role) -> RoleSpec:
-    return spec.prefill if role == "prefill" else spec.decode
-
-
 def role_image(spec: DisaggDeploymentSpec, role: Role) -> str:
-    overrides = role_spec(spec, role).overrides
-    image: str = overrides.image if overrides is not None and overrides.image else spec.engine.image
-    return image
+    return spec.effective(role, "image", spec.engine.image)
 
 
 def user_args(spec: DisaggDeploymentSpec, role: Role) -> tuple[str, ...]:
-    return (*spec.engine.extra_args, *role_spec(spec, role).extra_args)
+    return (*spec.engine.extra_args, *spec.role(role).extra_args)
 
 
 def kv_transfer_config(spec: DisaggDeploymentSpec, role: Role) -> dict[str, Any]:
@@ -85,16 +78,10 @@ def kv_transfer_config(spec: DisaggDeploymentSpec, role: Role) -> dict[str, Any]
     }
 
 
-def _effective(spec: DisaggDeploymentSpec, role: Role, name: str, shared: Any) -> Any:
-    overrides = role_spec(spec, role).overrides
-    value = getattr(overrides, name) if overrides is not None else None
-    return shared if value is None else value
-
-
 def _owned_flags(spec: DisaggDeploymentSpec, role: Role, stage_service: str | None) -> list[_Owned]:
-    this = role_spec(spec, role)
+    this = spec.role(role)
     path = f"spec.{role}"
-    revision = _effective(spec, role, "revision", spec.model.revision)
+    revision = spec.effective(role, "revision", spec.model.revision)
     owned = [
         _Owned(
             ("--tensor-parallel-size", "-tp"), str(this.tensor_parallel_size), f"{path}.tensorParallelSize"
@@ -105,12 +92,10 @@ def _owned_flags(spec: DisaggDeploymentSpec, role: Role, stage_service: str | No
             f"{path}.pipelineParallelSize",
         ),
         _Owned(("--block-size",), str(this.block_size), f"{path}.blockSize"),
-        _Owned(
-            ("--dtype",), str(_effective(spec, role, "dtype", spec.model.dtype).value), "spec.model.dtype"
-        ),
+        _Owned(("--dtype",), str(spec.effective(role, "dtype", spec.model.dtype).value), "spec.model.dtype"),
         _Owned(
             ("--kv-cache-dtype",),
-            str(_effective(spec, role, "kv_cache_dtype", spec.model.kv_cache_dtype).value),
+            str(spec.effective(role, "kv_cache_dtype", spec.model.kv_cache_dtype).value),
             "spec.model.kvCacheDtype",
         ),
         _Owned(
@@ -247,7 +232,7 @@ def _vllm_env(spec: DisaggDeploymentSpec, role: Role, plan: TopologyPlan) -> lis
         {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(spec.kv_transfer.side_channel_port)},
         {
             "name": "VLLM_ATTENTION_BACKEND",
-            "value": str(_effective(spec, role, "attention_backend", spec.engine.attention_backend)),
+            "value": str(spec.effective(role, "attention_backend", spec.engine.attention_backend)),
         },
     ]
     if role == "prefill":

@@ -14,12 +14,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Final, Literal, TypeVar, cast
+from typing import Any, Final
 
 from disagg.operator.api import (
+    ROLES,
     DisaggDeploymentSpec,
     HybridKVCacheManager,
     KVCacheLayout,
+    Role,
     RoleSpec,
 )
 from disagg.operator.plan import TopologyPlan, model_geometry, plan_topology
@@ -27,10 +29,6 @@ from disagg.worker.errors import LayoutError, Violation
 from disagg.worker.layout import ModelGeometry
 from disagg.worker.rules import RoleTopology, check_topology
 from disagg.worker.wire import compat_factors, compat_hash, differing_factors
-
-_T = TypeVar("_T")
-Role = Literal["prefill", "decode"]
-ROLES: Final[tuple[Role, Role]] = ("prefill", "decode")
 
 # Where each factor comes from in the spec, so a mismatch names the field to change.
 _FACTOR_FIELDS: Final = MappingProxyType(
@@ -64,31 +62,20 @@ class CompatReport:
         return [violation.reason for violation in self.violations]
 
 
-def _role(spec: DisaggDeploymentSpec, role: Role) -> RoleSpec:
-    return spec.prefill if role == "prefill" else spec.decode
-
-
-def _effective(spec: DisaggDeploymentSpec, role: Role, name: str, shared: _T) -> _T:
-    """A role's override of a shared setting, or the shared value."""
-    overrides = _role(spec, role).overrides
-    value = getattr(overrides, name) if overrides is not None else None
-    return shared if value is None else cast(_T, value)
-
-
 def role_factors(spec: DisaggDeploymentSpec, role: Role) -> dict[str, Any]:
     """vLLM's compatibility-hash factors of one role, with that role's overrides applied."""
     engine, model = spec.engine, spec.model
     factors: dict[str, Any] = compat_factors(
-        vllm_version=_effective(spec, role, "version", engine.version),
+        vllm_version=spec.effective(role, "version", engine.version),
         model=model.name,
-        dtype=_effective(spec, role, "dtype", model.dtype).value,
+        dtype=spec.effective(role, "dtype", model.dtype).value,
         num_kv_heads=model.num_kv_heads,
         head_size=model.head_size,
         num_hidden_layers=model.num_layers,
-        attn_backend_name=_effective(spec, role, "attention_backend", engine.attention_backend),
+        attn_backend_name=spec.effective(role, "attention_backend", engine.attention_backend),
         is_hma_enabled=engine.hybrid_kv_cache_manager is HybridKVCacheManager.ENABLED,
         transfer_mode=spec.kv_transfer.connector.transfer_mode,
-        cache_dtype=_effective(spec, role, "kv_cache_dtype", model.kv_cache_dtype).value,
+        cache_dtype=spec.effective(role, "kv_cache_dtype", model.kv_cache_dtype).value,
     )
     return factors
 
@@ -96,8 +83,8 @@ def role_factors(spec: DisaggDeploymentSpec, role: Role) -> dict[str, Any]:
 def deployment_factors(spec: DisaggDeploymentSpec, role: Role) -> dict[str, Any]:
     """Factors vLLM does not hash but the operator still requires equal: the image and the model revision."""
     return {
-        "image": _effective(spec, role, "image", spec.engine.image),
-        "revision": _effective(spec, role, "revision", spec.model.revision),
+        "image": spec.effective(role, "image", spec.engine.image),
+        "revision": spec.effective(role, "revision", spec.model.revision),
     }
 
 
@@ -196,7 +183,7 @@ def _topology_violations(spec: DisaggDeploymentSpec, geometry: ModelGeometry) ->
     )
     for role in ROLES:
         heads = kv_heads_not_divisible(
-            spec.model.num_kv_heads, _role(spec, role).tensor_parallel_size, role, geometry.is_mla
+            spec.model.num_kv_heads, spec.role(role).tensor_parallel_size, role, geometry.is_mla
         )
         if heads is not None:
             found.append(heads)
