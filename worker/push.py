@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
@@ -35,6 +35,14 @@ _RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 def base_request_id(request_id: str) -> str:
     """vLLM's `get_base_request_id`: the id without the random `-<8 hex>` suffix an engine appends."""
     return _RANDOM_SUFFIX.sub("", request_id)
+
+
+def find_request(request_id: str, ids: Collection[str]) -> str | None:
+    """`request_id` if `ids` holds it, else the first id equal to it up to an engine's random suffix."""
+    if request_id in ids:
+        return request_id
+    base = base_request_id(request_id)
+    return next((other for other in ids if base_request_id(other) == base), None)
 
 
 def agent_name(engine_id: str, pp_rank: int, tp_rank: int) -> str:

@@ -30,8 +30,8 @@ from disagg.worker.push import (
     PushSide,
     RemoteEngine,
     as_disagg_error,
-    base_request_id,
     drain,
+    find_request,
     group_arrays,
 )
 from disagg.worker.routing import (
@@ -145,22 +145,13 @@ class PushProducer(PushSide[_DecodeEngine]):
             else:
                 log.warning("unexpected completion notif %r from %s on a producer", message[:80], sender)
 
-    def _find_held_id(self, request_id: str) -> str | None:
-        if request_id in self._held:
-            return request_id
-        base = base_request_id(request_id)
-        for held_id in self._held:
-            if base_request_id(held_id) == base:
-                return held_id
-        return None
-
     def _find_held(self, request_id: str) -> _Held | None:
-        held_id = self._find_held_id(request_id)
+        held_id = find_request(request_id, self._held)
         return None if held_id is None else self._held[held_id]
 
     def _match(self, now: float, events: ProducerEvents) -> None:
         for decode_request_id, registration in list(self._registrations.items()):
-            held_id = self._find_held_id(decode_request_id)
+            held_id = find_request(decode_request_id, self._held)
             if held_id is None or self._held[held_id].writing:
                 continue
             del self._registrations[decode_request_id]

@@ -72,10 +72,10 @@ from disagg.worker.errors import (
 )
 from disagg.worker.layout import StageLayout, build_stage_layout
 from disagg.worker.metrics import Health, HttpServer, SidecarMetrics
-from disagg.worker.push import Failure, LocalKV, RemoteEngine, agent_name, base_request_id
+from disagg.worker.push import Failure, LocalKV, RemoteEngine, agent_name, find_request, group_arrays
 from disagg.worker.push_consumer import PushConsumer
-from disagg.worker.push_producer import PushProducer
-from disagg.worker.routing import compute_desc_ids, expand_logical_blocks, region_capacities
+from disagg.worker.push_producer import PushProducer, desc_ids
+from disagg.worker.routing import region_capacities
 from disagg.worker.shm_pool import ShmPool
 from disagg.worker.side_channel import SideChannelServer, fetch_payloads, handshake_targets
 from disagg.worker.sidecar_config import SidecarConfig, WorkerEndpoint
@@ -220,16 +220,12 @@ def pushed_bytes(
         list(mine)[len(mine) - len(theirs) :] for mine, theirs in zip(held, decoder_blocks, strict=True)
     ]
     geometry = local.geometry
-    kernel = expand_logical_blocks(trimmed, geometry.physical_blocks_per_logical_kv_block)
+    ids = desc_ids(local, geometry, group_arrays(trimmed), source=True)
     layers = local.transfer_layers
     if layers is not None:
-        ids = compute_desc_ids(kernel, layers.capacities(geometry), transfer_group_ids=layers.group_ids)
         lengths = np.asarray([geometry.block_lens[r] for r in layers.region_indices], dtype=np.int64)
         capacities = np.asarray(layers.capacities(geometry), dtype=np.int64)
     else:
-        ids = compute_desc_ids(
-            kernel, region_capacities(geometry), region_group_ids=geometry.region_group_ids
-        )
         lengths = np.asarray(geometry.block_lens, dtype=np.int64)
         capacities = np.asarray(region_capacities(geometry), dtype=np.int64)
     # Descriptor id -> its region (or transfer layer) by the cumulative capacities, then that one's length.
@@ -292,13 +288,8 @@ class ObservedTransport(NixlTransport):  # type: ignore[misc, unused-ignore]
 
     def take_registration(self, held_request_id: str) -> tuple[wire.PushRegistration, float] | None:
         """The registration a finished prefill request was matched with (same id up to the random suffix)."""
-        if held_request_id in self.push_registrations:
-            return self.push_registrations.pop(held_request_id)
-        base = base_request_id(held_request_id)
-        for request_id in self.push_registrations:
-            if base_request_id(request_id) == base:
-                return self.push_registrations.pop(request_id)
-        return None
+        request_id = find_request(held_request_id, self.push_registrations)
+        return None if request_id is None else self.push_registrations.pop(request_id)
 
 
 # ---- the engine socket -------------------------------------------------------------------------------------
