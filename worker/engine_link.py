@@ -319,6 +319,7 @@ class EngineLink:
         self._events: queue.Queue[Event | None] = queue.Queue()
         self._pending: dict[str, Event] = {}
         self._closed = False
+        self._lost: str = "closed the connection"
         self._reader = threading.Thread(target=self._read, name="engine-link-reader", daemon=True)
         self._reader.start()
 
@@ -333,8 +334,10 @@ class EngineLink:
                     self._events.put(message)
                 else:
                     self._replies.put(message)
-        except (OSError, DisaggError):
-            pass
+        except (OSError, DisaggError) as exc:
+            # Kept for the caller: the reader thread has no one else to tell why the link is gone.
+            if not self._closed:
+                self._lost = f"broke the connection: {type(exc).__name__}: {exc}"
         finally:
             self._replies.put(None)
             self._events.put(None)
@@ -353,7 +356,7 @@ class EngineLink:
                 ) from None
         if reply is None:
             self._replies.put(None)
-            raise errors.PeerUnreachable(f"the sidecar on {self.path} closed the connection")
+            raise errors.PeerUnreachable(f"the sidecar on {self.path} {self._lost}")
         if isinstance(reply, Error):
             raise error_of(reply.reason, reply.message)
         return reply
@@ -383,7 +386,7 @@ class EngineLink:
             return None
         if event is None:
             self._events.put(None)
-            raise errors.PeerUnreachable(f"the sidecar on {self.path} closed the connection")
+            raise errors.PeerUnreachable(f"the sidecar on {self.path} {self._lost}")
         return event
 
     def wait(self, request_id: str, timeout_s: float) -> KVReady | KVSent:
