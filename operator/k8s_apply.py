@@ -21,6 +21,15 @@ from disagg.operator.builders import FIELD_MANAGER, INSTANCE_LABEL, MANAGED_BY_L
 
 APPLY: Final = "application/apply-patch+yaml"
 MERGE: Final = "application/merge-patch+json"
+# Every kind the operator applies, with the client API that serves it and the noun in its method names.
+CHILD_APIS: Final = {
+    "StatefulSet": ("apps", "stateful_set"),
+    "Deployment": ("apps", "deployment"),
+    "Service": ("core", "service"),
+    "ConfigMap": ("core", "config_map"),
+    "ServiceAccount": ("core", "service_account"),
+    "RoleBinding": ("rbac", "role_binding"),
+}
 
 
 @dataclass
@@ -37,40 +46,16 @@ class Kube:
         self.custom = client.CustomObjectsApi(self.api)
         self.rbac = client.RbacAuthorizationV1Api(self.api)
 
-    def _appliers(self) -> Mapping[str, Callable[..., Any]]:
-        return {
-            "StatefulSet": self.apps.patch_namespaced_stateful_set,
-            "Deployment": self.apps.patch_namespaced_deployment,
-            "Service": self.core.patch_namespaced_service,
-            "ConfigMap": self.core.patch_namespaced_config_map,
-            "ServiceAccount": self.core.patch_namespaced_service_account,
-            "RoleBinding": self.rbac.patch_namespaced_role_binding,
-        }
-
-    def _listers(self) -> Mapping[str, Callable[..., Any]]:
-        return {
-            "StatefulSet": self.apps.list_namespaced_stateful_set,
-            "Deployment": self.apps.list_namespaced_deployment,
-            "Service": self.core.list_namespaced_service,
-            "ConfigMap": self.core.list_namespaced_config_map,
-            "ServiceAccount": self.core.list_namespaced_service_account,
-            "RoleBinding": self.rbac.list_namespaced_role_binding,
-        }
-
-    def _deleters(self) -> Mapping[str, Callable[..., Any]]:
-        return {
-            "StatefulSet": self.apps.delete_namespaced_stateful_set,
-            "Deployment": self.apps.delete_namespaced_deployment,
-            "Service": self.core.delete_namespaced_service,
-            "ConfigMap": self.core.delete_namespaced_config_map,
-            "ServiceAccount": self.core.delete_namespaced_service_account,
-            "RoleBinding": self.rbac.delete_namespaced_role_binding,
-        }
+    def _method(self, verb: str, kind: str) -> Callable[..., Any]:
+        """The client's `<verb>_namespaced_<noun>` for a child kind (`patch`, `list` or `delete`)."""
+        api, noun = CHILD_APIS[kind]
+        method: Callable[..., Any] = getattr(getattr(self, api), f"{verb}_namespaced_{noun}")
+        return method
 
     def apply(self, obj: Mapping[str, Any]) -> None:
         """Server-side apply of a built object; a second apply of the same body writes nothing."""
         metadata = obj["metadata"]
-        self._appliers()[obj["kind"]](
+        self._method("patch", obj["kind"])(
             metadata["name"],
             metadata["namespace"],
             dict(obj),
@@ -82,19 +67,18 @@ class Kube:
 
     def children(self, namespace: str, owner: str, owner_uid: str) -> list[dict[str, Any]]:
         """Every object of the kinds the operator applies that this owner controls (by label, then uid)."""
-        selector = f"{INSTANCE_LABEL}={label_value(owner)},{MANAGED_BY_LABEL}={FIELD_MANAGER}"
+        selector = _owned_by(owner)
         found: list[dict[str, Any]] = []
-        for kind, lister in self._listers().items():
-            items = (
-                _read(lister(namespace, label_selector=selector, _preload_content=False)).get("items") or []
-            )
+        for kind in CHILD_APIS:
+            response = self._method("list", kind)(namespace, label_selector=selector, _preload_content=False)
+            items = _read(response).get("items") or []
             for item in items:
                 if any(ref.get("uid") == owner_uid for ref in item["metadata"].get("ownerReferences") or ()):
                     found.append({**item, "kind": kind})
         return found
 
     def pods(self, namespace: str, owner: str) -> list[dict[str, Any]]:
-        selector = f"{INSTANCE_LABEL}={label_value(owner)},{MANAGED_BY_LABEL}={FIELD_MANAGER}"
+        selector = _owned_by(owner)
         body = _read(
             self.core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False)
         )
@@ -104,7 +88,9 @@ class Kube:
     def delete(self, kind: str, namespace: str, name: str) -> None:
         """Delete a child the spec no longer wants; already gone is fine (a concurrent reconcile did it)."""
         try:
-            self._deleters()[kind](name, namespace, propagation_policy="Background", _preload_content=False)
+            self._method("delete", kind)(
+                name, namespace, propagation_policy="Background", _preload_content=False
+            )
         except ApiException as error:
             if error.status != 404:
                 raise
@@ -134,6 +120,11 @@ class Kube:
             _content_type=MERGE,
             _preload_content=False,
         )
+
+
+def _owned_by(owner: str) -> str:
+    """The label selector of every object the operator made for this owner."""
+    return f"{INSTANCE_LABEL}={label_value(owner)},{MANAGED_BY_LABEL}={FIELD_MANAGER}"
 
 
 def _read(response: Any) -> dict[str, Any]:
