@@ -389,6 +389,9 @@ class EngineSocketServer:
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
+        # Closing the listening socket ends accept(); join so no connection is accepted after stop().
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
         with self._lock:
             for conn in self._connections:
                 conn.close()
