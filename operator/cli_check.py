@@ -168,16 +168,11 @@ def _judge(dd: DisaggDeployment) -> CompatReport:
     """The operator's verdict: the compatibility rules, engine arguments that contradict the spec, and a
     sidecar image neither the spec nor this environment's DISAGG_WORKER_IMAGE names."""
     from disagg.operator.builders import Installation
-    from disagg.operator.builders_engine import arg_violations
     from disagg.operator.compat import evaluate
-    from disagg.operator.reconcile import worker_image_violations
+    from disagg.operator.reconcile import refusals
 
     report = evaluate(dd.spec)
-    found = (
-        *report.violations,
-        *arg_violations(dd.spec),
-        *worker_image_violations(dd.spec, Installation.from_environ(os.environ)),
-    )
+    found = refusals(dd.spec, report, Installation.from_environ(os.environ))
     return dataclasses.replace(report, violations=found)
 
 

@@ -64,9 +64,14 @@ def judge(raw_spec: Mapping[str, Any], installation: Installation | None = None)
         return Verdict(None, None, (Violation("InvalidSpec", problems),))
     report = evaluate(spec)
     installed = installation if installation is not None else Installation.from_environ(os.environ)
-    return Verdict(
-        spec, report, (*report.violations, *arg_violations(spec), *worker_image_violations(spec, installed))
-    )
+    return Verdict(spec, report, refusals(spec, report, installed))
+
+
+def refusals(
+    spec: DisaggDeploymentSpec, report: CompatReport, installation: Installation
+) -> tuple[Violation, ...]:
+    """Every reason to refuse a schema-valid spec; `disagg check` and `disagg plan` use the same list."""
+    return (*report.violations, *arg_violations(spec), *worker_image_violations(spec, installation))
 
 
 def worker_image_violations(spec: DisaggDeploymentSpec, installation: Installation) -> list[Violation]:
