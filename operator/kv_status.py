@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from disagg.operator.api import REASON_PATTERN, ConditionStatus
+from disagg.worker.layout import natural_sort_key
 from disagg.worker.pod_contract import POD_CONDITION, ROLE_LABEL
 
 _ROLE_ORDER: Final = {"prefill": 0, "decode": 1}
@@ -66,7 +67,7 @@ def pod_kv(pod: Mapping[str, Any]) -> PodKV:
 
 def aggregate(pods: Iterable[PodKV]) -> KVVerdict:
     """False if any sidecar reports a failure, Unknown while any has not reported, True when all succeeded."""
-    ordered = sorted(pods, key=lambda pod: (_ROLE_ORDER.get(pod.role, 2), _natural(pod.name)))
+    ordered = sorted(pods, key=lambda pod: (_ROLE_ORDER.get(pod.role, 2), natural_sort_key(pod.name)))
     if not ordered:
         return KVVerdict(ConditionStatus.UNKNOWN, "NoPods", "no engine pods exist yet")
     failing = [pod for pod in ordered if pod.status is ConditionStatus.FALSE]
@@ -103,7 +104,3 @@ def _reason(raw: object) -> str:
 def _ordinal(name: str) -> int | None:
     suffix = name.rsplit("-", 1)[-1]
     return int(suffix) if suffix.isdigit() else None
-
-
-def _natural(name: str) -> tuple[Any, ...]:
-    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))

@@ -40,8 +40,7 @@ class Verdict:
 
     @property
     def message(self) -> str:
-        message: str = incompatibility_message(self.violations)
-        return message
+        return incompatibility_message(self.violations)
 
 
 @dataclass(frozen=True)
