@@ -39,7 +39,12 @@ def free_port() -> int:
         return port
 
 
-def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 60.0, interval: float = 0.2) -> T:
+# Generous on purpose: these bound a hang, they do not measure anything. On a loaded 2-core machine kopf can
+# take tens of seconds to notice a new namespace that matches its glob before it handles the first object.
+WAIT_S = 150.0
+
+
+def wait_for(what: str, probe: Callable[[], T | None], timeout: float = WAIT_S, interval: float = 0.2) -> T:
     """Poll until `probe` returns something truthy; fail with `what` and the last value otherwise."""
     deadline = time.monotonic() + timeout
     last: T | None = None
@@ -75,7 +80,7 @@ class OperatorProcess:
             self.proc = subprocess.Popen(
                 args, env=self.control_plane.env(), stdout=out, stderr=subprocess.STDOUT, cwd="/"
             )
-        wait_for(f"the operator's /healthz (log: {self.log})", self._healthy, timeout=60)
+        wait_for(f"the operator's /healthz (log: {self.log})", self._healthy)
 
     def _healthy(self) -> bool:
         assert self.proc is not None
@@ -191,7 +196,7 @@ class Cluster:
         type_: str,
         status: str,
         reason: str | None = None,
-        timeout: float = 60,
+        timeout: float = WAIT_S,
     ) -> dict[str, Any]:
         def probe() -> dict[str, Any] | None:
             found = self.condition(namespace, name, type_)
