@@ -18,12 +18,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
-import numpy as np
-
 from disagg.worker import rules, wire
 from disagg.worker.errors import DisaggError, HandshakeError
 from disagg.worker.layout import ModelGeometry, StageLayout
-from disagg.worker.routing import BlockIds, IdArray, RegionGeometry, TransferLayers, local_descs
+from disagg.worker.routing import RegionGeometry, TransferLayers, local_descs
 from disagg.worker.side_channel import DEFAULT_HANDSHAKE_TIMEOUT_S, PeerHandshake, handshake
 from disagg.worker.transport import LOCAL_AGENT, NixlTransport, PreppedList
 
@@ -190,10 +188,6 @@ class LocalKV:
         """Reply frame 0 for this worker's `(pp_rank, tp_rank)` on the engine's side channel."""
         payload: bytes = wire.encode_handshake_payload(self.metadata(), self.config.compat_hash or "")
         return payload
-
-
-def group_arrays(block_ids: BlockIds) -> list[IdArray]:
-    return [np.asarray(ids, dtype=np.int64) for ids in block_ids]
 
 
 @dataclass

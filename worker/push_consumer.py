@@ -25,9 +25,8 @@ from disagg.worker.push import (
     RemoteEngine,
     as_disagg_error,
     drain,
-    group_arrays,
 )
-from disagg.worker.routing import BlockIds
+from disagg.worker.routing import BlockIds, group_arrays
 from disagg.worker.side_channel import PeerHandshake, handshake_targets
 from disagg.worker.transport import PreppedList
 

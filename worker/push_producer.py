@@ -32,7 +32,6 @@ from disagg.worker.push import (
     as_disagg_error,
     drain,
     find_request,
-    group_arrays,
 )
 from disagg.worker.routing import (
     BlockIds,
@@ -41,6 +40,7 @@ from disagg.worker.routing import (
     RegionGeometry,
     compute_desc_ids,
     expand_logical_blocks,
+    group_arrays,
     rank_offset_factor,
     region_capacities,
     remote_descs,

@@ -263,7 +263,8 @@ def cumulative_offsets(capacities: Sequence[int]) -> IdArray:
     return offsets
 
 
-def _group_arrays(block_ids: BlockIds) -> list[IdArray]:
+def group_arrays(block_ids: BlockIds) -> list[IdArray]:
+    """Block ids per KV cache group as int64 arrays, the form every descriptor-id function works on."""
     return [np.asarray(ids, dtype=np.int64) for ids in block_ids]
 
 
@@ -285,7 +286,7 @@ def _check_capacity(groups: list[IdArray], caps: IdArray, group_of_region: Seque
 
 def expand_logical_blocks(block_ids: BlockIds, physical_per_logical: int) -> list[IdArray]:
     """Logical to kernel block ids, `b -> b * n + [0 .. n-1]` (vLLM `_logical_to_kernel_block_ids`)."""
-    groups = _group_arrays(block_ids)
+    groups = group_arrays(block_ids)
     if physical_per_logical == 1:
         return groups
     step = np.arange(physical_per_logical, dtype=np.int64)
@@ -303,7 +304,7 @@ def layer_routed_desc_ids(
     """
     if len(capacities) != len(group_ids):
         raise RegionGeometryMismatch(f"{len(capacities)} capacities for {len(group_ids)} transfer layers")
-    groups = _group_arrays(block_ids)
+    groups = group_arrays(block_ids)
     caps = np.asarray(capacities, dtype=np.int64)
     layers_of_group: list[list[int]] = [[] for _ in groups]
     for k, g in enumerate(group_ids):
@@ -324,7 +325,7 @@ def region_desc_ids(block_ids: BlockIds, capacities: Sequence[int]) -> IdArray:
 
     Right for one group, and for vLLM's legacy HMA assumption that every slot holds one layer of each group.
     """
-    groups = _group_arrays(block_ids)
+    groups = group_arrays(block_ids)
     caps = np.asarray(capacities, dtype=np.int64)
     _check_capacity(groups, caps, [range(len(caps))] * len(groups))
     all_blocks = np.concatenate(groups) if groups else np.zeros(0, dtype=np.int64)
@@ -345,7 +346,7 @@ def group_mapped_desc_ids(
         raise RegionGeometryMismatch(
             f"{len(capacities)} capacities for {len(region_group_ids)} region group ids"
         )
-    groups = _group_arrays(block_ids)
+    groups = group_arrays(block_ids)
     caps = np.asarray(capacities, dtype=np.int64)
     gids = np.asarray(region_group_ids, dtype=np.int64)
     regions_of_group = [np.flatnonzero((gids == g) | (gids < 0)).tolist() for g in range(len(groups))]

@@ -72,10 +72,10 @@ from disagg.worker.errors import (
 )
 from disagg.worker.layout import StageLayout, build_stage_layout
 from disagg.worker.metrics import Health, HttpServer, SidecarMetrics
-from disagg.worker.push import Failure, LocalKV, RemoteEngine, agent_name, find_request, group_arrays
+from disagg.worker.push import Failure, LocalKV, RemoteEngine, agent_name, find_request
 from disagg.worker.push_consumer import PushConsumer
 from disagg.worker.push_producer import PushProducer, desc_ids
-from disagg.worker.routing import region_capacities
+from disagg.worker.routing import group_arrays, region_capacities
 from disagg.worker.shm_pool import ShmPool
 from disagg.worker.side_channel import SideChannelServer, fetch_payloads, handshake_targets
 from disagg.worker.sidecar_config import SidecarConfig, WorkerEndpoint
