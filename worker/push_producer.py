@@ -123,7 +123,10 @@ class PushProducer(PushSide[_DecodeEngine]):
         self._match(now, events)
         self._poll_transfers(now, events)
         self._expire(now, events)
-        self._evict_idle(now, {s.engine_id for s in self._sending})
+        # A decoder whose registration waits for this worker's KV is not idle: it is about to be written to.
+        busy = {s.engine_id for s in self._sending}
+        busy.update(r.decode_engine_id for r in self._registrations.values())
+        self._evict_idle(now, busy)
         return events
 
     @property

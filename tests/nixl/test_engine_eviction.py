@@ -1,0 +1,259 @@
+"""Idle remote engines are evicted (vLLM `engine_ttl`), busy ones are kept, and an evicted one is handshaken
+again on its next request.
+
+A producer and a consumer live in this test's process, each with its own NIXL agent, KV pool in /dev/shm and
+side channel; NIXL moves the bytes between them over UCX. Each side's clock is a test-controlled value, so
+whether an engine is idle is decided by the eviction rule, not by how loaded the machine is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from _procs import HOST, check_push, free_port, initial_pool, layout_of, model_of
+from test_push import DENSE
+
+from disagg.worker.push import LocalKV, PushConfig, RemoteEngine, agent_name
+from disagg.worker.push_consumer import PushConsumer
+from disagg.worker.push_producer import PushProducer
+from disagg.worker.shm_pool import ShmPool
+from disagg.worker.side_channel import SideChannelServer
+from disagg.worker.transport import LOCAL_AGENT, NixlTransport, PreppedList
+
+TTL_S = 100.0
+DECODE_AGENT = agent_name("decode", 0, 0)
+PREFILL_AGENT = agent_name("prefill", 0, 0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class TrackingTransport(NixlTransport):
+    """A real transport that keeps the descriptor lists it prepared for peers until they are released."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.remote_lists: list[PreppedList] = []
+
+    def prep(self, agent: str, descs: Any, mem_type: str = "DRAM") -> PreppedList:
+        prepped = super().prep(agent, descs, mem_type)
+        if agent != LOCAL_AGENT:
+            self.remote_lists.append(prepped)
+        return prepped
+
+    def release_prepped(self, prepped: PreppedList) -> None:
+        super().release_prepped(prepped)
+        self.remote_lists = [p for p in self.remote_lists if p is not prepped]
+
+
+class Worker:
+    """One connector worker: seeded pool, NIXL agent, side channel serving its handshake payload."""
+
+    def __init__(self, spec: dict[str, Any], stack: contextlib.ExitStack) -> None:
+        self.spec = spec
+        self.clock = Clock()
+        layout = layout_of(spec)
+        pool = ShmPool.create(spec["pool_path"], layout.total_bytes)
+        stack.callback(pool.unlink)
+        stack.callback(pool.close)
+        pool.array[:] = initial_pool(spec, layout.total_bytes)
+        self.pool = pool
+        config = PushConfig(
+            engine_id=spec["engine_id"],
+            model=model_of(spec),
+            side_channel_host=HOST,
+            side_channel_port=spec["port"],
+            compat_hash=spec["compat_hash"],
+            kv_lease_duration_s=spec["lease_s"],
+            push_registration_timeout_s=spec["registration_timeout_s"],
+            engine_ttl_s=TTL_S,
+        )
+        self.transport = TrackingTransport(agent_name(spec["engine_id"], 0, 0))
+        stack.callback(self.transport.close)
+        local = LocalKV(layout, self.transport, pool.addr, pool.nbytes, config)
+        self.server = SideChannelServer(HOST, spec["port"]).start()
+        stack.callback(self.server.stop)
+        self.server.set_payload(0, 0, local.handshake_payload())
+        self.connector: PushProducer | PushConsumer
+        if spec["role"] == "producer":
+            self.connector = PushProducer(local, clock=self.clock)
+        else:
+            self.connector = PushConsumer(local, clock=self.clock)
+        stack.callback(self.connector.close)
+
+    @property
+    def producer(self) -> PushProducer:
+        assert isinstance(self.connector, PushProducer)
+        return self.connector
+
+    @property
+    def consumer(self) -> PushConsumer:
+        assert isinstance(self.connector, PushConsumer)
+        return self.connector
+
+    def remote(self) -> RemoteEngine:
+        return RemoteEngine(self.spec["engine_id"], HOST, self.spec["port"])
+
+
+class Pair:
+    """A producer and a consumer, polled together; every event either reports is collected here."""
+
+    def __init__(self, prefill: Worker, decode: Worker) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.sent: list[str] = []
+        self.finished: list[str] = []
+        self.registered: list[str] = []
+        self.pushes: list[tuple[list[list[int]], list[list[int]]]] = []
+
+    def poll(self) -> None:
+        p_events = self.prefill.producer.poll()
+        d_events = self.decode.consumer.poll()
+        failed = [*p_events.failed, *d_events.failed]
+        assert not failed, failed
+        assert not p_events.expired, p_events.expired
+        self.sent += p_events.sent
+        self.registered += p_events.registered
+        self.finished += d_events.finished
+
+    def poll_until(self, done: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + 60  # a bound for a broken run, not a measurement
+        while not done():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what} never happened; sent {self.sent}, finished {self.finished}")
+            self.poll()
+            time.sleep(0.002)
+
+    def expect(self, req: str, d_blocks: list[list[int]]) -> None:
+        """The decoder registers `req`; the producer has seen the registration when this returns."""
+        self.decode.consumer.expect(req, d_blocks, self.prefill.remote())
+        self.poll_until(lambda: req in self.registered, f"registration of {req}")
+
+    def finish(self, req: str, p_blocks: list[list[int]], d_blocks: list[list[int]]) -> None:
+        """The producer's KV for `req` is ready; returns when it is pushed and the decoder has counted it."""
+        self.prefill.producer.request_finished(req, p_blocks)
+        self.poll_until(lambda: req in self.sent and req in self.finished, f"push of {req}")
+        self.pushes.append((p_blocks, d_blocks))
+
+    def push(self, req: str, p_blocks: list[list[int]], d_blocks: list[list[int]]) -> None:
+        self.expect(req, d_blocks)
+        self.finish(req, p_blocks, d_blocks)
+
+    def check_bytes(self) -> None:
+        """Every push so far landed byte-exact, and no other decoder byte changed."""
+        decode_pool = np.array(self.decode.pool.array, copy=True)
+        pushes = [(self.prefill.spec, p, d) for p, d in self.pushes]
+        assert check_push(self.decode.spec, decode_pool, pushes) > 0
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[Pair]:
+    def spec(engine_id: str, role: str) -> dict[str, Any]:
+        return {
+            "engine_id": engine_id,
+            "role": role,
+            "model": DENSE,
+            "pp_rank": 0,
+            "pp_size": 1,
+            "tp_rank": 0,
+            "tp_size": 1,
+            "block_size": 16,
+            "num_blocks": 32,
+            "seed": len(engine_id),
+            "port": free_port(),
+            "pool_path": f"/dev/shm/disagg-evict-{os.getpid()}-{tmp_path.name}-{engine_id}",
+            "compat_hash": "0" * 64,
+            "lease_s": 10 * TTL_S,
+            "registration_timeout_s": 10 * TTL_S,
+        }
+
+    with contextlib.ExitStack() as stack:
+        prefill = Worker(spec("prefill", "producer"), stack)
+        decode = Worker(spec("decode", "consumer"), stack)
+        yield Pair(prefill, decode)
+
+
+def remote_lists(worker: Worker, agent: str) -> list[PreppedList]:
+    return [p for p in worker.transport.remote_lists if p.agent == agent]
+
+
+def test_producer_evicts_an_idle_decoder_and_handshakes_it_again(pair: Pair) -> None:
+    prefill = pair.prefill
+    pair.push("req-1", [[3, 4]], [[1, 2]])
+    assert DECODE_AGENT in prefill.transport.peers
+    assert len(remote_lists(prefill, DECODE_AGENT)) == 1
+    assert pair.decode.server.served == 1
+
+    prefill.clock.now = TTL_S / 2
+    pair.poll()
+    assert DECODE_AGENT in prefill.transport.peers, "evicted before its ttl"
+
+    prefill.clock.now = TTL_S + 1
+    pair.poll()
+    assert DECODE_AGENT not in prefill.transport.peers
+    assert remote_lists(prefill, DECODE_AGENT) == []
+
+    # The decoder kept its own agent for the producer (its clock did not move) and registers again.
+    pair.push("req-2", [[7, 9, 10]], [[20, 5, 6]])
+    assert pair.decode.server.served == 2, "the producer did not handshake the evicted decoder again"
+    assert DECODE_AGENT in prefill.transport.peers
+    assert len(remote_lists(prefill, DECODE_AGENT)) == 1
+    pair.check_bytes()
+
+
+def test_producer_keeps_a_decoder_whose_registration_waits_for_kv(pair: Pair) -> None:
+    prefill = pair.prefill
+    pair.push("req-1", [[3, 4]], [[1, 2]])
+    # The decoder registers req-2 long before the producer's KV for it is ready.
+    pair.expect("req-2", [[11, 12]])
+
+    prefill.clock.now = 3 * TTL_S
+    pair.poll()
+    assert DECODE_AGENT in prefill.transport.peers, "a decoder waiting on this producer was evicted"
+    assert len(remote_lists(prefill, DECODE_AGENT)) == 1
+
+    pair.finish("req-2", [[13, 14]], [[11, 12]])
+    assert pair.decode.server.served == 1, "the kept decoder was handshaken again"
+    pair.check_bytes()
+
+    # Served and idle again: now it goes.
+    prefill.clock.now = 5 * TTL_S
+    pair.poll()
+    assert DECODE_AGENT not in prefill.transport.peers
+    assert remote_lists(prefill, DECODE_AGENT) == []
+
+
+def test_consumer_keeps_a_prefill_engine_while_a_request_waits_and_evicts_it_once_idle(pair: Pair) -> None:
+    decode = pair.decode
+    pair.push("req-1", [[3, 4]], [[1, 2]])
+    assert PREFILL_AGENT in decode.transport.peers
+    assert pair.prefill.server.served == 1
+
+    # req-2 is registered and waits for KV past the ttl: its prefill engine stays.
+    pair.expect("req-2", [[8]])
+    decode.clock.now = 3 * TTL_S
+    pair.poll()
+    assert PREFILL_AGENT in decode.transport.peers, "a prefill engine with a waiting request was evicted"
+    pair.finish("req-2", [[5]], [[8]])
+    assert pair.prefill.server.served == 1
+
+    # Nothing waits on it and it stays quiet past the ttl: evicted, and handshaken again on the next request.
+    decode.clock.now = 4 * TTL_S + 1
+    pair.poll()
+    assert PREFILL_AGENT not in decode.transport.peers
+    pair.push("req-3", [[15, 16]], [[30, 31]])
+    assert pair.prefill.server.served == 2, "the consumer did not handshake the evicted prefill engine again"
+    assert PREFILL_AGENT in decode.transport.peers
+    pair.check_bytes()
