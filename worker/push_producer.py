@@ -101,7 +101,9 @@ class PushProducer(PushSide[_DecodeEngine]):
         super().__init__(local, clock)
         self._inbox: queue.SimpleQueue[tuple[str, list[IdArray]]] = queue.SimpleQueue()
         self._held: dict[str, _Held] = {}
-        self._registrations: dict[str, wire.PushRegistration] = {}
+        # Registration and the time after which it is dropped unmatched: by then the decoder's own watchdog
+        # (the same push_registration_timeout_s) has failed the request, and keeping it would pin the decoder.
+        self._registrations: dict[str, tuple[wire.PushRegistration, float]] = {}
         self._waiting: dict[str, list[tuple[str, wire.PushRegistration]]] = {}
         self._sending: list[_Sending] = []
 
@@ -125,7 +127,7 @@ class PushProducer(PushSide[_DecodeEngine]):
         self._expire(now, events)
         # A decoder whose registration waits for this worker's KV is not idle: it is about to be written to.
         busy = {s.engine_id for s in self._sending}
-        busy.update(r.decode_engine_id for r in self._registrations.values())
+        busy.update(r.decode_engine_id for r, _ in self._registrations.values())
         self._evict_idle(now, busy)
         return events
 
@@ -138,7 +140,8 @@ class PushProducer(PushSide[_DecodeEngine]):
     def _read_notifs(self, now: float, events: ProducerEvents) -> None:
         for sender, message, notif in self._notifs():
             if isinstance(notif, wire.PushRegistration):
-                self._registrations[notif.request_id] = notif
+                deadline = now + self.config.push_registration_timeout_s
+                self._registrations[notif.request_id] = (notif, deadline)
                 events.registered.append(notif.request_id)
             elif isinstance(notif, wire.HeartbeatNotif):
                 for request_id in notif.req_ids:
@@ -153,7 +156,7 @@ class PushProducer(PushSide[_DecodeEngine]):
         return None if held_id is None else self._held[held_id]
 
     def _match(self, now: float, events: ProducerEvents) -> None:
-        for decode_request_id, registration in list(self._registrations.items()):
+        for decode_request_id, (registration, _) in list(self._registrations.items()):
             held_id = find_request(decode_request_id, self._held)
             if held_id is None or self._held[held_id].writing:
                 continue
@@ -295,6 +298,15 @@ class PushProducer(PushSide[_DecodeEngine]):
         events.failed.append(Failure.of(held_id, error))
 
     def _expire(self, now: float, events: ProducerEvents) -> None:
+        for decode_request_id, (registration, deadline) in list(self._registrations.items()):
+            if deadline <= now:
+                log.warning(
+                    "Dropping the registration of decode request %s from engine %s: this worker never "
+                    "finished a matching request within push_registration_timeout_s",
+                    decode_request_id,
+                    registration.decode_engine_id,
+                )
+                del self._registrations[decode_request_id]
         sending = {s.request_id for s in self._sending}
         for request_id, held in list(self._held.items()):
             if held.deadline <= now and request_id not in sending:

@@ -257,3 +257,28 @@ def test_consumer_keeps_a_prefill_engine_while_a_request_waits_and_evicts_it_onc
     assert pair.prefill.server.served == 2, "the consumer did not handshake the evicted prefill engine again"
     assert PREFILL_AGENT in decode.transport.peers
     pair.check_bytes()
+
+
+def test_producer_drops_a_registration_it_never_serves_and_then_evicts_its_decoder(pair: Pair) -> None:
+    prefill = pair.prefill
+    pair.push("req-1", [[3, 4]], [[1, 2]])
+    # The decoder registers req-2, but this producer never finishes a request of that id.
+    pair.expect("req-2", [[11, 12]])
+    timeout = prefill.spec["registration_timeout_s"]
+
+    prefill.clock.now = timeout - 1
+    pair.poll()
+    assert DECODE_AGENT in prefill.transport.peers, "a decoder with a live registration was evicted"
+
+    # Past the registration timeout (the decoder's own watchdog has failed req-2 by then) the registration is
+    # dropped, so the decoder is idle and goes at the next eviction check.
+    prefill.clock.now = timeout + 1
+    pair.poll()
+    pair.poll()
+    assert DECODE_AGENT not in prefill.transport.peers
+    assert remote_lists(prefill, DECODE_AGENT) == []
+
+    # A late request of that id finds no registration: it is held for a decoder, not pushed to this one.
+    prefill.producer.request_finished("req-2", [[13, 14]])
+    pair.poll()
+    assert "req-2" in prefill.producer.held_requests and "req-2" not in pair.sent
