@@ -347,7 +347,10 @@ class EngineLink:
         with self._call_lock:
             if self._closed:
                 raise EngineProtocolError("the link to the sidecar is closed")
-            self._sock.sendall(encode_frame(message))
+            try:
+                self._sock.sendall(encode_frame(message))
+            except OSError as exc:
+                raise errors.PeerUnreachable(f"could not send to the sidecar on {self.path}: {exc}") from exc
             try:
                 reply = self._replies.get(timeout=self.reply_timeout_s)
             except queue.Empty:

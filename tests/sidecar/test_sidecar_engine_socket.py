@@ -223,3 +223,22 @@ def test_an_unreachable_prefill_engine_fails_the_request_with_its_reason(
     assert sidecar.get("/readyz")[0] == 200
     assert sidecar.terminate() == 0
     pool.close()
+
+
+def test_a_killed_sidecar_is_reported_to_the_engine_as_unreachable(
+    workdir: Path, sidecars: list[SidecarProcess]
+) -> None:
+    sidecar = SidecarProcess(
+        workdir, "p0", topology(), DISAGG_ROLE="prefill", DISAGG_ENGINE_ID=ENGINE_ID, DISAGG_PP_RANK="0"
+    )
+    sidecars.append(sidecar)
+    sidecar.wait_listening()
+    pool = ShmPool.create(workdir / "p0.kv", stage_layout().total_bytes)
+    with EngineLink(sidecar.socket_path) as link:
+        link.register_layout(registration(pool))
+        sidecar.kill()
+        # Whether the send or the wait for the reply notices first, the engine gets the typed reason.
+        for _ in range(2):
+            with pytest.raises(DisaggError) as caught:
+                link.query("never-seen")
+            assert caught.value.reason == "PeerUnreachable", caught.value
