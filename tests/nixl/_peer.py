@@ -96,6 +96,9 @@ def main() -> int:
             if cmd["cmd"] == "finish":
                 assert isinstance(connector, PushProducer)
                 connector.request_finished(cmd["req"], cmd["blocks"])
+                if cmd.get("announce"):
+                    # The poll right below posts the WRITE when the decoder is connected and registered.
+                    emit(event="posting", req=cmd["req"])
             elif cmd["cmd"] == "expect":
                 assert isinstance(connector, PushConsumer)
                 connector.expect(cmd["req"], cmd["blocks"], RemoteEngine(**cmd["remote"]))
