@@ -224,12 +224,14 @@ def written_bytes(
     p_layout, d_layout = layout_of(producer), layout_of(decoder)
     p_region = {name: r for r, reg in enumerate(p_layout.regions) for name in reg.members}
     d_region = {name: r for r, reg in enumerate(d_layout.regions) for name in reg.members}
-    ratio = producer["tp_size"] // decoder["tp_size"]
-    slice_index = producer["tp_rank"] % ratio
+    ratio = max(1, producer["tp_size"] // decoder["tp_size"])
     out = []
     for name, g in p_layout.group_index_by_layer.items():
         pr, dr = p_layout.regions[p_region[name]], d_layout.regions[d_region[name]]
-        assert dr.block_len == pr.block_len * ratio
+        # A replicated (MLA) block is the same bytes on every TP rank: written whole, never as a head slice.
+        split = 1 if pr.replicated else ratio
+        slice_index = producer["tp_rank"] % split
+        assert dr.block_len == pr.block_len * split
         for pb, db in zip(p_blocks[g], d_blocks[g], strict=True):
             out.append(
                 (

@@ -1,4 +1,4 @@
-"""Byte-exact KV pushes between processes: PP2 + HMA with layer-name routing, legacy paths, TP 2 -> 1."""
+"""Byte-exact KV pushes between processes: PP2 + HMA layer-name routing, legacy paths, TP 2->1, MLA 1->2."""
 
 from __future__ import annotations
 
@@ -100,3 +100,44 @@ def test_tp2_prefill_into_tp1_decoder_per_head_slice(procs: Cluster, model: dict
     p_blocks = [[2 * g + 1, 2 * g + 2] for g in range(groups)]
     d_blocks = [[60 - 2 * g, 30 - g] for g in range(groups)]
     push_once(procs, prefill, decode, p_blocks, d_blocks)
+
+
+# All layers MLA: a period longer than the model leaves no full-attention layer. One latent "head", so the
+# block is the same bytes on every TP rank.
+MLA = {"num_layers": 6, "period": 7, "other": "mla", "num_kv_heads": 1, "head_size": 32, "dtype_bytes": 2}
+
+
+@pytest.mark.parametrize(("pp", "hma"), [(1, False), (2, True)], ids=["pp1", "pp2-hma"])
+def test_mla_tp1_prefill_into_tp2_decoder_writes_whole_blocks_to_every_rank(
+    procs: Cluster, pp: int, hma: bool
+) -> None:
+    model = {**MLA, "hma": hma}
+    prefill = prefill_specs(procs, model, pp=pp)
+    port = free_port()
+    decode = [
+        procs.spec(
+            "decode", role="consumer", serve_port=port, model=model, tp_rank=t, tp_size=2, num_blocks=40
+        )
+        for t in range(2)
+    ]
+    assert all(r.replicated for spec in [*prefill, *decode] for r in layout_of(spec).regions)
+    groups = len(layout_of(decode[0]).groups)
+    p_blocks = [[4 * g + 1, 4 * g + 2, 4 * g + 3] for g in range(groups)]
+    d_blocks = [[39 - 3 * g, 9 + g, 20 + g] for g in range(groups)]
+    peers = procs.start_all([*prefill, *decode])
+    producers, consumers = peers[: len(prefill)], peers[len(prefill) :]
+    # The scheduler names the same blocks on every decode TP rank; each rank registers with every stage.
+    for consumer in consumers:
+        consumer.send(cmd="expect", req="req-1", blocks=d_blocks, remote=remote(prefill[0]))
+    for producer in producers:
+        for _ in consumers:
+            producer.wait("registered", "req-1")
+        producer.send(cmd="finish", req="req-1", blocks=p_blocks)
+    for producer in producers:
+        producer.wait("sent", "req-1")
+    # Each decode rank counts pp_size * max(1, P_tp // D_tp) = pp notifs: one WRITE per stage reached it.
+    for consumer in consumers:
+        consumer.wait("finished", "req-1")
+    for spec in decode:
+        whole = check_push(spec, read_pool(spec), [(stage, p_blocks, d_blocks) for stage in prefill])
+        assert whole == sum(r.block_len * len(d_blocks[0]) * len(r.members) for r in layout_of(spec).regions)
