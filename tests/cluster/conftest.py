@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from kubernetes import client, config
 from local_cluster import PRE_APPLY, ControlPlane, Holders, Paths, call_script, run_script, script_failure
+from operator_harness import Cluster, OperatorProcess
 
 CLUSTER_DIR = Path(__file__).resolve().parent
 INSTALL_RESULT = pytest.StashKey[subprocess.CompletedProcess[str]]()
@@ -118,3 +119,43 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             "hack/control-plane.sh install: building Kubernetes v1.20.2 once per machine (~8 min)"
         )
     session.config.stash[INSTALL_RESULT] = call_script("install")
+
+
+# The operator tests share these: one operator process per test module, watching only the namespaces named
+# with that module's prefix, and a fresh namespace of that prefix per test. A module that needs another
+# operator (the webhook tests) defines its own `operator` fixture.
+
+
+@pytest.fixture(scope="module")
+def cluster(control_plane: ControlPlane) -> Cluster:
+    cluster = Cluster(control_plane)
+    cluster.apply_crd()
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def prefix() -> str:
+    return f"op{secrets.token_hex(2)}"
+
+
+@pytest.fixture(scope="module")
+def operator(
+    cluster: Cluster, prefix: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorProcess]:
+    process = OperatorProcess(
+        cluster.cp, [f"{prefix}-*"], tmp_path_factory.mktemp("operator") / "operator.log"
+    )
+    process.start()
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture
+def ns(cluster: Cluster, prefix: str, operator: OperatorProcess) -> Iterator[str]:
+    name = cluster.create_namespace(prefix)
+    try:
+        yield name
+    finally:
+        cluster.delete_namespace(name)

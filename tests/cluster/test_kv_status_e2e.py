@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 from local_cluster import ControlPlane
-from operator_harness import Cluster, OperatorProcess, example, wait_for
+from operator_harness import Cluster, example, wait_for
 
 from disagg.operator.api import DisaggDeploymentSpec
 from disagg.operator.compat import role_factors
@@ -39,39 +39,6 @@ SPEC_PATCH: dict[str, Any] = {
 }
 TIMEOUT_S = 120.0
 T0 = datetime(2026, 11, 30, 9, 0, 0, tzinfo=UTC)
-
-
-@pytest.fixture(scope="module")
-def cluster(control_plane: ControlPlane) -> Cluster:
-    cluster = Cluster(control_plane)
-    cluster.apply_crd()
-    return cluster
-
-
-@pytest.fixture(scope="module")
-def prefix() -> str:
-    return f"kve-{secrets.token_hex(2)}"
-
-
-@pytest.fixture(scope="module")
-def operator(
-    cluster: Cluster, prefix: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[OperatorProcess]:
-    process = OperatorProcess(cluster.cp, [f"{prefix}-*"], tmp_path_factory.mktemp("op") / "operator.log")
-    process.start()
-    try:
-        yield process
-    finally:
-        process.stop()
-
-
-@pytest.fixture
-def ns(cluster: Cluster, prefix: str, operator: OperatorProcess) -> Iterator[str]:
-    name = cluster.create_namespace(prefix)
-    try:
-        yield name
-    finally:
-        cluster.delete_namespace(name)
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,47 +13,13 @@ from typing import Any
 
 import pytest
 import yaml
-from local_cluster import REPO, ControlPlane
-from operator_harness import Cluster, OperatorProcess, example, satisfied, wait_for
+from local_cluster import REPO
+from operator_harness import Cluster, example, satisfied, wait_for
 
 from disagg.operator.builders import DEFAULT_WORKER_CLUSTER_ROLE
 from disagg.operator.webhook import refusal
 
 NAME = "gemma"
-
-
-@pytest.fixture(scope="module")
-def cluster(control_plane: ControlPlane) -> Cluster:
-    cluster = Cluster(control_plane)
-    cluster.apply_crd()
-    return cluster
-
-
-@pytest.fixture(scope="module")
-def prefix() -> str:
-    return f"opr-{secrets.token_hex(2)}"
-
-
-@pytest.fixture(scope="module")
-def operator(
-    cluster: Cluster, prefix: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[OperatorProcess]:
-    log = tmp_path_factory.mktemp("operator") / "operator.log"
-    process = OperatorProcess(cluster.cp, [f"{prefix}-*"], log)
-    process.start()
-    try:
-        yield process
-    finally:
-        process.stop()
-
-
-@pytest.fixture
-def ns(cluster: Cluster, prefix: str, operator: OperatorProcess) -> Iterator[str]:
-    name = cluster.create_namespace(prefix)
-    try:
-        yield name
-    finally:
-        cluster.delete_namespace(name)
 
 
 def create(cluster: Cluster, ns: str, file: str = "pp2-hma.yaml", **spec_patch: Any) -> None:
