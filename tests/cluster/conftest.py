@@ -147,6 +147,7 @@ def operator(
     )
     process.start()
     try:
+        cluster.wait_watched(prefix)
         yield process
     finally:
         process.stop()

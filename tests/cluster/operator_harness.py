@@ -6,6 +6,7 @@ start it again. Each test module watches its own namespace glob: modules never r
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import secrets
@@ -145,6 +146,32 @@ class Cluster:
         name = f"{prefix}-{secrets.token_hex(3)}"
         self.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
         return name
+
+    def wait_watched(self, prefix: str) -> None:
+        """Return once an operator watching the glob `{prefix}-*` handles objects in a new namespace.
+
+        kopf starts watching a namespace that matches its glob when the namespace's watch event arrives; one
+        that arrives before kopf has discovered its resources is passed over until the namespace changes again
+        (seen here: an operator idle for minutes until the test deleted the namespace). So a probe namespace
+        is relabelled until the operator has answered a refused probe object with its Compatible condition;
+        the test namespaces created afterwards are then seen at once.
+        """
+        name = self.create_namespace(prefix)
+        try:
+            result = self.kubectl_apply(example("bad-decode-pp.yaml", name, "probe"))
+            assert result.returncode == 0, result.stderr
+            pokes = itertools.count()
+
+            def answered() -> dict[str, Any] | None:
+                found = self.condition(name, "probe", "Compatible")
+                if found is None:
+                    label = {"disagg.io/test-poke": str(next(pokes))}
+                    self.core.patch_namespace(name, {"metadata": {"labels": label}})
+                return found
+
+            wait_for(f"the operator to watch {prefix}-* namespaces", answered, interval=2.0)
+        finally:
+            self.delete_namespace(name)
 
     def delete_namespace(self, name: str) -> None:
         try:
