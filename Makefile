@@ -33,19 +33,20 @@ test-unit: $(STAMP)
 # control plane (operator, conditions, admission) on a private local Kubernetes control plane.
 demo: $(STAMP)
 	$(VENV)/bin/disagg demo
-	$(PY) -m disagg.worker.demo_cluster
+	$(PY) -m disagg.rig.demo_cluster
 
 bench: $(STAMP)
 	$(VENV)/bin/disagg bench
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check operator worker tests
-	$(VENV)/bin/ruff format --check operator worker tests
+	$(VENV)/bin/ruff check operator worker rig tests
+	$(VENV)/bin/ruff format --check operator worker rig tests
 	# mypy cannot follow setuptools' folder mapping, so it reads the packages through a symlinked disagg/ tree.
 	mkdir -p .cache/mypy-src/disagg
 	ln -sfn ../../../operator .cache/mypy-src/disagg/operator
 	ln -sfn ../../../worker .cache/mypy-src/disagg/worker
-	MYPYPATH=.cache/mypy-src $(VENV)/bin/mypy --namespace-packages -p disagg.operator -p disagg.worker
+	ln -sfn ../../../rig .cache/mypy-src/disagg/rig
+	MYPYPATH=.cache/mypy-src $(VENV)/bin/mypy --namespace-packages -p disagg.operator -p disagg.worker -p disagg.rig
 
 crds: $(STAMP)
 	$(VENV)/bin/disagg crd generate --output-dir crds

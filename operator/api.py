@@ -17,8 +17,8 @@ from typing import Annotated, Any, Final, Literal, TypeVar, cast
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 from pydantic.alias_generators import to_camel
 
-from disagg.worker import layout
-from disagg.worker.pod_contract import DEFAULT_SIDE_CHANNEL_PORT
+from disagg.worker.kv import layout
+from disagg.worker.kv.pod_contract import DEFAULT_SIDE_CHANNEL_PORT
 
 GROUP: Final = "disagg.io"
 VERSION: Final = "v1alpha1"

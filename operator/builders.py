@@ -30,7 +30,7 @@ from disagg.operator.builders_engine import (
     stage_dns,
 )
 from disagg.operator.plan import TopologyPlan
-from disagg.worker.pod_contract import (
+from disagg.worker.kv.pod_contract import (
     BLOCK_SIZE_ENV,
     COMPATIBILITY_HASH_ENV,
     DEPLOYMENT_ENV,
@@ -190,7 +190,7 @@ def selector_labels(owner: str, role: Role, replica: int | None = None) -> dict[
 def topology_document(
     spec: DisaggDeploymentSpec, owner: Owner, plan: TopologyPlan, hashes: Mapping[Role, str]
 ) -> str:
-    """The plan plus what a sidecar needs to build its KV layout (`disagg.worker.sidecar_config` reads it)."""
+    """The plan plus what a sidecar needs to build its KV layout (`disagg.worker.sidecar.config` reads it)."""
     model = spec.model
     document = {
         "deployment": owner.name,

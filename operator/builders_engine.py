@@ -17,8 +17,8 @@ from typing import Any, Final
 
 from disagg.operator.api import DisaggDeploymentSpec, HybridKVCacheManager, Role
 from disagg.operator.plan import TopologyPlan
-from disagg.worker.errors import Violation
-from disagg.worker.pod_contract import POD_IP_ENV, POD_NAME_ENV
+from disagg.worker.kv.errors import Violation
+from disagg.worker.kv.pod_contract import POD_IP_ENV, POD_NAME_ENV
 
 HTTP_PORT: Final = 8000
 # vLLM's torch.distributed rendezvous between the pipeline stages of one prefill instance.

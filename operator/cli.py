@@ -1,25 +1,21 @@
-"""The `disagg` command line.
+"""The `disagg` command line: a front door that knows no command itself.
 
-Each command module exposes `register(subparsers)`, adding its subcommands with a `func(args) -> int` default.
-Command modules import nothing heavy at module level (no torch, no nixl, no kopf): the heavy parts load
-inside the command that needs them, so `disagg check` starts fast and the operator stays free of torch/nixl.
+Each half of the project (the operator, the worker, and the rig where it is installed) declares its command
+modules as `disagg.commands` entry points in pyproject.toml, so this module imports none of them by name and
+an image without the rig simply has no `demo` or `bench`. Each command module exposes `register(subparsers)`,
+adding its subcommands with a `func(args) -> int` default, and imports nothing heavy at module level (no
+torch, no nixl, no kopf): the heavy parts load inside the command that needs them, so `disagg check` starts
+fast and the operator stays free of torch/nixl.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 
-COMMAND_MODULES: tuple[str, ...] = (
-    "disagg.worker.cli_wire",
-    "disagg.operator.cli_check",
-    "disagg.operator.cli_operator",
-    "disagg.worker.cli_worker",
-    "disagg.worker.cli_probe",
-    "disagg.operator.cli_bench",
-)
+COMMAND_GROUP = "disagg.commands"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,8 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(subparsers)
+    # Sorted by entry-point name, so the help lists commands in the same order on every install.
+    for command in sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
+        command.load()(subparsers)
     return parser
 
 

@@ -1,12 +1,12 @@
 """Pre-flight compatibility of a `DisaggDeploymentSpec`: every connector rule the spec can decide. Pure.
 
-The topology rules are the worker's own (`disagg.worker.rules.check_topology`), so a spec the operator accepts
-is one the sidecars accept at startup. The compatibility hash is the worker's (`disagg.worker.wire`), computed
-per role from the spec, so a pair whose hashes would differ at handshake is refused before any pod exists.
-Only rules that exist nowhere in the worker live here: KV heads that cannot be split over a TP size, hash
-factors that differ between roles (including the image and model revision, which vLLM does not hash but
-which change what the hashed version string and model name mean, llm-d#499 and vLLM PR #55776), and a huge
-page KV pool the API server or the kubelet would refuse.
+The topology rules are the worker's own (`disagg.worker.kv.rules.check_topology`), so a spec the operator
+accepts is one the sidecars accept at startup. The compatibility hash is the worker's
+(`disagg.worker.kv.wire`), computed per role from the spec, so a pair whose hashes would differ at handshake
+is refused before any pod exists. Only rules that exist nowhere in the worker live here: KV heads that cannot
+be split over a TP size, hash factors that differ between roles (including the image and model revision, which
+vLLM does not hash but which change what the hashed version string and model name mean, llm-d#499 and vLLM PR
+#55776), and a huge page KV pool the API server or the kubelet would refuse.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from disagg.operator.api import (
     RoleSpec,
 )
 from disagg.operator.plan import TopologyPlan, model_geometry, plan_topology
-from disagg.worker.errors import LayoutError, Violation
-from disagg.worker.layout import ModelGeometry
-from disagg.worker.rules import RoleTopology, check_topology
-from disagg.worker.wire import compat_factors, compat_hash, differing_factors
+from disagg.worker.kv.errors import LayoutError, Violation
+from disagg.worker.kv.layout import ModelGeometry
+from disagg.worker.kv.rules import RoleTopology, check_topology
+from disagg.worker.kv.wire import compat_factors, compat_hash, differing_factors
 
 # Where each factor comes from in the spec, so a mismatch names the field to change.
 _FACTOR_FIELDS: Final = MappingProxyType(

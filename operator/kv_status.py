@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from disagg.operator.api import REASON_PATTERN, ConditionStatus
-from disagg.worker.layout import natural_sort_key
-from disagg.worker.pod_contract import POD_CONDITION, ROLE_LABEL
+from disagg.worker.kv.layout import natural_sort_key
+from disagg.worker.kv.pod_contract import POD_CONDITION, ROLE_LABEL
 
 _ROLE_ORDER: Final = {"prefill": 0, "decode": 1}
 

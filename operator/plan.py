@@ -1,6 +1,6 @@
 """The topology a `DisaggDeploymentSpec` describes: which layers each prefill stage holds, and how it routes.
 
-Pure: the layer split is the worker's own (`disagg.worker.layout.pp_partition`, vLLM's even split or an
+Pure: the layer split is the worker's own (`disagg.worker.kv.layout.pp_partition`, vLLM's even split or an
 explicit partition), and the routing decision is the worker's rule (`requires_layer_name_routing`), so the
 operator's plan and what the sidecars do cannot disagree.
 """
@@ -18,8 +18,8 @@ from disagg.operator.api import (
     StageStatus,
     TopologyStatus,
 )
-from disagg.worker.layout import ModelGeometry, pp_partition
-from disagg.worker.rules import requires_layer_name_routing
+from disagg.worker.kv.layout import ModelGeometry, pp_partition
+from disagg.worker.kv.rules import requires_layer_name_routing
 
 
 @dataclass(frozen=True)

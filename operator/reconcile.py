@@ -27,7 +27,7 @@ from disagg.operator.compat import CompatReport, evaluate
 from disagg.operator.k8s_apply import Kube
 from disagg.operator.kv_status import pod_kv
 from disagg.operator.status import compute, incompatibility_message, to_json, workload
-from disagg.worker.errors import Violation
+from disagg.worker.kv.errors import Violation
 
 _LOG = logging.getLogger("disagg.operator.status")
 

@@ -23,7 +23,7 @@ from disagg.operator.api import (
 from disagg.operator.builders import COMPONENT_LABEL, GENERATION_ANNOTATION
 from disagg.operator.compat import CompatReport
 from disagg.operator.kv_status import PodKV, aggregate
-from disagg.worker.errors import Violation
+from disagg.worker.kv.errors import Violation
 
 
 @dataclass(frozen=True)

@@ -23,12 +23,12 @@ from operator_harness import Cluster, example, wait_for
 
 from disagg.operator.api import DisaggDeploymentSpec
 from disagg.operator.compat import role_factors
-from disagg.worker import wire
-from disagg.worker.errors import MissingLayers
-from disagg.worker.k8s_report import PodReporter
-from disagg.worker.local_kubelet import LocalKubelet, with_engine_hash, with_layer_names
-from disagg.worker.peer_check import Outcome, Peer, PeerResult
-from disagg.worker.pod_contract import POD_CONDITION
+from disagg.rig.local_kubelet import LocalKubelet, with_engine_hash, with_layer_names
+from disagg.worker.kv import wire
+from disagg.worker.kv.errors import MissingLayers
+from disagg.worker.kv.pod_contract import POD_CONDITION
+from disagg.worker.reporting.peer_check import Outcome, Peer, PeerResult
+from disagg.worker.reporting.pod_report import PodReporter
 
 NAME = "kv"
 # A small hybrid model (sliding-window layers with a full-attention layer every 6th) keeps the pools tiny.

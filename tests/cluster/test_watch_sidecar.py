@@ -25,11 +25,16 @@ from kubernetes import client
 from local_cluster import ControlPlane
 from operator_harness import wait_for
 
-from disagg.worker.k8s_report import find_condition
-from disagg.worker.pod_contract import DEPLOYMENT_LABEL, ROLE_LABEL, SIDE_CHANNEL_PORT_NAME, SIDECAR_CONTAINER
-from disagg.worker.side_channel import SideChannelServer
-from disagg.worker.sidecar_config import SidecarConfig, from_env
-from disagg.worker.status_loop import registered_kv
+from disagg.worker.connector.side_channel import SideChannelServer
+from disagg.worker.kv.pod_contract import (
+    DEPLOYMENT_LABEL,
+    ROLE_LABEL,
+    SIDE_CHANNEL_PORT_NAME,
+    SIDECAR_CONTAINER,
+)
+from disagg.worker.reporting.pod_report import find_condition
+from disagg.worker.reporting.status_loop import registered_kv
+from disagg.worker.sidecar.config import SidecarConfig, from_env
 
 HOST = "127.0.0.1"
 DEPLOYMENT = "wd"

@@ -19,7 +19,7 @@ from disagg.worker.engine.kv_cache import (
     allocate_block_tables,
 )
 from disagg.worker.engine.model import TinyModel
-from disagg.worker.errors import CompatibilityError
+from disagg.worker.kv.errors import CompatibilityError
 
 CONFIG = TinyConfig()
 

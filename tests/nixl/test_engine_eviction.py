@@ -20,12 +20,12 @@ import pytest
 from _procs import HOST, check_push, free_port, initial_pool, layout_of, model_of
 from test_push import DENSE
 
-from disagg.worker.push import LocalKV, PushConfig, RemoteEngine, agent_name
-from disagg.worker.push_consumer import PushConsumer
-from disagg.worker.push_producer import PushProducer
-from disagg.worker.shm_pool import ShmPool
-from disagg.worker.side_channel import SideChannelServer
-from disagg.worker.transport import LOCAL_AGENT, NixlTransport, PreppedList
+from disagg.worker.connector.consumer import PushConsumer
+from disagg.worker.connector.kv_pool import ShmPool
+from disagg.worker.connector.producer import PushProducer
+from disagg.worker.connector.push import LocalKV, PushConfig, RemoteEngine, agent_name
+from disagg.worker.connector.side_channel import SideChannelServer
+from disagg.worker.connector.transport import LOCAL_AGENT, NixlTransport, PreppedList
 
 TTL_S = 100.0
 DECODE_AGENT = agent_name("decode", 0, 0)

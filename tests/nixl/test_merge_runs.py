@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from disagg.worker.transport import descriptor_array, merge_runs
+from disagg.worker.connector.transport import descriptor_array, merge_runs
 
 
 def test_merges_only_runs_contiguous_on_both_sides() -> None:

@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 from _procs import free_port
 
-from disagg.worker import wire
-from disagg.worker.peer_check import Peer, PeerResult, check_peer, summarize
-from disagg.worker.push import LocalKV
-from disagg.worker.side_channel import SideChannelServer
-from disagg.worker.sidecar_config import SidecarConfig, from_env
-from disagg.worker.status_loop import registered_kv
+from disagg.worker.connector.push import LocalKV
+from disagg.worker.connector.side_channel import SideChannelServer
+from disagg.worker.kv import wire
+from disagg.worker.reporting.peer_check import Peer, PeerResult, check_peer, summarize
+from disagg.worker.reporting.status_loop import registered_kv
+from disagg.worker.sidecar.config import SidecarConfig, from_env
 
 HOST = "127.0.0.1"
 PREFILL_POD = "tiny-prefill-0-1"

@@ -10,8 +10,8 @@ from pathlib import Path
 from _procs import HOST, Cluster, free_port
 from test_push import HYBRID, prefill_specs
 
-from disagg.worker import wire
-from disagg.worker.side_channel import SideChannelServer
+from disagg.worker.connector.side_channel import SideChannelServer
+from disagg.worker.kv import wire
 
 DISAGG = str(Path(sys.executable).with_name("disagg"))
 

@@ -11,8 +11,8 @@ import zmq
 from _procs import HOST, Cluster, check_push, free_port, read_pool
 from test_push import HYBRID, prefill_specs, remote
 
-from disagg.worker import wire
-from disagg.worker.side_channel import SideChannelServer
+from disagg.worker.connector.side_channel import SideChannelServer
+from disagg.worker.kv import wire
 
 FACTORS = wire.compat_factors(
     vllm_version="0.13.0",

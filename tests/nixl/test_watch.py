@@ -15,11 +15,11 @@ import pytest
 from _procs import free_port
 from test_peer_check import DECODE_POD, HOST, PREFILL_POD, config, peer_of, topology, worker
 
-from disagg.worker import wire
-from disagg.worker.peer_check import check_peer
-from disagg.worker.pod_contract import ROLE_LABEL, SIDE_CHANNEL_PORT_NAME, SIDECAR_CONTAINER
-from disagg.worker.sidecar_config import SidecarConfig
-from disagg.worker.watch import check_decode_peer, check_own_engine, watch_round
+from disagg.worker.kv import wire
+from disagg.worker.kv.pod_contract import ROLE_LABEL, SIDE_CHANNEL_PORT_NAME, SIDECAR_CONTAINER
+from disagg.worker.reporting.peer_check import check_peer
+from disagg.worker.reporting.watch import check_decode_peer, check_own_engine, watch_round
+from disagg.worker.sidecar.config import SidecarConfig
 
 
 def pod_of(cfg: SidecarConfig, name: str) -> dict[str, Any]:

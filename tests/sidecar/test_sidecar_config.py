@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from disagg.worker import wire
-from disagg.worker.errors import WorkerConfigError
-from disagg.worker.layout import AttentionKind
-from disagg.worker.sidecar_config import from_env, load_topology, parse_topology
+from disagg.worker.kv import wire
+from disagg.worker.kv.errors import WorkerConfigError
+from disagg.worker.kv.layout import AttentionKind
+from disagg.worker.sidecar.config import from_env, load_topology, parse_topology
 
 
 def topology(**changes: Any) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 from sidecar_procs import metric
 
-from disagg.worker.demo import DemoCluster, RequestResult, format_table, reference_tokens, summary
+from disagg.rig.demo import DemoCluster, RequestResult, format_table, reference_tokens, summary
 from disagg.worker.engine.config import TinyConfig, encode
 
 CONFIG = TinyConfig()

@@ -13,7 +13,19 @@ import msgspec
 import pytest
 from sidecar_procs import SidecarProcess, free_port, metric
 
-from disagg.worker.engine_link import (
+from disagg.worker.connector.kv_pool import ShmPool
+from disagg.worker.kv.errors import (
+    BlockIdOutOfRange,
+    DisaggError,
+    DuplicateRequest,
+    EngineLayoutMismatch,
+    EngineProtocolError,
+    LayoutNotRegistered,
+    UnknownRequest,
+    WrongRole,
+)
+from disagg.worker.kv.layout import ModelGeometry, StageLayout, build_stage_layout
+from disagg.worker.sidecar.engine_link import (
     MAX_FRAME_BYTES,
     EngineLink,
     Error,
@@ -27,18 +39,6 @@ from disagg.worker.engine_link import (
     read_frame,
     register_layout_message,
 )
-from disagg.worker.errors import (
-    BlockIdOutOfRange,
-    DisaggError,
-    DuplicateRequest,
-    EngineLayoutMismatch,
-    EngineProtocolError,
-    LayoutNotRegistered,
-    UnknownRequest,
-    WrongRole,
-)
-from disagg.worker.layout import ModelGeometry, StageLayout, build_stage_layout
-from disagg.worker.shm_pool import ShmPool
 
 GEOMETRY = ModelGeometry.with_full_every(6, 3, num_kv_heads=2, head_size=8, dtype_bytes=2)
 BLOCK_SIZE, NUM_BLOCKS = 16, 24

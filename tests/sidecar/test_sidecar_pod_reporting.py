@@ -15,10 +15,10 @@ import pytest
 from sidecar_procs import HOST, free_port
 from test_sidecar_config import env_for, topology
 
-from disagg.worker.errors import WorkerConfigError
-from disagg.worker.sidecar import Sidecar
-from disagg.worker.sidecar_config import from_env
-from disagg.worker.status_loop import pod_api_client
+from disagg.worker.kv.errors import WorkerConfigError
+from disagg.worker.reporting.status_loop import pod_api_client
+from disagg.worker.sidecar.config import from_env
+from disagg.worker.sidecar.transfer import Sidecar
 
 API_SERVER = "https://127.0.0.1:6443"
 

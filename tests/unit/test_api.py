@@ -21,7 +21,7 @@ from disagg.operator.api import (
     WorkerSpec,
 )
 from disagg.operator.plan import model_geometry
-from disagg.worker.layout import AttentionKind as LayoutKind
+from disagg.worker.kv.layout import AttentionKind as LayoutKind
 
 
 def _errors(document: dict[str, Any]) -> list[tuple[tuple[Any, ...], str]]:

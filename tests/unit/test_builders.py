@@ -26,8 +26,8 @@ from disagg.operator.builders import (
 from disagg.operator.builders_engine import arg_violations, engine_container, is_vllm_image
 from disagg.operator.compat import evaluate
 from disagg.operator.reconcile import judge, worker_image_violations
-from disagg.worker.pod_contract import POD_CONDITION, SIDECAR_CONTAINER
-from disagg.worker.sidecar_config import from_env, parse_topology
+from disagg.worker.kv.pod_contract import POD_CONDITION, SIDECAR_CONTAINER
+from disagg.worker.sidecar.config import from_env, parse_topology
 
 OWNER = Owner(name="gemma-pp2", namespace="ns1", uid="0f0e-uid", generation=7)
 CHART_DEFAULT = Installation()

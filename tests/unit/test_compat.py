@@ -9,7 +9,7 @@ from dd_specs import EXAMPLES, load, spec
 
 from disagg.operator.api import DisaggDeployment, RoutingMode
 from disagg.operator.compat import evaluate, role_factors
-from disagg.worker.wire import compat_hash
+from disagg.worker.kv.wire import compat_hash
 
 PP2 = {"prefill": {"pipelineParallelSize": 2}}
 

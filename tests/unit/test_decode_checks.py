@@ -12,11 +12,11 @@ import dataclasses
 
 import pytest
 
-from disagg.worker import rules
-from disagg.worker.decode_checks import LocalRegion, PrefillRank, check_decode_rank
-from disagg.worker.errors import DisaggError
-from disagg.worker.layout import AttentionKind, ModelGeometry, StageLayout, build_stage_layout
-from disagg.worker.routing import RegionGeometry, TransferLayers
+from disagg.worker.kv import rules
+from disagg.worker.kv.decode_checks import LocalRegion, PrefillRank, check_decode_rank
+from disagg.worker.kv.errors import DisaggError
+from disagg.worker.kv.layout import AttentionKind, ModelGeometry, StageLayout, build_stage_layout
+from disagg.worker.kv.routing import RegionGeometry, TransferLayers
 
 GEMMA_30 = ModelGeometry.with_full_every(30, 6, num_kv_heads=8, head_size=128, dtype_bytes=2)
 DENSE_8 = ModelGeometry.with_full_every(8, 1, num_kv_heads=8, head_size=128, dtype_bytes=2)

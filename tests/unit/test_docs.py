@@ -22,9 +22,9 @@ import yaml
 from disagg.operator import builders_engine, crd
 from disagg.operator.api import DisaggDeployment
 from disagg.operator.compat import deployment_factors, evaluate
-from disagg.worker import errors, wire
-from disagg.worker.layout import ModelGeometry, build_stage_layout, transfer_group_index_by_layer
-from disagg.worker.routing import RegionGeometry, TransferLayers, plan_transfer
+from disagg.worker.kv import errors, wire
+from disagg.worker.kv.layout import ModelGeometry, build_stage_layout, transfer_group_index_by_layer
+from disagg.worker.kv.routing import RegionGeometry, TransferLayers, plan_transfer
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUTING_DOC = "layer-name-routing.md"
@@ -34,17 +34,23 @@ TEST_REF = re.compile(r"\b(tests/[\w/]+\.py)::(\w+(?:::\w+)?)")
 CODE_REF = re.compile(r"`([a-z_]+(?:\.[A-Za-z_]\w*)+)`")
 CAMEL = re.compile(r"^[A-Z][A-Za-z0-9]*$")
 BACKTICKED = re.compile(r"`([^`]+)`")
-CODE_PACKAGES = ("disagg.worker", "disagg.operator")
+CODE_PACKAGES = (
+    "disagg.worker.kv",
+    "disagg.worker.connector",
+    "disagg.worker.sidecar",
+    "disagg.worker.reporting",
+    "disagg.operator",
+)
 # Modules whose Violation(...) / reason="..." strings are reasons a deployment can show.
 REASON_SOURCES = (
-    "worker/rules.py",
-    "worker/routing.py",
-    "worker/wire.py",
-    "worker/transport.py",
-    "worker/side_channel.py",
-    "worker/push.py",
-    "worker/push_producer.py",
-    "worker/push_consumer.py",
+    "worker/kv/rules.py",
+    "worker/kv/routing.py",
+    "worker/kv/wire.py",
+    "worker/connector/transport.py",
+    "worker/connector/side_channel.py",
+    "worker/connector/push.py",
+    "worker/connector/producer.py",
+    "worker/connector/consumer.py",
     "operator/compat.py",
     "operator/reconcile.py",
     "operator/kv_status.py",
@@ -108,7 +114,7 @@ def defined_tests(path: str) -> frozenset[str]:
 
 
 def resolve(ref: str) -> Any:
-    """`module.attr[.attr]` in disagg.worker or disagg.operator."""
+    """`module.attr[.attr]` in one of CODE_PACKAGES."""
     module_name, *attrs = ref.split(".")
     for package in CODE_PACKAGES:
         try:

@@ -12,18 +12,18 @@ import yaml
 from disagg.operator import builders
 from disagg.operator.api import DisaggDeploymentSpec
 from disagg.operator.compat import evaluate
-from disagg.worker.errors import CompatibilityHashMismatch, MissingLayers
-from disagg.worker.k8s_report import condition_patch, event_body, event_name
-from disagg.worker.local_kubelet import pod_ready, resolve_env
-from disagg.worker.peer_check import (
+from disagg.rig.local_kubelet import pod_ready, resolve_env
+from disagg.worker.kv.errors import CompatibilityHashMismatch, MissingLayers
+from disagg.worker.kv.pod_contract import POD_CONDITION, SIDECAR_CONTAINER
+from disagg.worker.reporting.peer_check import (
     Outcome,
     Peer,
     PeerResult,
     peers_from_pods,
     summarize,
 )
-from disagg.worker.pod_contract import POD_CONDITION, SIDECAR_CONTAINER
-from disagg.worker.sidecar_config import SidecarConfig, from_env
+from disagg.worker.reporting.pod_report import condition_patch, event_body, event_name
+from disagg.worker.sidecar.config import SidecarConfig, from_env
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pp2-hma.yaml"
 T0 = datetime(2026, 11, 30, 9, 0, 0, tzinfo=UTC)

@@ -8,8 +8,8 @@ import pytest
 
 from disagg.operator.api import ConditionStatus
 from disagg.operator.kv_status import aggregate, pod_kv
-from disagg.worker import errors
-from disagg.worker.pod_contract import POD_CONDITION
+from disagg.worker.kv import errors
+from disagg.worker.kv.pod_contract import POD_CONDITION
 
 HANDSHAKE_REASONS = [
     cls.reason

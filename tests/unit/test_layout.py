@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from disagg.worker.errors import LayoutError
-from disagg.worker.layout import (
+from disagg.worker.kv.errors import LayoutError
+from disagg.worker.kv.layout import (
     SHARED_REGION_GROUP_ID,
     AttentionKind,
     ModelGeometry,

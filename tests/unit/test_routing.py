@@ -14,9 +14,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from disagg.worker.errors import BlockIdOutOfRange, MissingLayers, RegionGeometryMismatch
-from disagg.worker.layout import AttentionKind, ModelGeometry, StageLayout, build_stage_layout
-from disagg.worker.routing import (
+from disagg.worker.kv.errors import BlockIdOutOfRange, MissingLayers, RegionGeometryMismatch
+from disagg.worker.kv.layout import AttentionKind, ModelGeometry, StageLayout, build_stage_layout
+from disagg.worker.kv.routing import (
     RegionGeometry,
     TransferLayers,
     TransferPlan,
@@ -34,8 +34,8 @@ from disagg.worker.routing import (
     remote_descs,
     slice_pp_regions,
 )
-from disagg.worker.rules import requires_layer_name_routing
-from disagg.worker.wire import NixlAgentMetadata, decode_agent_metadata, encode_agent_metadata
+from disagg.worker.kv.rules import requires_layer_name_routing
+from disagg.worker.kv.wire import NixlAgentMetadata, decode_agent_metadata, encode_agent_metadata
 
 GEMMA_30 = ModelGeometry.with_full_every(30, 6, num_kv_heads=8, head_size=128, dtype_bytes=2)
 DENSE_8 = ModelGeometry.with_full_every(8, 1, num_kv_heads=8, head_size=128, dtype_bytes=2)

@@ -9,13 +9,13 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from disagg.worker.layout import (
+from disagg.worker.kv.layout import (
     AttentionKind,
     ModelGeometry,
     build_stage_layout,
     transfer_group_index_by_layer,
 )
-from disagg.worker.routing import (
+from disagg.worker.kv.routing import (
     RegionGeometry,
     TransferLayers,
     align_remote_regions,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from disagg.worker import rules
-from disagg.worker.errors import CompatibilityError, Violation, require
-from disagg.worker.rules import RoleTopology, check_topology
+from disagg.worker.kv import rules
+from disagg.worker.kv.errors import CompatibilityError, Violation, require
+from disagg.worker.kv.rules import RoleTopology, check_topology
 
 
 def test_decode_pp_must_be_one() -> None:

@@ -11,7 +11,7 @@ from disagg.operator.api import ConditionStatus, DisaggDeploymentStatus
 from disagg.operator.compat import evaluate
 from disagg.operator.kv_status import PodKV
 from disagg.operator.status import Workload, compute, incompatibility_message, to_json, workload
-from disagg.worker.errors import Violation
+from disagg.worker.kv.errors import Violation
 
 T0 = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
 

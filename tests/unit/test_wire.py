@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from disagg.worker import wire
-from disagg.worker.errors import CompatibilityHashMismatch, EngineIdMismatch, WireFormatError
+from disagg.worker.kv import wire
+from disagg.worker.kv.errors import CompatibilityHashMismatch, EngineIdMismatch, WireFormatError
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 MANIFEST = json.loads((GOLDEN / "manifest.json").read_text())

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from disagg.operator.cli import main
-from disagg.worker import wire
+from disagg.worker.kv import wire
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 MANIFEST: list[dict[str, Any]] = json.loads((GOLDEN / "manifest.json").read_text())["files"]

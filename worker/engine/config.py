@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from disagg.worker.errors import CompatibilityError
-from disagg.worker.layout import (
+from disagg.worker.kv.errors import CompatibilityError
+from disagg.worker.kv.layout import (
     DEFAULT_LAYER_NAME_TEMPLATE,
     AttentionKind,
     ModelGeometry,

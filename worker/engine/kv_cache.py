@@ -1,7 +1,7 @@
 """The reference engine's paged KV cache: one flat byte buffer per process, pooled as vLLM's HMA pools it.
 
 Buffer layout (fixed; the sidecar registers the buffer once with NIXL and moves the same bytes). It is the
-era-C layout that `disagg.worker.layout.build_stage_layout` describes, and is taken from it:
+era-C layout that `disagg.worker.kv.layout.build_stage_layout` describes, and is taken from it:
 
 - The buffer is split into regions ("slots"). Region `r` starts at byte `region_offsets[r]` and holds
   `num_blocks` blocks, block `b` at `region_offsets[r] + b * block_stride` (layer-outer `LBHNC`:
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from disagg.worker.errors import CompatibilityError
-from disagg.worker.layout import StageLayout
+from disagg.worker.kv.errors import CompatibilityError
+from disagg.worker.kv.layout import StageLayout
 
 NULL_BLOCK = 0
 

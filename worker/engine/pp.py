@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from disagg.worker.connector.kv_pool import ShmPool
 from disagg.worker.engine.config import TinyConfig
 from disagg.worker.engine.kv_cache import BlockTables, PagedKVCache
 from disagg.worker.engine.model import TinyModel
-from disagg.worker.shm_pool import ShmPool
 
 
 def free_port() -> int:

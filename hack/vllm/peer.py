@@ -1,0 +1,345 @@
+"""Helpers that drive the real vLLM (the .venv-vllm test peer) on a CPU-only machine.
+
+Everything here calls vLLM's own code; the helpers only supply what a running engine would have supplied
+(a Hugging Face cache with a config.json, a minimally initialised worker object, the backend name).
+
+    PYTHONSAFEPATH=1 VLLM_TARGET_DEVICE=cpu .venv-vllm/bin/python -c 'import sys; sys.path.insert(0, "hack/vllm"); import peer'
+
+Import this module only inside the vLLM venv. It sets HF_HUB_OFFLINE=1 and VLLM_TARGET_DEVICE=cpu (if unset)
+before vLLM is imported, and HF_HOME (default $TMPDIR/disagg-vllm-hf) since huggingface_hub reads it at import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shlex
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# huggingface_hub reads HF_HOME once, at import: it must be set before vLLM is imported.
+os.environ.setdefault("HF_HOME", os.path.join(os.environ.get("TMPDIR", "/tmp"), "disagg-vllm-hf"))
+
+NIXL_PKG = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
+
+# Public architecture values (config.json) of three model families the operator deploys. Only the fields that
+# vLLM's config code reads matter; no weights are needed for a VllmConfig.
+MODEL_CONFIGS: dict[str, dict[str, Any]] = {
+    # Gemma-3 1B, text-only class (the multimodal class needs torchvision). 5 local (SWA 512) : 1 global.
+    "google/gemma-3-1b-it": {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attn_logit_softcapping": None,
+        "bos_token_id": 2,
+        "eos_token_id": [1, 106],
+        "pad_token_id": 0,
+        "final_logit_softcapping": None,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 1152,
+        "initializer_range": 0.02,
+        "intermediate_size": 6912,
+        "max_position_embeddings": 32768,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 26,
+        "num_key_value_heads": 1,
+        "query_pre_attn_scalar": 256,
+        "rms_norm_eps": 1e-06,
+        "rope_local_base_freq": 10000,
+        "rope_scaling": None,
+        "rope_theta": 1000000,
+        "sliding_window": 512,
+        "sliding_window_pattern": 6,
+        "layer_types": [
+            "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)
+        ],
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "vocab_size": 262144,
+    },
+    # Llama-3.1-8B-Instruct: 32 layers, GQA 32 q / 8 kv heads, head 128.
+    "meta-llama/Llama-3.1-8B-Instruct": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 128000,
+        "eos_token_id": [128001, 128008, 128009],
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 131072,
+        "mlp_bias": False,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {
+            "factor": 8.0,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "vocab_size": 128256,
+    },
+    # DeepSeek-V2-Lite: MLA (kv_lora_rank 512, rope 64), 27 layers, 16 heads, MoE 64 routed + 2 shared.
+    "deepseek-ai/DeepSeek-V2-Lite": {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "aux_loss_alpha": 0.001,
+        "bos_token_id": 100000,
+        "eos_token_id": 100001,
+        "first_k_dense_replace": 1,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 10944,
+        "kv_lora_rank": 512,
+        "max_position_embeddings": 163840,
+        "moe_intermediate_size": 1408,
+        "moe_layer_freq": 1,
+        "n_group": 1,
+        "n_routed_experts": 64,
+        "n_shared_experts": 2,
+        "norm_topk_prob": False,
+        "num_attention_heads": 16,
+        "num_experts_per_tok": 6,
+        "num_hidden_layers": 27,
+        "num_key_value_heads": 16,
+        "q_lora_rank": None,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": {
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "factor": 40,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+            "original_max_position_embeddings": 4096,
+            "type": "yarn",
+        },
+        "rope_theta": 10000,
+        "routed_scaling_factor": 1.0,
+        "scoring_func": "softmax",
+        "seq_aux": True,
+        "tie_word_embeddings": False,
+        "topk_group": 1,
+        "topk_method": "greedy",
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "v_head_dim": 128,
+        "vocab_size": 102400,
+    },
+}
+
+
+def write_hf_cache(repo_id: str, config: dict[str, Any] | None = None, hub_cache: str | os.PathLike | None = None) -> Path:
+    """Write HF_HOME/hub/models--ORG--NAME/{refs/main,snapshots/<rev>/config.json}; return the snapshot dir.
+    hub_cache defaults to the one huggingface_hub uses (HF_HOME/hub as it was when it was imported)."""
+    if hub_cache is None:
+        from huggingface_hub import constants
+
+        hub_cache = constants.HF_HUB_CACHE
+    config = MODEL_CONFIGS[repo_id] if config is None else config
+    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+    rev = hashlib.sha1(text.encode()).hexdigest()  # any 40-hex revision will do
+    repo_dir = Path(hub_cache) / ("models--" + repo_id.replace("/", "--"))
+    snap = repo_dir / "snapshots" / rev
+    snap.mkdir(parents=True, exist_ok=True)
+    (snap / "config.json").write_text(text)
+    (repo_dir / "refs").mkdir(parents=True, exist_ok=True)
+    (repo_dir / "refs" / "main").write_text(rev)
+    return snap
+
+
+def parse_serve_argv(argv: list[str] | str):
+    """Parse `vllm serve` arguments with vLLM's own parser (vllm.entrypoints.cli.serve)."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    if isinstance(argv, str):
+        argv = shlex.split(argv)
+    parser = FlexibleArgumentParser(description="vLLM CLI")
+    subparsers = parser.add_subparsers(required=False, dest="subparser")
+    cmd = ServeSubcommand()
+    sub = cmd.subparser_init(subparsers)
+    sub.set_defaults(dispatch_function=cmd.cmd)
+    args = parser.parse_args(["serve", *argv])
+    cmd.validate(args)
+    return args
+
+
+def build_vllm_config(argv: list[str] | str, *, restore_repo_id: bool = True):
+    """VllmConfig from a `vllm serve` argv, offline. Writes the model's config.json into the HF cache if it is
+    one of MODEL_CONFIGS (write_hf_cache first for others). With restore_repo_id, model_config.model is set back to the repo id (what a pod
+    that downloads the model hashes) instead of the local snapshot path vLLM substitutes offline."""
+    args = parse_serve_argv(argv)
+    repo_id = args.model_tag or args.model
+    if repo_id in MODEL_CONFIGS:
+        write_hf_cache(repo_id)
+    if getattr(args, "model_tag", None):
+        args.model = args.model_tag
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    if restore_repo_id and config.model_config.model != repo_id:
+        config.model_config.model = repo_id
+    return config
+
+
+@contextlib.contextmanager
+def captured_hash_factors() -> Iterator[list[dict[str, Any]]]:
+    """Capture the factor dicts vLLM passes to vllm.config.utils.hash_factors (the real function still runs)."""
+    import vllm.config.utils as cu
+
+    seen: list[dict[str, Any]] = []
+    real = cu.hash_factors
+
+    def spy(items):
+        seen.append(json.loads(json.dumps(items)))  # the JSON view vLLM hashes (tuples become lists)
+        return real(items)
+
+    cu.hash_factors = spy
+    try:
+        yield seen
+    finally:
+        cu.hash_factors = real
+
+
+def compat_hash(vllm_config, attn_backend_name: str = "FLASH_ATTN", transfer_mode: str = "push") -> tuple[str, dict]:
+    """vLLM's compute_nixl_compatibility_hash plus the factor dict it hashed.
+
+    The worker calls it in register_kv_caches as
+      compute_nixl_compatibility_hash(vllm_config, backend_name, transfer_mode=self._TRANSFER_MODE)
+    with backend_name = get_current_attn_backends(vllm_config)[0].get_name() (the first attention layer's
+    backend; needs a loaded model on the GPU, so it is passed in here), or for push + packed (block-outermost)
+    caches ",".join(sorted({b.get_name() for b in attn_backends})) (v13+). _TRANSFER_MODE is "push" for
+    NixlPushConnector and "pull" for NixlConnector / NixlPullConnector."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import compute_nixl_compatibility_hash
+
+    with captured_hash_factors() as seen:
+        digest = compute_nixl_compatibility_hash(vllm_config, attn_backend_name, transfer_mode=transfer_mode)
+    return digest, seen[-1]
+
+
+def hash_factors(factors: dict[str, Any]) -> str:
+    """vLLM's own hash_factors (sha256 of json.dumps(factors, sort_keys=True))."""
+    from vllm.config.utils import hash_factors as hf
+
+    return hf(factors)
+
+
+# --- the side channel -------------------------------------------------------------------------------------
+
+
+def start_listener(encoded_payloads: dict[tuple[int, int], bytes], host: str = "127.0.0.1", port: int = 5600):
+    """Run vLLM's real side-channel server (NixlBaseConnectorScheduler._nixl_handshake_listener) in a thread.
+
+    encoded_payloads: {(pp_rank, tp_rank): msgspec.msgpack.encode(NixlHandshakePayload(...))}. The dict is read
+    at every request, so it may be changed while the listener runs. A request for a key that is not in it raises
+    KeyError inside the loop and ENDS the listener thread (as in vLLM). Returns (thread, stop_event); stop with
+    stop_event.set(); thread.join() (the loop notices within its 1 s receive timeout)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import NixlBaseConnectorScheduler
+
+    ready, stop = threading.Event(), threading.Event()
+    t = threading.Thread(
+        target=NixlBaseConnectorScheduler._nixl_handshake_listener,
+        args=(encoded_payloads, ready, stop, host, port),
+        daemon=True,
+        name="nixl_handshake_listener",
+    )
+    t.start()
+    ready.wait()
+    return t, stop
+
+
+class RecordingNixlWrapper:
+    """Stands in for nixl._api.nixl_agent where _nixl_handshake calls it (add_remote_agent on the notif-only
+    path); records the agent blobs and returns a made-up agent name."""
+
+    def __init__(self):
+        self.added: list[bytes] = []
+
+    def add_remote_agent(self, agent_metadata: bytes) -> str:
+        self.added.append(agent_metadata)
+        return f"remote-agent-{len(self.added) - 1}"
+
+
+def handshake_worker(
+    compat_hash_value: str,
+    *,
+    local_engine_id: str = "local-decode",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    enforce_compat_hash: bool = True,
+    worker_cls=None,
+    record_full_add: bool = True,
+):
+    """A NixlPushConnectorWorker (or worker_cls) made with object.__new__ and only the attributes that
+    _nixl_handshake reads. Calling w._nixl_handshake(host, port, remote_tp_size, expected_engine_id,
+    remote_dcp_size=1, remote_pp_size=1, notif_agents_only=False) then runs vLLM's real client: REQ socket,
+    (GET_META_MSG, pp, tp) per target rank, 2-part reply, two-step typed decode, hash check, engine-id check.
+    With notif_agents_only=False the full add_remote_agent (NIXL descriptors) is replaced on the instance by a
+    recorder (w.added_full: list of (NixlAgentMetadata, remote_tp_rank, remote_tp_size, remote_dcp_size))."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import TransferTopology
+
+    if worker_cls is None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
+
+        worker_cls = NixlPushConnectorWorker
+    w = object.__new__(worker_cls)
+    w._is_csa_linear = False  # True would call _validate_csa_linear_tp_layout
+    w.use_host_buffer = True  # False calls current_platform.set_device(self.device_id) first
+    w.device_id = 0
+    w.compat_hash = compat_hash_value
+    w.enforce_compat_hash = enforce_compat_hash
+    w.pcp_size = 1  # _validate_remote_parallel_config
+    w.dcp_size = 1
+    w.transfer_topo = TransferTopology(  # handshake_target_ranks, register_remote_engine
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        block_size=16,
+        engine_id=local_engine_id,
+        is_mla=False,
+        is_mamba=False,
+        total_num_kv_heads=8,
+        attn_backends=[],
+    )
+    w.nixl_wrapper = RecordingNixlWrapper()  # _add_notif_only_remote_agent
+    if record_full_add:
+        w.added_full = []
+
+        def add_remote_agent(meta, remote_tp_rank, remote_tp_size, remote_dcp_size=1):
+            w.added_full.append((meta, remote_tp_rank, remote_tp_size, remote_dcp_size))
+            return f"full-agent-{len(w.added_full) - 1}"
+
+        w.add_remote_agent = add_remote_agent
+    return w
+
+
+def known_env_names() -> set[str]:
+    """The VLLM_* (and other) environment names vllm.envs knows."""
+    import vllm.envs as envs
+
+    return set(envs.environment_variables)

@@ -1,0 +1,214 @@
+"""The decode side of the push connector: register blocks with every prefill worker and count completions.
+
+Flow per request (vLLM push mode): `expect` names the decoder's blocks and the prefill engine; the consumer
+handshakes the prefill side channel for every `(pp_rank, tp_rank)` the TP ratio selects (notification-only:
+the decoder never writes), sends `PUSH_REG:` + msgpack(registration) to each, and finishes the request after
+`pp_size * max(1, P_tp // D_tp)` completion notifs. It heartbeats the prefill workers so their leases hold,
+and a watchdog fails a registration that never completes.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from disagg.worker.connector.push import (
+    Clock,
+    Failure,
+    LocalKV,
+    PushSide,
+    RemoteEngine,
+    as_disagg_error,
+    drain,
+)
+from disagg.worker.connector.side_channel import PeerHandshake, handshake_targets
+from disagg.worker.connector.transport import PreppedList
+from disagg.worker.kv import wire
+from disagg.worker.kv.errors import DisaggError, HandshakeError, RegistrationTimeout
+from disagg.worker.kv.routing import BlockIds, group_arrays
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Expected:
+    block_ids: list[list[int]]
+    remote: RemoteEngine
+    deadline: float
+    needed: int
+    received: int = 0
+    registered: bool = False
+
+
+@dataclass
+class _PrefillEngine:
+    remote: RemoteEngine
+    agents: list[str]
+    last_active: float
+
+    def peers(self) -> Iterator[tuple[str, PreppedList | None]]:
+        return ((agent, None) for agent in self.agents)
+
+
+@dataclass
+class ConsumerEvents:
+    finished: list[str] = field(default_factory=list)
+    failed: list[Failure] = field(default_factory=list)
+
+
+class PushConsumer(PushSide[_PrefillEngine]):
+    def __init__(self, local: LocalKV, *, clock: Clock = time.monotonic) -> None:
+        if local.layout.pp_size != 1:
+            raise HandshakeError(
+                "the push consumer counts completions per decode rank and needs decode PP 1",
+                reason="DecodePipelineParallel",
+            )
+        super().__init__(local, clock)
+        self._inbox: queue.SimpleQueue[tuple[str, list[list[int]], RemoteEngine]] = queue.SimpleQueue()
+        self._expected: dict[str, _Expected] = {}
+        self._next_heartbeat = clock() + self.config.heartbeat_interval_s
+
+    # -- called by the engine (any thread) ------------------------------------------------------------------
+
+    def expect(self, request_id: str, local_block_ids_per_group: BlockIds, remote: RemoteEngine) -> None:
+        """KV for `request_id` will be pushed into these logical blocks by `remote` (one list per group)."""
+        blocks = [ids.tolist() for ids in group_arrays(local_block_ids_per_group)]
+        self._inbox.put((request_id, blocks, remote))
+
+    # -- called by the owner thread --------------------------------------------------------------------------
+
+    def poll(self) -> ConsumerEvents:
+        events = ConsumerEvents()
+        now = self._clock()
+        for request_id, blocks, remote in drain(self._inbox):
+            needed = remote.pp_size * max(1, remote.tp_size // self.config.tp_size)
+            self._expected[request_id] = _Expected(
+                blocks, remote, now + self.config.push_registration_timeout_s, needed
+            )
+        self._apply_handshakes(now, events)
+        self._register(now, events)
+        self._read_notifs(now, events)
+        self._heartbeat(now, events)
+        self._watchdog(now, events)
+        self._evict_idle(now, {e.remote.engine_id for e in self._expected.values()})
+        return events
+
+    # -- steps -----------------------------------------------------------------------------------------------
+
+    def _register(self, now: float, events: ConsumerEvents) -> None:
+        for request_id, expected in list(self._expected.items()):
+            if expected.registered:
+                continue
+            engine = self._engines.get(expected.remote.engine_id)
+            if engine is None:
+                targets = handshake_targets(
+                    self.config.tp_size, self.config.tp_rank, expected.remote.tp_size, expected.remote.pp_size
+                )
+                self._handshakes.start(expected.remote, targets)
+                continue
+            registration = wire.PushRegistration(
+                request_id=request_id,
+                decode_engine_id=self.config.engine_id,
+                decode_host=self.config.side_channel_host,
+                decode_port=self.config.side_channel_port,
+                decode_tp_size=self.config.tp_size,
+                local_block_ids=expected.block_ids,
+                remote_engine_id=expected.remote.engine_id,
+                remote_host=expected.remote.host,
+                remote_port=expected.remote.port,
+                remote_tp_size=expected.remote.tp_size,
+                remote_pp_size=expected.remote.pp_size,
+            )
+            message = wire.encode_push_reg_notif(registration)
+            try:
+                for agent in engine.agents:
+                    self.transport.send_notif(agent, message)
+            except DisaggError as exc:
+                self._evict(engine.remote.engine_id)
+                del self._expected[request_id]
+                events.failed.append(Failure.of(request_id, exc))
+                continue
+            expected.registered = True
+            engine.last_active = now
+
+    def _apply_handshakes(self, now: float, events: ConsumerEvents) -> None:
+        for engine_id, result in self._handshakes.collect():
+            try:
+                if isinstance(result, BaseException):
+                    raise as_disagg_error(result, f"handshake with prefill engine {engine_id!r}")
+                remote = next(e.remote for e in self._expected.values() if e.remote.engine_id == engine_id)
+                self._connect(remote, result, now)
+            except (DisaggError, StopIteration) as exc:
+                error = exc if isinstance(exc, DisaggError) else HandshakeError("no request waits for it")
+                log.warning("prefill engine %r refused: %s", engine_id, error)
+                for request_id, expected in list(self._expected.items()):
+                    if expected.remote.engine_id == engine_id:
+                        del self._expected[request_id]
+                        events.failed.append(Failure.of(request_id, error))
+
+    def _connect(self, remote: RemoteEngine, peers: Sequence[PeerHandshake], now: float) -> None:
+        """Notification-only peers: the decoder only sends PUSH_REG and heartbeats to prefill workers."""
+        agents: list[str] = []
+        try:
+            for peer in peers:
+                agents.append(self._add_agent(remote.engine_id, peer, "prefill"))
+        except DisaggError:
+            for agent in agents:
+                self.transport.remove_peer(agent)
+            raise
+        self._engines[remote.engine_id] = _PrefillEngine(remote, agents, now)
+
+    def _read_notifs(self, now: float, events: ConsumerEvents) -> None:
+        for sender, _, notif in self._notifs():
+            if not isinstance(notif, wire.CompletionNotif):
+                log.warning("unexpected %s from %s on a consumer", type(notif).__name__, sender)
+                continue
+            expected = self._expected.get(notif.req_id)
+            if expected is None:
+                log.warning("Potentially invalid KV blocks for unrecognized request %s", notif.req_id)
+                continue
+            expected.received += 1
+            engine = self._engines.get(expected.remote.engine_id)
+            if engine is not None:
+                engine.last_active = now
+            if expected.received >= expected.needed:
+                del self._expected[notif.req_id]
+                events.finished.append(notif.req_id)
+
+    def _heartbeat(self, now: float, events: ConsumerEvents) -> None:
+        if now < self._next_heartbeat:
+            return
+        self._next_heartbeat = now + self.config.heartbeat_interval_s
+        by_engine: dict[str, list[str]] = {}
+        for request_id, expected in self._expected.items():
+            if expected.registered:
+                by_engine.setdefault(expected.remote.engine_id, []).append(request_id)
+        for engine_id, request_ids in by_engine.items():
+            engine = self._engines.get(engine_id)
+            if engine is None:
+                continue
+            message = wire.encode_heartbeat_notif(request_ids)
+            try:
+                for agent in engine.agents:
+                    self.transport.send_notif(agent, message)
+            except DisaggError as exc:
+                log.warning("heartbeat to prefill engine %r failed: %s", engine_id, exc)
+                self._evict(engine_id)
+                for request_id in request_ids:
+                    del self._expected[request_id]
+                    events.failed.append(Failure.of(request_id, exc))
+
+    def _watchdog(self, now: float, events: ConsumerEvents) -> None:
+        for request_id, expected in list(self._expected.items()):
+            if now >= expected.deadline:
+                del self._expected[request_id]
+                error = RegistrationTimeout(
+                    f"request {request_id}: {expected.received} of {expected.needed} completion notifs from "
+                    f"prefill engine {expected.remote.engine_id!r} within "
+                    f"{self.config.push_registration_timeout_s} s; its blocks hold no valid KV"
+                )
+                log.warning("%s", error)
+                events.failed.append(Failure.of(request_id, error))

@@ -1,0 +1,372 @@
+"""The prefill side of the push connector: match registrations to finished blocks and WRITE them.
+
+Flow per request (vLLM `push_worker`): the engine reports finished blocks (`request_finished`), which are
+held under a lease; the decoder's `PUSH_REG:` registration names its blocks; the producer handshakes the
+decoder's side channel if needed, validates and aligns its metadata (layer-name routing under PP + HMA),
+adds its NIXL agent only then, and WRITEs every layer's blocks with the completion notif
+`f"{D_request_id}:{P_tp_size}"`. Heartbeats extend a lease; an expired lease frees the blocks with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from disagg.worker.connector.push import (
+    Clock,
+    Failure,
+    LocalKV,
+    PushSide,
+    RemoteEngine,
+    as_disagg_error,
+    drain,
+    find_request,
+)
+from disagg.worker.connector.side_channel import PeerHandshake, handshake_targets
+from disagg.worker.connector.transport import PreppedList, Xfer, XferState, merge_runs
+from disagg.worker.kv import wire
+from disagg.worker.kv.decode_checks import LocalRegion, PrefillRank, check_decode_rank
+from disagg.worker.kv.errors import (
+    DisaggError,
+    HandshakeError,
+    RegionGeometryMismatch,
+    TransferFailed,
+)
+from disagg.worker.kv.routing import (
+    BlockIds,
+    DescArray,
+    IdArray,
+    RegionGeometry,
+    compute_desc_ids,
+    expand_logical_blocks,
+    group_arrays,
+    rank_offset_factor,
+    region_capacities,
+    remote_descs,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Held:
+    block_ids: list[IdArray]
+    deadline: float
+    writing: bool = False
+
+
+@dataclass
+class _DecodeRank:
+    """One decode worker this producer writes to: its agent, aligned geometry and prepared descriptors."""
+
+    agent: str
+    geometry: RegionGeometry
+    descs: DescArray
+    prepped: PreppedList
+
+
+@dataclass
+class _DecodeEngine:
+    engine_id: str
+    ranks: list[_DecodeRank]
+    last_active: float
+
+    def peers(self) -> Iterator[tuple[str, PreppedList | None]]:
+        return ((rank.agent, rank.prepped) for rank in self.ranks)
+
+
+@dataclass
+class _Sending:
+    request_id: str
+    engine_id: str
+    xfers: list[Xfer]
+
+
+@dataclass
+class ProducerEvents:
+    """What one `poll()` observed. `sent` and `expired` requests' blocks may be freed by the caller."""
+
+    sent: list[str] = field(default_factory=list)
+    failed: list[Failure] = field(default_factory=list)
+    expired: list[str] = field(default_factory=list)
+    registered: list[str] = field(default_factory=list)
+    """Registrations received (decoder request ids), for observability."""
+
+
+class PushProducer(PushSide[_DecodeEngine]):
+    def __init__(self, local: LocalKV, *, clock: Clock = time.monotonic) -> None:
+        super().__init__(local, clock)
+        self._inbox: queue.SimpleQueue[tuple[str, list[IdArray]]] = queue.SimpleQueue()
+        self._held: dict[str, _Held] = {}
+        # Registration and the time after which it is dropped unmatched: by then the decoder's own watchdog
+        # (the same push_registration_timeout_s) has failed the request, and keeping it would pin the decoder.
+        self._registrations: dict[str, tuple[wire.PushRegistration, float]] = {}
+        self._waiting: dict[str, list[tuple[str, wire.PushRegistration]]] = {}
+        self._sending: list[_Sending] = []
+
+    # -- called by the engine (any thread) ------------------------------------------------------------------
+
+    def request_finished(self, request_id: str, block_ids_per_group: BlockIds) -> None:
+        """The request's KV is complete in these logical blocks (one list per KV cache group)."""
+        self._inbox.put((request_id, group_arrays(block_ids_per_group)))
+
+    # -- called by the owner thread --------------------------------------------------------------------------
+
+    def poll(self) -> ProducerEvents:
+        events = ProducerEvents()
+        now = self._clock()
+        for request_id, blocks in drain(self._inbox):
+            self._held[request_id] = _Held(blocks, now + self.config.kv_lease_duration_s)
+        self._read_notifs(now, events)
+        self._apply_handshakes(now, events)
+        self._match(now, events)
+        self._poll_transfers(now, events)
+        self._expire(now, events)
+        # A decoder whose registration waits for this worker's KV is not idle: it is about to be written to.
+        busy = {s.engine_id for s in self._sending}
+        busy.update(r.decode_engine_id for r, _ in self._registrations.values())
+        self._evict_idle(now, busy)
+        return events
+
+    @property
+    def held_requests(self) -> frozenset[str]:
+        return frozenset(self._held)
+
+    # -- steps -----------------------------------------------------------------------------------------------
+
+    def _read_notifs(self, now: float, events: ProducerEvents) -> None:
+        for sender, message, notif in self._notifs():
+            if isinstance(notif, wire.PushRegistration):
+                deadline = now + self.config.push_registration_timeout_s
+                self._registrations[notif.request_id] = (notif, deadline)
+                events.registered.append(notif.request_id)
+            elif isinstance(notif, wire.HeartbeatNotif):
+                for request_id in notif.req_ids:
+                    held = self._find_held(request_id)
+                    if held is not None:
+                        held.deadline = max(held.deadline, now + self.config.heartbeat_extension_s)
+            else:
+                log.warning("unexpected completion notif %r from %s on a producer", message[:80], sender)
+
+    def _find_held(self, request_id: str) -> _Held | None:
+        held_id = find_request(request_id, self._held)
+        return None if held_id is None else self._held[held_id]
+
+    def _match(self, now: float, events: ProducerEvents) -> None:
+        for decode_request_id, (registration, _) in list(self._registrations.items()):
+            held_id = find_request(decode_request_id, self._held)
+            if held_id is None or self._held[held_id].writing:
+                continue
+            del self._registrations[decode_request_id]
+            self._held[held_id].writing = True
+            engine_id = registration.decode_engine_id
+            if engine_id in self._engines:
+                self._write(held_id, registration, now, events)
+                continue
+            self._waiting.setdefault(engine_id, []).append((held_id, registration))
+            remote = RemoteEngine(
+                engine_id, registration.decode_host, registration.decode_port, registration.decode_tp_size
+            )
+            targets = handshake_targets(self.config.tp_size, self.config.tp_rank, remote.tp_size, 1)
+            self._handshakes.start(remote, targets)
+
+    def _apply_handshakes(self, now: float, events: ProducerEvents) -> None:
+        for engine_id, result in self._handshakes.collect():
+            waiting = self._waiting.pop(engine_id, [])
+            try:
+                if isinstance(result, BaseException):
+                    raise as_disagg_error(result, f"handshake with decode engine {engine_id!r}")
+                decode_tp = waiting[0][1].decode_tp_size if waiting else 1
+                self._connect(engine_id, result, decode_tp, now)
+            except DisaggError as exc:
+                log.warning("decode engine %r refused: %s", engine_id, exc)
+                for held_id, registration in waiting:
+                    self._fail(held_id, registration.request_id, exc, events)
+                continue
+            for held_id, registration in waiting:
+                self._write(held_id, registration, now, events)
+
+    def _connect(self, engine_id: str, peers: Sequence[PeerHandshake], decode_tp: int, now: float) -> None:
+        """Validate and align every decode rank; only when all pass are their NIXL agents added."""
+        planned = [(peer, *plan_decode_rank(self.local, peer.metadata, decode_tp)) for peer in peers]
+        ranks = []
+        try:
+            for peer, geometry, descs in planned:
+                name = self._add_agent(engine_id, peer, "decode")
+                ranks.append(
+                    _DecodeRank(name, geometry, descs, self.transport.prep(name, descs, self.config.mem_type))
+                )
+        except DisaggError:
+            for rank in ranks:
+                self.transport.release_prepped(rank.prepped)
+                self.transport.remove_peer(rank.agent)
+            raise
+        self._engines[engine_id] = _DecodeEngine(engine_id, ranks, now)
+
+    def _write(
+        self, held_id: str, registration: wire.PushRegistration, now: float, events: ProducerEvents
+    ) -> None:
+        engine = self._engines.get(registration.decode_engine_id)
+        if engine is None:
+            self._fail(
+                held_id, registration.request_id, HandshakeError("decode engine is not connected"), events
+            )
+            return
+        engine.last_active = now
+        held = self._held[held_id]
+        notif = wire.encode_completion_notif(registration.request_id, self.config.tp_size)
+        xfers: list[Xfer] = []
+        try:
+            local_ids, decode_blocks = self._local_ids(held.block_ids, registration.local_block_ids)
+            for rank in engine.ranks:
+                remote_ids = desc_ids(self.local, rank.geometry, decode_blocks)
+                if len(remote_ids) != len(local_ids):
+                    raise RegionGeometryMismatch(
+                        f"{len(local_ids)} local blocks against {len(remote_ids)} decode blocks"
+                    )
+                xfers.append(self._post(rank, local_ids, remote_ids, notif))
+        except DisaggError as exc:
+            for xfer in xfers:
+                self.transport.release(xfer)
+            if isinstance(exc, TransferFailed):
+                self._evict(engine.engine_id)
+            self._fail(held_id, registration.request_id, exc, events)
+            return
+        self._sending.append(_Sending(held_id, engine.engine_id, xfers))
+
+    def _post(self, rank: _DecodeRank, local_ids: IdArray, remote_ids: IdArray, notif: bytes) -> Xfer:
+        """One WRITE: runs contiguous on both sides as single descriptors when there are any, else by index
+        into the prepared lists."""
+        local_rows, remote_rows = merge_runs(self.local.descs[local_ids], rank.descs[remote_ids])
+        if len(local_rows) < len(local_ids):
+            return self.transport.write_descs(
+                local_rows, rank.agent, remote_rows, notif, self.config.mem_type
+            )
+        return self.transport.write(self.local.prepped, local_ids, rank.prepped, remote_ids, notif)
+
+    def _local_ids(
+        self, held: list[IdArray], decode_ids: Sequence[Sequence[int]]
+    ) -> tuple[IdArray, list[IdArray]]:
+        if len(decode_ids) != len(held):
+            raise RegionGeometryMismatch(
+                f"the decoder named blocks for {len(decode_ids)} KV cache groups, this worker has {len(held)}"
+            )
+        decode = group_arrays(decode_ids)
+        trimmed = []
+        for g, (mine, theirs) in enumerate(zip(held, decode, strict=True)):
+            if len(theirs) > len(mine):
+                raise RegionGeometryMismatch(
+                    f"group {g}: the decoder asks for {len(theirs)} blocks, the request has {len(mine)}"
+                )
+            # A prefix-cache hit on the decoder leaves it needing only the trailing blocks.
+            trimmed.append(mine[len(mine) - len(theirs) :])
+        return desc_ids(self.local, self.local.geometry, trimmed, source=True), decode
+
+    def _poll_transfers(self, now: float, events: ProducerEvents) -> None:
+        still = []
+        for sending in self._sending:
+            try:
+                states = [self.transport.state(xfer) for xfer in sending.xfers]
+            except TransferFailed as exc:
+                for xfer in sending.xfers:
+                    self.transport.release(xfer)
+                self._evict(sending.engine_id)
+                # The blocks stay held: the lease frees them, as the decoder may still be reading garbage.
+                self._held[sending.request_id].writing = False
+                events.failed.append(Failure.of(sending.request_id, exc))
+                continue
+            if all(state is XferState.DONE for state in states):
+                for xfer in sending.xfers:
+                    self.transport.release(xfer)
+                del self._held[sending.request_id]
+                events.sent.append(sending.request_id)
+                engine = self._engines.get(sending.engine_id)
+                if engine is not None:
+                    engine.last_active = now
+            else:
+                still.append(sending)
+        self._sending = still
+
+    def _fail(self, held_id: str, decode_request_id: str, error: DisaggError, events: ProducerEvents) -> None:
+        log.warning("push of %s to decode request %s failed: %s", held_id, decode_request_id, error)
+        held = self._held.get(held_id)
+        if held is not None:
+            held.writing = False
+        events.failed.append(Failure.of(held_id, error))
+
+    def _expire(self, now: float, events: ProducerEvents) -> None:
+        for decode_request_id, (registration, deadline) in list(self._registrations.items()):
+            if deadline <= now:
+                log.warning(
+                    "Dropping the registration of decode request %s from engine %s: this worker never "
+                    "finished a matching request within push_registration_timeout_s",
+                    decode_request_id,
+                    registration.decode_engine_id,
+                )
+                del self._registrations[decode_request_id]
+        sending = {s.request_id for s in self._sending}
+        for request_id, held in list(self._held.items()):
+            if held.deadline <= now and request_id not in sending:
+                log.warning(
+                    "Releasing expired KV blocks for request %s: no decoder retrieved them before the lease "
+                    "expired",
+                    request_id,
+                )
+                del self._held[request_id]
+                events.expired.append(request_id)
+
+
+def _prefill_rank(local: LocalKV) -> PrefillRank:
+    """`local`, as the decode checks read it."""
+    config = local.config
+    layout = local.layout
+    layers = local.transfer_layers
+    routed = None if layers is None else tuple(zip(layers.names, layers.region_indices, strict=True))
+    return PrefillRank(
+        block_size=layout.block_size,
+        routed_layers=routed,
+        pp_size=layout.pp_size,
+        stage_layers=layout.layers,
+        regions=tuple(LocalRegion(r.name, r.block_len, r.replicated) for r in layout.regions),
+        mem_types=frozenset({config.mem_type}),
+        tp_rank=config.tp_rank,
+        tp_size=config.tp_size,
+        num_kv_heads=config.model.num_kv_heads,
+        is_mla=config.model.is_mla,
+    )
+
+
+def plan_decode_rank(
+    local: LocalKV, meta: wire.NixlAgentMetadata, remote_tp: int
+) -> tuple[RegionGeometry, DescArray]:
+    """Every check that can refuse a decode rank (`decode_checks.check_decode_rank`), and its destination
+    descriptors; no NIXL call."""
+    config = local.config
+    aligned, local_regions = check_decode_rank(_prefill_rank(local), meta, remote_tp)
+    offset_factor = rank_offset_factor(
+        config.tp_rank, config.tp_size, remote_tp, config.model.num_kv_heads, config.model.is_mla
+    )
+    descs = remote_descs(
+        aligned,
+        local.geometry,
+        local_regions=local_regions,
+        replicated=local.layout.region_replicated,
+        rank_offset_factor=offset_factor,
+    )
+    return aligned, descs
+
+
+def desc_ids(
+    local: LocalKV, geometry: RegionGeometry, block_ids: list[IdArray], *, source: bool = False
+) -> IdArray:
+    """Descriptor ids of `block_ids` (logical, per group) in `geometry`: this worker's own (`source`) or an
+    aligned decode rank's."""
+    kernel = expand_logical_blocks(block_ids, geometry.physical_blocks_per_logical_kv_block)
+    layers = local.transfer_layers
+    if layers is not None:
+        caps = layers.capacities(geometry) if source else region_capacities(geometry)
+        return compute_desc_ids(kernel, caps, transfer_group_ids=layers.group_ids)
+    return compute_desc_ids(kernel, region_capacities(geometry), region_group_ids=geometry.region_group_ids)

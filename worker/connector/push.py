@@ -1,0 +1,325 @@
+"""What the push connector's producer and consumer share: configuration, identity, the local KV registration
+and the bookkeeping of connected peer engines (`PushSide`).
+
+The connector has two single-threaded state machines, `PushProducer` (prefill, `producer.py`) and
+`PushConsumer` (decode, `consumer.py`). Their public methods that take work (`request_finished`,
+`expect`) only enqueue and may be called from any thread; every NIXL call happens inside `poll()`, so the
+thread that calls `poll()` owns the agent (NIXL is not thread-safe). Side-channel handshakes (ZMQ and
+decoding, no NIXL) run on one background thread, and their results are applied by `poll()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import re
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
+
+from disagg.worker.connector.side_channel import DEFAULT_HANDSHAKE_TIMEOUT_S, PeerHandshake, handshake
+from disagg.worker.connector.transport import LOCAL_AGENT, NixlTransport, PreppedList
+from disagg.worker.kv import rules, wire
+from disagg.worker.kv.errors import DisaggError, HandshakeError
+from disagg.worker.kv.layout import ModelGeometry, StageLayout
+from disagg.worker.kv.routing import RegionGeometry, TransferLayers, local_descs
+
+log = logging.getLogger(__name__)
+
+_RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+
+
+def base_request_id(request_id: str) -> str:
+    """vLLM's `get_base_request_id`: the id without the random `-<8 hex>` suffix an engine appends."""
+    return _RANDOM_SUFFIX.sub("", request_id)
+
+
+def find_request(request_id: str, ids: Collection[str]) -> str | None:
+    """`request_id` if `ids` holds it, else the first id equal to it up to an engine's random suffix."""
+    if request_id in ids:
+        return request_id
+    base = base_request_id(request_id)
+    return next((other for other in ids if base_request_id(other) == base), None)
+
+
+def agent_name(engine_id: str, pp_rank: int, tp_rank: int) -> str:
+    """A NIXL agent name unique per (engine, PP rank, TP rank); a restarted worker reuses its name."""
+    return f"{engine_id}/pp{pp_rank}/tp{tp_rank}"
+
+
+@dataclass(frozen=True)
+class PushConfig:
+    """One worker's connector settings (vLLM `kv_connector_extra_config` names where one exists)."""
+
+    engine_id: str
+    model: ModelGeometry
+    side_channel_host: str
+    side_channel_port: int
+    compat_hash: str | None
+    """None disables the hash check (vLLM `enforce_handshake_compat=false`)."""
+    compat_factors: Mapping[str, Any] | None = None
+    """When given, a hash mismatch names the differing factor."""
+    tp_rank: int = 0
+    tp_size: int = 1
+    attn_backend_name: str = "FLASH_ATTN"
+    mem_type: str = "DRAM"
+    device_id: int = 0
+    kv_lease_duration_s: float = 30.0
+    push_registration_timeout_s: float = 480.0
+    engine_ttl_s: float = 3600.0
+    handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        return self.kv_lease_duration_s / 6
+
+    @property
+    def heartbeat_extension_s(self) -> float:
+        return self.kv_lease_duration_s * 2 / 3
+
+
+@dataclass(frozen=True)
+class RemoteEngine:
+    """How to reach a peer engine's side channel, and its parallel layout."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int = 1
+    pp_size: int = 1
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A request the connector gave up on, with a CamelCase reason (the errors module's) and a message."""
+
+    request_id: str
+    reason: str
+    message: str
+
+    @classmethod
+    def of(cls, request_id: str, error: DisaggError) -> Failure:
+        return cls(request_id, error.reason, error.message)
+
+
+class LocalKV:
+    """This worker's KV pool: registered once with NIXL, described to peers, prepared for transfers."""
+
+    def __init__(
+        self,
+        layout: StageLayout,
+        transport: NixlTransport,
+        base_addr: int,
+        nbytes: int,
+        config: PushConfig,
+        *,
+        layer_routing: bool | None = None,
+    ) -> None:
+        """`layer_routing=None` applies vLLM's rule (push, HMA or packed, no Mamba, PP > 1); True forces
+        routing by layer name on any stage that tracks region layers."""
+        if nbytes < layout.total_bytes:
+            raise ValueError(f"the pool has {nbytes} bytes, the layout needs {layout.total_bytes}")
+        self.layout = layout
+        self.config = config
+        self.transport = transport
+        self.packed = layout.kv_cache_layout == "BLHNC"
+        model = config.model
+        # vLLM `_tracks_region_layers` and `_requires_layer_name_routing` (push connector).
+        self.tracks_region_layers = (model.hma_required or self.packed) and not model.has_mamba
+        self.layer_routing = rules.requires_layer_name_routing(
+            rules.PUSH, model.hma_required, self.packed, model.has_mamba, layout.pp_size
+        )
+        if layer_routing is not None:
+            if layer_routing and not self.tracks_region_layers:
+                raise ValueError(
+                    "layer-name routing needs a layout that tracks region layers (HMA or packed)"
+                )
+            self.layer_routing = layer_routing
+        transport.register(base_addr, nbytes, config.mem_type, config.device_id)
+        self.geometry = RegionGeometry.from_layout(
+            layout,
+            base_addr=base_addr,
+            device_id=config.device_id,
+            mem_type=config.mem_type,
+            advertise_members=self.tracks_region_layers,
+        )
+        self.transfer_layers = TransferLayers.from_layout(layout) if self.layer_routing else None
+        order = None if self.transfer_layers is None else list(self.transfer_layers.region_indices)
+        self.descs = local_descs(self.geometry, regions=order)
+        """Nx3 source descriptors: one per kernel block of each region (of each transfer layer if routing)."""
+        self._prepped: PreppedList | None = None
+
+    @property
+    def agent(self) -> str:
+        name: str = self.transport.name
+        return name
+
+    @property
+    def prepped(self) -> PreppedList:
+        """Local source descriptors, prepared on first use (by the thread that owns the agent)."""
+        if self._prepped is None:
+            self._prepped = self.transport.prep(LOCAL_AGENT, self.descs, self.config.mem_type)
+        return self._prepped
+
+    def metadata(self) -> wire.NixlAgentMetadata:
+        g = self.geometry
+        return wire.NixlAgentMetadata(
+            engine_id=self.config.engine_id,
+            agent_metadata=self.transport.metadata(),
+            kv_caches_base_addr=g.kv_caches_base_addr,
+            device_id=g.device_id,
+            num_blocks=g.num_blocks,
+            block_lens=g.block_lens,
+            block_strides=g.block_strides,
+            kv_cache_layout=self.layout.kv_cache_layout,
+            block_size=g.block_size,
+            ssm_sizes=(0, 0),
+            attn_backend_name=self.config.attn_backend_name,
+            physical_blocks_per_logical_kv_block=g.physical_blocks_per_logical_kv_block,
+            region_num_blocks=g.region_num_blocks,
+            region_group_ids=g.region_group_ids,
+            region_names=g.region_names,
+            region_mem_types=g.region_mem_types,
+            region_members=g.region_members,
+        )
+
+    def handshake_payload(self) -> bytes:
+        """Reply frame 0 for this worker's `(pp_rank, tp_rank)` on the engine's side channel."""
+        payload: bytes = wire.encode_handshake_payload(self.metadata(), self.config.compat_hash or "")
+        return payload
+
+
+@dataclass
+class HandshakeJobs:
+    """Side-channel handshakes on one background thread; `poll()` collects finished ones."""
+
+    config: PushConfig
+    _pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="disagg-handshake")
+    )
+    _running: dict[str, Future[list[PeerHandshake]]] = field(default_factory=dict)
+
+    def start(self, remote: RemoteEngine, targets: Sequence[tuple[int, int]]) -> None:
+        if remote.engine_id in self._running:
+            return
+        self._running[remote.engine_id] = self._pool.submit(
+            handshake,
+            remote.host,
+            remote.port,
+            targets,
+            expected_hash=self.config.compat_hash,
+            expected_engine_id=remote.engine_id,
+            local_factors=self.config.compat_factors,
+            timeout_s=self.config.handshake_timeout_s,
+        )
+
+    def running(self, engine_id: str) -> bool:
+        return engine_id in self._running
+
+    def collect(self) -> list[tuple[str, list[PeerHandshake] | BaseException]]:
+        done = []
+        for engine_id, future in list(self._running.items()):
+            if future.done():
+                del self._running[engine_id]
+                exc = future.exception()
+                done.append((engine_id, exc if exc is not None else future.result()))
+        return done
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def as_disagg_error(exc: BaseException, what: str) -> DisaggError:
+    """Typed errors pass through; anything else (a bug or an OS error) is wrapped with its type named."""
+    if isinstance(exc, DisaggError):
+        return exc
+    return DisaggError(f"{what}: {type(exc).__name__}: {exc}", reason="HandshakeFailed")
+
+
+Clock = Callable[[], float]
+
+T = TypeVar("T")
+
+
+def drain(inbox: queue.SimpleQueue[T]) -> Iterator[T]:
+    """What other threads enqueued, without blocking."""
+    while True:
+        try:
+            yield inbox.get_nowait()
+        except queue.Empty:
+            return
+
+
+class PeerEngine(Protocol):
+    """A connected peer engine as `PushSide` keeps it."""
+
+    last_active: float
+
+    def peers(self) -> Iterable[tuple[str, PreppedList | None]]:
+        """Each NIXL agent added for the engine, with the descriptors prepared for it, if any."""
+        ...
+
+
+E = TypeVar("E", bound=PeerEngine)
+
+
+class PushSide(Generic[E]):
+    """What the producer and the consumer keep alike: the handshake thread, the connected peer engines
+    (added and evicted the same way) and the notif stream."""
+
+    def __init__(self, local: LocalKV, clock: Clock) -> None:
+        self.local = local
+        self.config = local.config
+        self.transport = local.transport
+        self._clock = clock
+        self._engines: dict[str, E] = {}
+        self._handshakes = HandshakeJobs(self.config)
+
+    def close(self) -> None:
+        self._handshakes.close()
+        for engine_id in list(self._engines):
+            self._evict(engine_id)
+
+    def _notifs(self) -> Iterator[tuple[str, bytes, wire.Notif]]:
+        """Every notif received since the last call; an unreadable one is logged and skipped."""
+        for sender, messages in self.transport.notifs().items():
+            for message in messages:
+                try:
+                    notif = wire.parse_notif(message)
+                except DisaggError as exc:
+                    log.warning("ignoring an unreadable notif from %s: %s", sender, exc)
+                    continue
+                yield sender, message, notif
+
+    def _add_agent(self, engine_id: str, peer: PeerHandshake, role: str) -> str:
+        """Add the NIXL agent of one rank of `engine_id`; refuse one not named for that rank."""
+        name = agent_name(engine_id, peer.pp_rank, peer.tp_rank)
+        # A restarted peer keeps its agent name; its old connection info must go first.
+        self.transport.remove_peer(name)
+        loaded = self.transport.add_peer(peer.metadata.agent_metadata)
+        if loaded != name:
+            self.transport.remove_peer(loaded)
+            raise HandshakeError(
+                f"{role} rank (pp {peer.pp_rank}, tp {peer.tp_rank}) of {engine_id!r} runs NIXL "
+                f"agent {loaded!r}, expected {name!r}"
+            )
+        return name
+
+    def _evict_idle(self, now: float, busy: set[str]) -> None:
+        for engine_id, engine in list(self._engines.items()):
+            if engine_id not in busy and now - engine.last_active > self.config.engine_ttl_s:
+                log.info("evicting engine %r after %.0f s idle", engine_id, now - engine.last_active)
+                self._evict(engine_id)
+
+    def _evict(self, engine_id: str) -> None:
+        engine = self._engines.pop(engine_id, None)
+        if engine is None:
+            return
+        for agent, prepped in engine.peers():
+            try:
+                if prepped is not None:
+                    self.transport.release_prepped(prepped)
+                self.transport.remove_peer(agent)
+            except DisaggError as exc:
+                log.warning("while evicting %s: %s", agent, exc)

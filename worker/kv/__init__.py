@@ -1,0 +1,5 @@
+"""The pure core: KV layout, vLLM's wire format, layer-name routing, rules, decode checks, typed errors.
+
+Nothing here imports torch or NIXL, does I/O or reads a clock, so the operator can run the same rules and
+build the same layouts before any pod exists.
+"""

@@ -1,0 +1,50 @@
+"""What the operator's builders put on an engine pod and the KV worker reads back from it. Pure constants.
+
+The operator builds pods with these names (`disagg.operator.builders`) and the worker finds its peers, its
+configuration and its readiness condition by them (`peer_check`, `sidecar.config`, `pod_report`); both import
+them from here so a renamed label or variable cannot leave one side behind. The operator may import this
+module; it must stay free of I/O and of imports.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# Labels on every engine pod: the peers of a sidecar are the pods of its deployment with the other role.
+DEPLOYMENT_LABEL: Final = "disagg.io/deployment"
+ROLE_LABEL: Final = "disagg.io/role"
+
+# The sidecar container, and the port NIXL's handshake side channel listens on (in whichever container moves
+# the KV: the engine for vLLM images, otherwise the sidecar).
+SIDECAR_CONTAINER: Final = "kv-worker"
+SIDE_CHANNEL_PORT_NAME: Final = "side-channel"
+DEFAULT_SIDE_CHANNEL_PORT: Final = 5600
+
+# The Pod condition the sidecar writes and the pod's readiness gate waits on.
+POD_CONDITION: Final = "disagg.io/kv-transfer-ready"
+
+# The pod's identity, from the downward API.
+POD_NAME_ENV: Final = "POD_NAME"
+POD_NAMESPACE_ENV: Final = "POD_NAMESPACE"
+POD_UID_ENV: Final = "POD_UID"
+POD_IP_ENV: Final = "POD_IP"
+NODE_NAME_ENV: Final = "NODE_NAME"
+
+# The sidecar's configuration (`sidecar.config` documents each); the first group the builders set.
+DEPLOYMENT_ENV: Final = "DISAGG_DEPLOYMENT"
+ROLE_ENV: Final = "DISAGG_ROLE"
+PIPELINE_PARALLEL_SIZE_ENV: Final = "DISAGG_PIPELINE_PARALLEL_SIZE"
+TENSOR_PARALLEL_SIZE_ENV: Final = "DISAGG_TENSOR_PARALLEL_SIZE"
+BLOCK_SIZE_ENV: Final = "DISAGG_BLOCK_SIZE"
+SIDE_CHANNEL_PORT_ENV: Final = "DISAGG_SIDE_CHANNEL_PORT"
+TOPOLOGY_FILE_ENV: Final = "DISAGG_TOPOLOGY_FILE"
+COMPATIBILITY_HASH_ENV: Final = "DISAGG_COMPATIBILITY_HASH"
+METRICS_PORT_ENV: Final = "DISAGG_METRICS_PORT"
+KV_POOL_ENV: Final = "DISAGG_KV_POOL"
+ENGINE_ID_ENV: Final = "DISAGG_ENGINE_ID"
+PP_RANK_ENV: Final = "DISAGG_PP_RANK"
+TP_RANK_ENV: Final = "DISAGG_TP_RANK"
+SIDE_CHANNEL_HOST_ENV: Final = "DISAGG_SIDE_CHANNEL_HOST"
+ENGINE_SOCKET_ENV: Final = "DISAGG_ENGINE_SOCKET"
+METRICS_HOST_ENV: Final = "DISAGG_METRICS_HOST"
+LOG_LEVEL_ENV: Final = "DISAGG_LOG_LEVEL"

@@ -1,0 +1,573 @@
+"""Layer-name routing of KV blocks between a PP prefill stage and a decoder (vLLM PR #50494), vectorised.
+
+Pure: numpy only, no torch, nixl, I/O or clock. `vllm-nixl-push-connector.md` §2.1, §2.2 and §2.4.
+
+- `TransferLayers`: the flattened transfer layers of a stage (a pooled region repeats once per member),
+  their region indices and KV cache group ids.
+- `align_remote_regions`: reorder and subset every per-region field of a peer's metadata to the local
+  transfer-layer order. Works on any object with the `NixlAgentMetadata` attribute names (`RegionMetadata`):
+  the wire struct or `RegionGeometry`; it returns a new object of the same type.
+- Descriptor ids from cumulative per-region capacities (layer routing, single-group regions, group-mapped
+  regions, the legacy `r * num_blocks + b`), each side with its own capacities.
+- Descriptor geometry: the (addr, len, dev) arrays the transport prepares as NIXL dlists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from disagg.worker.kv.errors import BlockIdOutOfRange, LayoutError, MissingLayers, RegionGeometryMismatch
+from disagg.worker.kv.layout import StageLayout
+
+IdArray = npt.NDArray[np.int64]
+DescArray = npt.NDArray[np.uint64]
+BlockIds = Sequence[Sequence[int] | npt.NDArray[np.integer[Any]]]
+"""One block-id list per KV cache group (vLLM's `BlockIds`)."""
+
+
+class RegionMetadata(Protocol):
+    """The per-region part of `NixlAgentMetadata` (v12) that routing reads. Satisfied by the wire struct."""
+
+    @property
+    def kv_caches_base_addr(self) -> Sequence[int]: ...
+    @property
+    def device_id(self) -> int: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def block_lens(self) -> Sequence[int]: ...
+    @property
+    def block_strides(self) -> Sequence[int]: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def physical_blocks_per_logical_kv_block(self) -> int: ...
+    @property
+    def region_num_blocks(self) -> Sequence[int] | None: ...
+    @property
+    def region_group_ids(self) -> Sequence[int] | None: ...
+    @property
+    def region_names(self) -> Sequence[str] | None: ...
+    @property
+    def region_mem_types(self) -> Sequence[str] | None: ...
+    @property
+    def region_members(self) -> Sequence[Sequence[str]]: ...
+
+
+M = TypeVar("M", bound=RegionMetadata)
+
+_REQUIRED_FIELDS = ("kv_caches_base_addr", "block_lens", "block_strides")
+_OPTIONAL_FIELDS = ("region_num_blocks", "region_group_ids", "region_names", "region_mem_types")
+
+
+@dataclass(frozen=True)
+class RegionGeometry:
+    """The routing-relevant fields of `NixlAgentMetadata`, with the same names, as a plain frozen value."""
+
+    kv_caches_base_addr: list[int]
+    device_id: int
+    num_blocks: int
+    block_lens: list[int]
+    block_strides: list[int]
+    block_size: int
+    physical_blocks_per_logical_kv_block: int = 1
+    region_num_blocks: list[int] | None = None
+    region_group_ids: list[int] | None = None
+    region_names: list[str] | None = None
+    region_mem_types: list[str] | None = None
+    region_members: list[list[str]] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def from_metadata(cls, meta: RegionMetadata) -> RegionGeometry:
+        def opt(values: Sequence[Any] | None) -> list[Any] | None:
+            return None if values is None else list(values)
+
+        return cls(
+            kv_caches_base_addr=list(meta.kv_caches_base_addr),
+            device_id=meta.device_id,
+            num_blocks=meta.num_blocks,
+            block_lens=list(meta.block_lens),
+            block_strides=list(meta.block_strides),
+            block_size=meta.block_size,
+            physical_blocks_per_logical_kv_block=meta.physical_blocks_per_logical_kv_block,
+            region_num_blocks=opt(meta.region_num_blocks),
+            region_group_ids=opt(meta.region_group_ids),
+            region_names=opt(meta.region_names),
+            region_mem_types=opt(meta.region_mem_types),
+            region_members=[list(members) for members in meta.region_members],
+        )
+
+    @classmethod
+    def from_layout(
+        cls, layout: StageLayout, *, base_addr: int, device_id: int, mem_type: str, advertise_members: bool
+    ) -> RegionGeometry:
+        """What a worker with `layout`, registered at `base_addr`, advertises. vLLM fills `region_members`
+        only when it tracks region layers (push, HMA or packed, no Mamba): `advertise_members`."""
+        return cls(
+            kv_caches_base_addr=[base_addr + offset for offset in layout.base_offsets],
+            device_id=device_id,
+            num_blocks=layout.num_blocks,
+            block_lens=layout.block_lens,
+            block_strides=layout.block_strides,
+            block_size=layout.block_size,
+            physical_blocks_per_logical_kv_block=layout.physical_blocks_per_logical,
+            region_num_blocks=layout.region_num_blocks,
+            region_group_ids=layout.region_group_ids,
+            region_names=layout.region_names,
+            region_mem_types=[mem_type] * len(layout.regions),
+            region_members=layout.region_members if advertise_members else [],
+        )
+
+
+def _replace(meta: M, changes: dict[str, Any]) -> M:
+    """A copy of `meta` with `changes`, for a msgspec Struct (the wire type) or a dataclass."""
+    if isinstance(meta, msgspec.Struct):
+        return msgspec.structs.replace(meta, **changes)
+    if dataclasses.is_dataclass(meta) and not isinstance(meta, type):
+        return dataclasses.replace(meta, **changes)
+    raise TypeError(f"cannot copy region metadata of type {type(meta).__name__}")
+
+
+def region_capacities(meta: RegionMetadata) -> list[int]:
+    """Per-region capacity in kernel blocks; peers before v11 advertise one `num_blocks` for all regions."""
+    if meta.region_num_blocks is not None:
+        return list(meta.region_num_blocks)
+    return [meta.num_blocks] * len(meta.kv_caches_base_addr)
+
+
+@dataclass(frozen=True)
+class TransferLayers:
+    """The flattened transfer layers of a worker, in region order (vLLM's `_transfer_layer_*`)."""
+
+    names: tuple[str, ...]
+    region_indices: tuple[int, ...]
+    """Local region of each layer; a pooled region repeats once per member layer."""
+    group_ids: tuple[int, ...]
+    """Transfer-group index of each layer (`transfer_group_index_by_layer`)."""
+
+    @classmethod
+    def from_regions(
+        cls, region_members: Sequence[Sequence[str]], group_index_by_layer: Mapping[str, int]
+    ) -> TransferLayers:
+        seen: dict[str, int] = {}
+        names: list[str] = []
+        regions: list[int] = []
+        for region, members in enumerate(region_members):
+            for name in members:
+                if name in seen:
+                    raise LayoutError(f"layer {name} maps to regions {seen[name]} and {region}")
+                seen[name] = region
+                names.append(name)
+                regions.append(region)
+        ungrouped = [name for name in names if name not in group_index_by_layer]
+        if ungrouped:
+            raise LayoutError(f"layers {ungrouped} belong to no KV cache group")
+        return cls(tuple(names), tuple(regions), tuple(group_index_by_layer[n] for n in names))
+
+    @classmethod
+    def from_layout(cls, layout: StageLayout) -> TransferLayers:
+        return cls.from_regions(layout.region_members, layout.group_index_by_layer)
+
+    def capacities(self, meta: RegionMetadata) -> list[int]:
+        """The local per-transfer-layer capacities (`xfer_region_num_blocks`)."""
+        per_region = region_capacities(meta)
+        return [per_region[r] for r in self.region_indices]
+
+
+def _check_region_lists(meta: RegionMetadata) -> int:
+    lengths = {name: len(getattr(meta, name)) for name in (*_REQUIRED_FIELDS, "region_members")}
+    lengths.update(
+        {name: len(getattr(meta, name)) for name in _OPTIONAL_FIELDS if getattr(meta, name) is not None}
+    )
+    if len(set(lengths.values())) != 1:
+        raise RegionGeometryMismatch(f"remote per-region lists differ in length: {lengths}")
+    return lengths["kv_caches_base_addr"]
+
+
+def select_regions(meta: M, regions: Sequence[int]) -> M:
+    """`meta` with every per-region field reordered/subset to `regions` (which may repeat)."""
+    changes: dict[str, Any] = {}
+    for name in (*_REQUIRED_FIELDS, *_OPTIONAL_FIELDS):
+        values = getattr(meta, name)
+        if values is not None:
+            changes[name] = [values[r] for r in regions]
+    if meta.region_members:
+        changes["region_members"] = [list(meta.region_members[r]) for r in regions]
+    return _replace(meta, changes)
+
+
+def align_remote_regions(meta: M, local_layers: Sequence[str]) -> M:
+    """The remote metadata re-expressed as one region per local transfer layer, in local order.
+
+    Layers the remote has but this stage does not own (other PP stages) are dropped; a local layer the remote
+    lacks, a layer advertised twice or no `region_members` at all is refused (never falling back to index
+    routing). The result advertises `region_members = [[name] ...]`, so aligning it again changes nothing.
+    """
+    if not meta.region_members:
+        raise MissingLayers(
+            "the remote advertised no region_members, so its regions cannot be routed by layer name; "
+            "the peer must run the push connector with layer tracking (connector version 12 or later)"
+        )
+    _check_region_lists(meta)
+    region_by_layer: dict[str, int] = {}
+    duplicates: list[str] = []
+    for region, members in enumerate(meta.region_members):
+        for name in members:
+            if name in region_by_layer:
+                duplicates.append(name)
+            region_by_layer[name] = region
+    if duplicates:
+        raise MissingLayers(f"the remote advertises layers more than once: {sorted(set(duplicates))}")
+    missing = [name for name in local_layers if name not in region_by_layer]
+    if missing:
+        raise MissingLayers(f"the remote does not advertise local transfer layers {missing}")
+    aligned = select_regions(meta, [region_by_layer[name] for name in local_layers])
+    return _replace(
+        aligned,
+        {"region_names": list(local_layers), "region_members": [[name] for name in local_layers]},
+    )
+
+
+def slice_pp_regions(meta: M, *, start_layer: int, num_local_layers: int, num_local_regions: int) -> M:
+    """The non-HMA PP path (#45880): a stage's regions are a contiguous run of the decoder's, at
+    `regions_per_layer * start_layer`. It assumes a uniform region count per layer."""
+    if num_local_layers < 1 or num_local_regions % num_local_layers:
+        raise RegionGeometryMismatch(
+            f"{num_local_regions} local regions are not a whole number per layer "
+            f"for {num_local_layers} layers"
+        )
+    total = _check_region_lists(meta) if meta.region_members else len(meta.kv_caches_base_addr)
+    start = num_local_regions // num_local_layers * start_layer
+    if start + num_local_regions > total:
+        raise RegionGeometryMismatch(
+            f"the remote has {total} regions, fewer than the {start + num_local_regions} this stage addresses"
+        )
+    return select_regions(meta, range(start, start + num_local_regions))
+
+
+# ---- descriptor ids --------------------------------------------------------------------------------------
+
+
+def cumulative_offsets(capacities: Sequence[int]) -> IdArray:
+    """First descriptor id of each region: the running sum of the capacities before it."""
+    caps = np.asarray(capacities, dtype=np.int64)
+    offsets = np.zeros(len(caps), dtype=np.int64)
+    np.cumsum(caps[:-1], out=offsets[1:])
+    return offsets
+
+
+def group_arrays(block_ids: BlockIds) -> list[IdArray]:
+    """Block ids per KV cache group as int64 arrays, the form every descriptor-id function works on."""
+    return [np.asarray(ids, dtype=np.int64) for ids in block_ids]
+
+
+def _check_capacity(groups: list[IdArray], caps: IdArray, group_of_region: Sequence[Sequence[int]]) -> None:
+    """Every id used in region r must be below its capacity (vectorised per group, not per block)."""
+    for g, ids in enumerate(groups):
+        if ids.size == 0:
+            continue
+        regions = group_of_region[g]
+        if not regions:
+            continue
+        low, high = int(ids.min()), int(ids.max())
+        limit = int(caps[list(regions)].min())
+        if low < 0 or high >= limit:
+            raise BlockIdOutOfRange(
+                f"group {g} has block ids in [{low}, {high}] but its regions hold only {limit} blocks"
+            )
+
+
+def expand_logical_blocks(block_ids: BlockIds, physical_per_logical: int) -> list[IdArray]:
+    """Logical to kernel block ids, `b -> b * n + [0 .. n-1]` (vLLM `_logical_to_kernel_block_ids`)."""
+    groups = group_arrays(block_ids)
+    if physical_per_logical == 1:
+        return groups
+    step = np.arange(physical_per_logical, dtype=np.int64)
+    return [(ids[:, None] * physical_per_logical + step).reshape(-1) for ids in groups]
+
+
+def layer_routed_desc_ids(
+    block_ids: BlockIds, capacities: Sequence[int], group_ids: Sequence[int]
+) -> IdArray:
+    """Layer-name routing: `concat_k (offset[k] + block_ids[group[k]])` over the transfer layers.
+
+    `capacities` and `group_ids` are per transfer layer (local: `TransferLayers.capacities`; remote: the
+    aligned metadata's `region_num_blocks`). Layer k's ids on both sides are the same group's list, so local
+    and remote id arrays pair block by block as long as both sides' group lists have equal lengths.
+    """
+    if len(capacities) != len(group_ids):
+        raise RegionGeometryMismatch(f"{len(capacities)} capacities for {len(group_ids)} transfer layers")
+    groups = group_arrays(block_ids)
+    caps = np.asarray(capacities, dtype=np.int64)
+    layers_of_group: list[list[int]] = [[] for _ in groups]
+    for k, g in enumerate(group_ids):
+        if not 0 <= g < len(groups):
+            raise RegionGeometryMismatch(
+                f"transfer layer {k} is in group {g}, but {len(groups)} lists were given"
+            )
+        layers_of_group[g].append(k)
+    _check_capacity(groups, caps, layers_of_group)
+    offsets = cumulative_offsets(capacities)
+    if not len(offsets):
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([offsets[k] + groups[g] for k, g in enumerate(group_ids)])
+
+
+def region_desc_ids(block_ids: BlockIds, capacities: Sequence[int]) -> IdArray:
+    """Region-index routing without group mapping: every region gets every group's blocks.
+
+    Right for one group, and for vLLM's legacy HMA assumption that every slot holds one layer of each group.
+    """
+    groups = group_arrays(block_ids)
+    caps = np.asarray(capacities, dtype=np.int64)
+    _check_capacity(groups, caps, [range(len(caps))] * len(groups))
+    all_blocks = np.concatenate(groups) if groups else np.zeros(0, dtype=np.int64)
+    offsets = cumulative_offsets(capacities)
+    return (offsets[:, None] + all_blocks[None, :]).reshape(-1)
+
+
+def uses_region_group_mapping(region_group_ids: Sequence[int] | None) -> bool:
+    """vLLM maps groups to regions when the regions name more than one distinct group id."""
+    return region_group_ids is not None and len(set(region_group_ids)) > 1
+
+
+def group_mapped_desc_ids(
+    block_ids: BlockIds, capacities: Sequence[int], region_group_ids: Sequence[int]
+) -> IdArray:
+    """Group-mapped regions: for each group g, regions of g or shared (-1) get `offset[r] + block_ids[g]`."""
+    if len(capacities) != len(region_group_ids):
+        raise RegionGeometryMismatch(
+            f"{len(capacities)} capacities for {len(region_group_ids)} region group ids"
+        )
+    groups = group_arrays(block_ids)
+    caps = np.asarray(capacities, dtype=np.int64)
+    gids = np.asarray(region_group_ids, dtype=np.int64)
+    regions_of_group = [np.flatnonzero((gids == g) | (gids < 0)).tolist() for g in range(len(groups))]
+    _check_capacity(groups, caps, regions_of_group)
+    offsets = cumulative_offsets(capacities)
+    parts = [
+        (offsets[regions][:, None] + groups[g][None, :]).reshape(-1)
+        for g, regions in enumerate(regions_of_group)
+        if regions
+    ]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def legacy_desc_ids(block_ids: Sequence[int], num_regions: int, num_blocks: int) -> IdArray:
+    """vLLM v0.11's single-group formula, region-major: `r * num_blocks + b`."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        raise BlockIdOutOfRange(f"block ids in [{ids.min()}, {ids.max()}] exceed capacity {num_blocks}")
+    return (np.arange(num_regions, dtype=np.int64)[:, None] * num_blocks + ids[None, :]).reshape(-1)
+
+
+def compute_desc_ids(
+    block_ids: BlockIds,
+    capacities: Sequence[int],
+    *,
+    transfer_group_ids: Sequence[int] | None = None,
+    region_group_ids: Sequence[int] | None = None,
+) -> IdArray:
+    """vLLM's `_compute_desc_ids` dispatch for attention caches.
+
+    With `transfer_group_ids` (layer-name routing) `capacities` are per transfer layer; otherwise per region,
+    with group mapping when `region_group_ids` name more than one group.
+    """
+    if transfer_group_ids is not None:
+        return layer_routed_desc_ids(block_ids, capacities, transfer_group_ids)
+    if region_group_ids is not None and uses_region_group_mapping(region_group_ids):
+        return group_mapped_desc_ids(block_ids, capacities, region_group_ids)
+    return region_desc_ids(block_ids, capacities)
+
+
+# ---- descriptor geometry ---------------------------------------------------------------------------------
+
+
+def _descs(addrs: IdArray, length: IdArray, device: int) -> DescArray:
+    out = np.empty((len(addrs), 3), dtype=np.uint64)
+    out[:, 0] = addrs
+    out[:, 1] = length
+    out[:, 2] = device
+    return out
+
+
+def local_descs(
+    meta: RegionMetadata, *, regions: Sequence[int] | None = None, block_size_ratio: int = 1
+) -> DescArray:
+    """Local source descriptors (vLLM `_build_fa_local`): Nx3 `(addr, len, dev)`.
+
+    For each region in `regions` (default: every region; under layer routing `TransferLayers.region_indices`)
+    and each kernel block b and sub-block s < `block_size_ratio`:
+    `addr = base + b * stride + s * block_len / ratio`, `len = block_len / ratio`. Descriptor id order
+    matches `compute_desc_ids` with capacities multiplied by the ratio.
+    """
+    order = range(len(meta.kv_caches_base_addr)) if regions is None else regions
+    caps = region_capacities(meta)
+    parts: list[DescArray] = []
+    for r in order:
+        sub_len = meta.block_lens[r] // block_size_ratio
+        blocks = np.arange(caps[r], dtype=np.int64)[:, None] * meta.block_strides[r]
+        subs = np.arange(block_size_ratio, dtype=np.int64)[None, :] * sub_len
+        addrs = (meta.kv_caches_base_addr[r] + blocks + subs).reshape(-1)
+        parts.append(_descs(addrs, np.full(len(addrs), sub_len, dtype=np.int64), meta.device_id))
+    return np.concatenate(parts) if parts else np.zeros((0, 3), dtype=np.uint64)
+
+
+def remote_descs(
+    remote: RegionMetadata,
+    local: RegionMetadata,
+    *,
+    local_regions: Sequence[int] | None = None,
+    replicated: Sequence[bool] | None = None,
+    block_size_ratio: int = 1,
+    num_reads: int = 1,
+    rank_offset_factor: int = 0,
+) -> DescArray:
+    """Remote destination descriptors (vLLM `_build_fa_remote`): Nx3 `(addr, len, dev)`.
+
+    Remote region i pairs with local region `local_regions[i]` (the transfer-layer region under layer
+    routing, else i). A replicated (MLA) local region takes the whole block; otherwise this rank takes
+    `len = local_len / num_reads` at `rank_offset_factor * local_len / ratio` inside the remote block, which
+    is a contiguous head slice because heads are outermost in a block (LBHNC). `replicated` is per local
+    region (`StageLayout.region_replicated`); None means no MLA region.
+    """
+    pairs = range(len(remote.kv_caches_base_addr)) if local_regions is None else local_regions
+    if len(pairs) != len(remote.kv_caches_base_addr):
+        raise RegionGeometryMismatch(
+            f"{len(remote.kv_caches_base_addr)} remote regions for {len(pairs)} local transfer regions"
+        )
+    caps = region_capacities(remote)
+    parts: list[DescArray] = []
+    for i, r in enumerate(pairs):
+        local_len = local.block_lens[r]
+        kv_block_len = local_len // block_size_ratio
+        if block_size_ratio > 1:
+            local_len = kv_block_len
+        reads, offset = (
+            (1, 0)
+            if replicated is not None and replicated[r]
+            else (num_reads, rank_offset_factor * kv_block_len)
+        )
+        addrs = (
+            remote.kv_caches_base_addr[i]
+            + offset
+            + np.arange(caps[i], dtype=np.int64) * remote.block_strides[i]
+        )
+        parts.append(_descs(addrs, np.full(len(addrs), local_len // reads, dtype=np.int64), remote.device_id))
+    return np.concatenate(parts) if parts else np.zeros((0, 3), dtype=np.uint64)
+
+
+def attention_source_ranks(
+    tp_rank: int, local_tp: int, remote_tp: int, total_kv_heads: int, is_mla: bool
+) -> tuple[int, ...]:
+    """Remote ranks whose heads this rank's block covers (vLLM `compute_tp_mapping`, attention part)."""
+    if is_mla or local_tp >= remote_tp:
+        return (tp_rank * remote_tp // local_tp,)
+    k = remote_tp // local_tp
+    ranks: list[int] = []
+    heads: set[int] = set()
+    for rank in range(tp_rank * k, tp_rank * k + k):
+        head = rank * total_kv_heads // remote_tp
+        if head not in heads:
+            heads.add(head)
+            ranks.append(rank)
+    return tuple(ranks)
+
+
+def rank_offset_factor(tp_rank: int, local_tp: int, remote_tp: int, total_kv_heads: int, is_mla: bool) -> int:
+    """Which head slice of the remote block this rank's block is, in units of its own block length."""
+    if is_mla or local_tp <= remote_tp:
+        return 0
+    if local_tp > total_kv_heads:
+        local_head = tp_rank * total_kv_heads // local_tp
+        remote_rank = tp_rank * remote_tp // local_tp
+        return local_head - remote_rank * total_kv_heads // remote_tp
+    return tp_rank % (local_tp // remote_tp)
+
+
+# ---- one peer's transfer plan ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """How this worker's regions pair with one remote worker's, after alignment.
+
+    `local_regions[i]` is the local region paired with remote region i of `remote` (aligned metadata under
+    layer routing, where i is a transfer layer; otherwise i itself). `group_ids` is set only under layer
+    routing.
+    """
+
+    local: RegionMetadata
+    remote: RegionMetadata
+    local_regions: tuple[int, ...]
+    group_ids: tuple[int, ...] | None
+
+    @property
+    def layer_routing(self) -> bool:
+        return self.group_ids is not None
+
+    def local_capacities(self) -> list[int]:
+        per_region = region_capacities(self.local)
+        return [per_region[r] for r in self.local_regions]
+
+    def desc_ids(self, local_blocks: BlockIds, remote_blocks: BlockIds) -> tuple[IdArray, IdArray]:
+        """Paired (local, remote) descriptor ids for one request, both as kernel block ids per group.
+
+        Each side indexes its own prepared list (`local_descs(regions=local_regions)`, `remote_descs`), with
+        its own capacities. Prefix-hit trimming must already have made each group's two lists equally long.
+        """
+        if len(local_blocks) != len(remote_blocks):
+            raise RegionGeometryMismatch(
+                f"{len(local_blocks)} local block-id groups against {len(remote_blocks)} remote ones"
+            )
+        unequal = [
+            g for g, (a, b) in enumerate(zip(local_blocks, remote_blocks, strict=True)) if len(a) != len(b)
+        ]
+        if unequal:
+            raise RegionGeometryMismatch(f"groups {unequal} have different local and remote block counts")
+        remote_caps = region_capacities(self.remote)
+        if self.group_ids is not None:
+            local = layer_routed_desc_ids(local_blocks, self.local_capacities(), self.group_ids)
+            remote = layer_routed_desc_ids(remote_blocks, remote_caps, self.group_ids)
+        else:
+            local = compute_desc_ids(
+                local_blocks, self.local_capacities(), region_group_ids=self.local.region_group_ids
+            )
+            remote = compute_desc_ids(
+                remote_blocks, remote_caps, region_group_ids=self.remote.region_group_ids
+            )
+        return local, remote
+
+
+def plan_transfer(
+    local: RegionMetadata, remote: M, *, transfer_layers: TransferLayers | None
+) -> tuple[TransferPlan, M]:
+    """Pair `local` with `remote`: by layer name when `transfer_layers` is given, else by region index.
+
+    Returns the plan and the remote metadata as the plan uses it (aligned under layer routing).
+    """
+    if transfer_layers is not None:
+        aligned = align_remote_regions(remote, transfer_layers.names)
+        return TransferPlan(
+            local, aligned, transfer_layers.region_indices, transfer_layers.group_ids
+        ), aligned
+    local_count, remote_count = len(local.kv_caches_base_addr), len(remote.kv_caches_base_addr)
+    if local_count != remote_count:
+        raise RegionGeometryMismatch(f"{local_count} local regions against {remote_count} remote regions")
+    if (
+        local.region_group_ids is not None
+        and remote.region_group_ids is not None
+        and list(local.region_group_ids) != list(remote.region_group_ids)
+    ):
+        raise RegionGeometryMismatch(
+            f"region group ids differ (local {list(local.region_group_ids)}, remote "
+            f"{list(remote.region_group_ids)}) and layer-name routing is off"
+        )
+    return TransferPlan(local, remote, tuple(range(local_count)), None), remote

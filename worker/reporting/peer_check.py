@@ -1,0 +1,277 @@
+"""The sidecar's periodic handshake of its peers, and what it makes of the results.
+
+A prefill stage handshakes every decode pod's side channel; a decode pod handshakes every prefill stage's.
+Each check is the connector's own: `side_channel.handshake` (hash first, connector version, engine id), and on
+the prefill side `producer.plan_decode_rank` (block sizes, layer alignment by name, region geometry), so
+a peer this module accepts is one the connector would accept, and a refusal carries the connector's reason.
+
+Peers are found from their Pods (labels, IP, side-channel port) and reported as one outcome for this pod's
+condition. A pod stays usable while at least one peer engine works with it (for a decoder: every stage of a
+prefill engine): one bad decoder must not make every prefill stage unready. So this pod's condition turns
+False only when peers refuse it and no peer engine is usable; a refusal by some peers is still named in the
+message and posted as an Event here. The pod at fault (a decoder on another engine version, a stage with
+other layers) is refused by every peer, so its own condition is False, naming them, and the operator's
+`KVTransferReady` turns False with its reason.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+from disagg.worker.connector.producer import plan_decode_rank
+from disagg.worker.connector.push import LocalKV, as_disagg_error
+from disagg.worker.connector.side_channel import (
+    DEFAULT_HANDSHAKE_TIMEOUT_S,
+    PeerHandshake,
+    handshake,
+    handshake_target_tp_ranks,
+    handshake_targets,
+)
+from disagg.worker.kv.errors import DisaggError
+from disagg.worker.kv.pod_contract import (
+    DEFAULT_SIDE_CHANNEL_PORT,
+    ENGINE_ID_ENV,
+    PP_RANK_ENV,
+    ROLE_LABEL,
+    SIDE_CHANNEL_PORT_ENV,
+    SIDE_CHANNEL_PORT_NAME,
+    SIDECAR_CONTAINER,
+)
+from disagg.worker.sidecar.config import Role, SidecarConfig
+
+MAX_MESSAGE_CHARS: Final = 4000
+
+Status = Literal["True", "False", "Unknown"]
+_ORDINAL: Final = re.compile(r"^(?P<base>.+)-(?P<ordinal>\d+)$")
+
+
+def peer_role(role: Role) -> Role:
+    return "decode" if role == "prefill" else "prefill"
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A peer engine pod as its Pod object shows it; `host` is None until it has an IP."""
+
+    pod: str
+    role: Role
+    stage: int
+    engine_id: str
+    host: str | None
+    port: int
+
+    @property
+    def where(self) -> str:
+        if self.role == "prefill":
+            return f"prefill stage {self.stage} (pod {self.pod})"
+        return f"decode pod {self.pod}"
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def _container_env(container: Mapping[str, Any], name: str) -> str | None:
+    for item in container.get("env") or ():
+        if item.get("name") == name and isinstance(item.get("value"), str):
+            value: str = item["value"]
+            return value
+    return None
+
+
+def _side_channel_port(containers: Sequence[Mapping[str, Any]]) -> int:
+    for container in containers:
+        for port in container.get("ports") or ():
+            if port.get("name") == SIDE_CHANNEL_PORT_NAME:
+                return int(port["containerPort"])
+    for container in containers:
+        if container.get("name") == SIDECAR_CONTAINER:
+            value = _container_env(container, SIDE_CHANNEL_PORT_ENV)
+            if value is not None and value.isdigit():
+                return int(value)
+    return DEFAULT_SIDE_CHANNEL_PORT
+
+
+def peer_from_pod(pod: Mapping[str, Any]) -> Peer | None:
+    """A Pod (camelCase dict, as the API serves it) as a peer; None for a pod that is not an engine pod.
+
+    Engine ids and stages follow the sidecar's own defaults (`sidecar.config.from_env`): a prefill pod is
+    stage `<ordinal>` of engine `<StatefulSet name>`, a decode pod is an engine of its own, unless the sidecar
+    container sets `DISAGG_ENGINE_ID` / `DISAGG_PP_RANK` explicitly.
+    """
+    metadata = pod.get("metadata") or {}
+    name = str(metadata.get("name") or "")
+    role = (metadata.get("labels") or {}).get(ROLE_LABEL)
+    if role not in ("prefill", "decode") or not name:
+        return None
+    containers = (pod.get("spec") or {}).get("containers") or []
+    sidecar: Mapping[str, Any] = next((c for c in containers if c.get("name") == SIDECAR_CONTAINER), {})
+    ordinal = _ORDINAL.match(name)
+    engine_id = _container_env(sidecar, ENGINE_ID_ENV) or (
+        ordinal.group("base") if role == "prefill" and ordinal else name
+    )
+    rank = _container_env(sidecar, PP_RANK_ENV)
+    if rank is not None and rank.isdigit():
+        stage = int(rank)
+    else:
+        stage = int(ordinal.group("ordinal")) if role == "prefill" and ordinal else 0
+    host = (pod.get("status") or {}).get("podIP") or None
+    return Peer(name, role, stage, engine_id, host, _side_channel_port(containers))
+
+
+def peers_from_pods(pods: Iterable[Mapping[str, Any]], config: SidecarConfig) -> list[Peer]:
+    """The other role's live engine pods (pods being deleted are no longer peers), in a stable order."""
+    wanted = peer_role(config.role)
+    peers = [
+        peer
+        for pod in pods
+        if not (pod.get("metadata") or {}).get("deletionTimestamp")
+        and (peer := peer_from_pod(pod)) is not None
+        and peer.role == wanted
+    ]
+    return sorted(peers, key=lambda peer: (peer.stage, peer.pod))
+
+
+def handshake_peer(
+    config: SidecarConfig, peer: Peer, host: str, targets: Sequence[tuple[int, int]], *, timeout_s: float
+) -> list[PeerHandshake]:
+    """Handshake `targets` of `peer` at `host` expecting this sidecar's compatibility hash and the peer's
+    engine id, as the connector would."""
+    return handshake(
+        host,
+        peer.port,
+        targets,
+        expected_hash=config.compat_hash,
+        expected_engine_id=peer.engine_id,
+        local_factors=config.compat_factors,
+        timeout_s=timeout_s,
+    )
+
+
+def peer_refusal(peer: Peer, check: Callable[[], object]) -> DisaggError | None:
+    """Run one check of `peer`; the connector's refusal it raised, or None when the peer would be accepted."""
+    try:
+        check()
+    except DisaggError as exc:
+        return exc
+    except ValueError as exc:
+        # The routing helpers raise ValueError for geometry they cannot pair (TP sizes that do not divide).
+        return as_disagg_error(exc, f"handshake with {peer.where}")
+    return None
+
+
+def check_peer(
+    config: SidecarConfig,
+    local: LocalKV | None,
+    peer: Peer,
+    *,
+    timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+) -> DisaggError | None:
+    """Handshake one peer as the connector would; the refusal, or None when it would be accepted.
+
+    A prefill stage (which needs its registered `local` KV) asks the decode pod for the decode ranks its TP
+    rank writes to and plans each one; a decode pod asks the prefill stage for the ranks its TP rank registers
+    with. Nothing here adds a NIXL agent.
+    """
+    host = peer.host
+    if host is None:
+        raise ValueError(f"{peer.where} has no IP yet")
+    if config.role == "prefill" and local is None:
+        raise ValueError("a prefill stage checks its decode peers against its registered KV")
+    topology = config.topology
+
+    def check() -> None:
+        if local is not None and config.role == "prefill":
+            targets = handshake_targets(config.tp_size, config.tp_rank, topology.decode_tp, 1)
+            for rank in handshake_peer(config, peer, host, targets, timeout_s=timeout_s):
+                plan_decode_rank(local, rank.metadata, topology.decode_tp)
+        else:
+            tp_ranks = handshake_target_tp_ranks(config.tp_size, config.tp_rank, topology.prefill_tp)
+            handshake_peer(config, peer, host, [(peer.stage, tp) for tp in tp_ranks], timeout_s=timeout_s)
+
+    return peer_refusal(peer, check)
+
+
+@dataclass(frozen=True)
+class PeerResult:
+    peer: Peer
+    error: DisaggError | None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What this pod's `disagg.io/kv-transfer-ready` condition says, and the refusals to post as Events."""
+
+    status: Status
+    reason: str
+    message: str
+    refusals: tuple[PeerResult, ...] = ()
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[: MAX_MESSAGE_CHARS - 3] + "..."
+
+
+def refusal_message(result: PeerResult) -> str:
+    """One refusal, naming the peer and its address: `decode pod x at 10.0.0.3:5600: <why>`."""
+    error = result.error
+    assert error is not None, "only a refusal has a refusal message"
+    return f"{result.peer.where} at {result.peer.address}: {error.message}"
+
+
+def _refusals(refused: Sequence[PeerResult]) -> str:
+    """`prefill stage 1 (pod p-1) at 10.0.0.2:5600 with MissingLayers: <why>; ...`"""
+    parts = []
+    for result in refused:
+        assert result.error is not None
+        peer, error = result.peer, result.error
+        parts.append(f"{peer.where} at {peer.address} with {error.reason}: {error.message}")
+    return "; ".join(parts)
+
+
+def summarize(config: SidecarConfig, results: Sequence[PeerResult], pending: Sequence[Peer]) -> Outcome:
+    """This pod's verdict from one round of checks (`pending`: peers without an IP, not checked). Pure.
+
+    True while at least one peer engine accepts this pod on every one of its pods (all stages of a prefill
+    engine); False when some peer refuses and no engine is usable; Unknown before any peer could be asked.
+    """
+    refused = tuple(result for result in results if result.error is not None)
+    waiting_engines = {peer.engine_id for peer in pending}
+    broken_engines = {result.peer.engine_id for result in refused} | waiting_engines
+    usable = [r.peer for r in results if r.error is None and r.peer.engine_id not in broken_engines]
+    waiting = f"; waiting for {', '.join(peer.where for peer in pending)} to get an IP" if pending else ""
+    if usable:
+        names = ", ".join(peer.where for peer in usable)
+        if refused:
+            message = f"handshakes succeeded with {names}; refused by {_refusals(refused)}{waiting}"
+            return Outcome("True", "SomePeersRefused", _clip(message), refused)
+        return Outcome("True", "HandshakesSucceeded", _clip(f"handshakes succeeded with {names}{waiting}"))
+    if refused:
+        first = refused[0].error
+        assert first is not None
+        return Outcome("False", first.reason, _clip(f"refused by {_refusals(refused)}{waiting}"), refused)
+    others = "decode pods" if config.role == "prefill" else "prefill stages"
+    if pending:
+        return Outcome("Unknown", "AwaitingPeers", _clip(f"no usable {others} yet{waiting}"))
+    return Outcome("Unknown", "NoPeers", f"no {others} of this deployment exist yet")
+
+
+def check_round(
+    config: SidecarConfig,
+    local: LocalKV | None,
+    pods: Iterable[Mapping[str, Any]],
+    *,
+    timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+) -> Outcome:
+    """Handshake every peer among `pods` once and summarize."""
+    peers = peers_from_pods(pods, config)
+    pending = [peer for peer in peers if peer.host is None]
+    results = [
+        PeerResult(peer, check_peer(config, local, peer, timeout_s=timeout_s))
+        for peer in peers
+        if peer.host is not None
+    ]
+    return summarize(config, results, pending)

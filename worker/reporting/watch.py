@@ -1,0 +1,243 @@
+"""The watching sidecar (`disagg worker sidecar --mode watch`): reports on KV transfer, moves no data.
+
+A vLLM engine runs `NixlPushConnector` in-process: it owns the NIXL agent and serves its own side channel on
+the pod's IP and side-channel port, so this sidecar binds neither. Each round it
+
+1. handshakes its own engine's side channel (`DISAGG_SIDE_CHANNEL_HOST`/`_PORT`, the pod IP by default) for
+   every `(pp_rank, tp_rank)` the pod's engine serves (this stage, every TP rank) with the vLLM-compatible
+   client (`side_channel.handshake`: the spec's compatibility hash first, then the connector version, then
+   the engine id). An engine that does not answer or advertises something else makes the condition False
+   with that reason, naming the engine;
+2. checks the other role's pods of its deployment: a decode pod as `peer_check.check_peer` does; a prefill
+   stage handshakes each decoder as the connector would and checks every decode rank's metadata against its
+   own engine's (`check_decode_metadata`: block size, decode TP, layer alignment by name, region count,
+   memory type and block length), since there is no registered `LocalKV` to plan with here;
+3. writes the Pod condition and Events (`pod_report.PodReporter`, through `status_loop.PeerReporter`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from types import FrameType
+from typing import Any
+
+from disagg.worker.connector.side_channel import (
+    DEFAULT_HANDSHAKE_TIMEOUT_S,
+    PeerHandshake,
+    handshake,
+    handshake_targets,
+)
+from disagg.worker.kv import rules, wire
+from disagg.worker.kv.decode_checks import LocalRegion, PrefillRank, check_decode_rank
+from disagg.worker.kv.errors import DisaggError, WorkerConfigError
+from disagg.worker.kv.layout import AttentionKind
+from disagg.worker.kv.pod_contract import LOG_LEVEL_ENV, POD_NAME_ENV
+from disagg.worker.reporting.peer_check import (
+    Outcome,
+    Peer,
+    PeerResult,
+    check_peer,
+    handshake_peer,
+    peer_refusal,
+    peers_from_pods,
+    refusal_message,
+    summarize,
+)
+from disagg.worker.reporting.status_loop import PeerReporter, pod_api_client
+from disagg.worker.sidecar.config import SidecarConfig, from_env
+from disagg.worker.sidecar.transfer import configure_logging
+
+log = logging.getLogger("disagg.worker.reporting.watch")
+DEFAULT_INTERVAL_S = 10.0
+
+
+def own_targets(config: SidecarConfig) -> list[tuple[int, int]]:
+    """The workers the pod's engine serves on its side channel: this stage, every TP rank."""
+    return [(config.pp_rank, tp_rank) for tp_rank in range(config.tp_size)]
+
+
+def own_engine(config: SidecarConfig, pod: str) -> Peer:
+    """This pod's engine, addressed as a peer would address it."""
+    return Peer(
+        pod, config.role, config.pp_rank, config.engine_id, config.side_channel_host, config.side_channel_port
+    )
+
+
+def check_own_engine(
+    config: SidecarConfig, *, timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S
+) -> list[PeerHandshake]:
+    """Handshake this pod's engine as a peer would: the spec's hash, the connector version, its engine id."""
+    return handshake(
+        config.side_channel_host,
+        config.side_channel_port,
+        own_targets(config),
+        expected_hash=config.compat_hash,
+        expected_engine_id=config.engine_id,
+        local_factors=config.compat_factors,
+        timeout_s=timeout_s,
+    )
+
+
+def _replicated(config: SidecarConfig, own: wire.NixlAgentMetadata) -> list[bool]:
+    """Per own region: whether every member layer is MLA (replicated across TP ranks, never head-split).
+    Without advertised members, only an all-MLA model has replicated regions."""
+    model = config.topology.model
+    if not own.region_members:
+        return [model.is_mla] * len(own.kv_caches_base_addr)
+    kinds = dict(zip(model.layer_names, model.kinds, strict=True))
+    return [
+        bool(members) and all(kinds.get(name) is AttentionKind.MLA for name in members)
+        for members in own.region_members
+    ]
+
+
+def _own_prefill_rank(config: SidecarConfig, own: wire.NixlAgentMetadata, tp_rank: int) -> PrefillRank:
+    """TP rank `tp_rank` of this prefill stage, advertising `own`, as the decode checks read it."""
+    model = config.topology.model
+    layer_routing = rules.requires_layer_name_routing(
+        rules.PUSH, model.hma_required, own.kv_cache_layout == "BLHNC", model.has_mamba, config.pp_size
+    )
+    routed = (
+        tuple((name, region) for region, members in enumerate(own.region_members) for name in members)
+        if layer_routing
+        else None
+    )
+    names = own.region_names or [f"region {r}" for r in range(len(own.kv_caches_base_addr))]
+    regions = zip(names, own.block_lens, _replicated(config, own), strict=True)
+    return PrefillRank(
+        block_size=own.block_size,
+        routed_layers=routed,
+        pp_size=config.pp_size,
+        stage_layers=config.topology.stage_layers[config.pp_rank],
+        regions=tuple(LocalRegion(name, block_len, replicated) for name, block_len, replicated in regions),
+        mem_types=None if own.region_mem_types is None else frozenset(own.region_mem_types),
+        tp_rank=tp_rank,
+        tp_size=config.tp_size,
+        num_kv_heads=model.num_kv_heads,
+        is_mla=model.is_mla,
+    )
+
+
+def check_decode_metadata(
+    config: SidecarConfig, own: wire.NixlAgentMetadata, remote: wire.NixlAgentMetadata, tp_rank: int
+) -> None:
+    """Would TP rank `tp_rank` of this prefill stage, advertising `own`, accept a decode rank advertising
+    `remote`? `producer.plan_decode_rank`'s checks (`decode_checks.check_decode_rank`), with the
+    engine's advertised metadata in place of a registered `LocalKV`. Pure; raises the connector's refusal."""
+    check_decode_rank(_own_prefill_rank(config, own, tp_rank), remote, config.topology.decode_tp)
+
+
+def check_decode_peer(
+    config: SidecarConfig,
+    own: Sequence[PeerHandshake],
+    peer: Peer,
+    *,
+    timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+) -> DisaggError | None:
+    """A prefill stage's check of one decode pod: handshake the decode ranks each of its engine's TP ranks
+    writes to, and check each against that rank's own metadata (`own`, from `check_own_engine`)."""
+    host = peer.host
+    if host is None:
+        raise ValueError(f"{peer.where} has no IP yet")
+    decode_tp = config.topology.decode_tp
+
+    def check() -> None:
+        wanted = {mine.tp_rank: handshake_targets(config.tp_size, mine.tp_rank, decode_tp, 1) for mine in own}
+        targets = sorted({target for ranks in wanted.values() for target in ranks})
+        ranks = handshake_peer(config, peer, host, targets, timeout_s=timeout_s)
+        by_target = {(rank.pp_rank, rank.tp_rank): rank.metadata for rank in ranks}
+        for mine in own:
+            for target in wanted[mine.tp_rank]:
+                check_decode_metadata(config, mine.metadata, by_target[target], mine.tp_rank)
+
+    return peer_refusal(peer, check)
+
+
+def watch_round(
+    config: SidecarConfig,
+    pod: str,
+    pods: Iterable[Mapping[str, Any]],
+    *,
+    timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+) -> Outcome:
+    """One round of a watching sidecar in pod `pod`: its own engine first, then every peer among `pods`.
+
+    Peers are not asked while the pod's own engine is unreachable or refused: its condition is then False
+    with the engine's reason, whatever the peers say.
+    """
+    engine = own_engine(config, pod)
+    try:
+        own = check_own_engine(config, timeout_s=timeout_s)
+    except DisaggError as exc:
+        named = type(exc)(f"this pod's own engine {config.engine_id}: {exc.message}", reason=exc.reason)
+        result = PeerResult(engine, named)
+        return Outcome("False", named.reason, refusal_message(result), (result,))
+    peers = peers_from_pods(pods, config)
+    pending = [peer for peer in peers if peer.host is None]
+    results = []
+    for peer in peers:
+        if peer.host is None:
+            continue
+        if config.role == "prefill":
+            error = check_decode_peer(config, own, peer, timeout_s=timeout_s)
+        else:
+            error = check_peer(config, None, peer, timeout_s=timeout_s)
+        results.append(PeerResult(peer, error))
+    return summarize(config, results, pending)
+
+
+def run(env: Mapping[str, str], stop: threading.Event, *, interval_s: float = DEFAULT_INTERVAL_S) -> int:
+    """Watch until `stop` is set: in a pod, report each round to the Pod; elsewhere there is nothing to
+    report to, which is a configuration error."""
+    config = from_env(env)
+    api = pod_api_client(env)
+    if api is None:
+        raise WorkerConfigError(
+            "watch mode reports to its Pod: POD_NAME and POD_NAMESPACE must be set and a Kubernetes client "
+            "configured (in-cluster service account or KUBECONFIG)"
+        )
+    pod = env[POD_NAME_ENV]
+    with api:
+        reporter = PeerReporter.for_pod(
+            config,
+            None,
+            api,
+            env,
+            interval_s=interval_s,
+            check=lambda pods: watch_round(config, pod, pods),
+        )
+        log.info(
+            "%s: watching %s engine %s (pp %d) on %s:%d and its peers",
+            pod,
+            config.role,
+            config.engine_id,
+            config.pp_rank,
+            config.side_channel_host,
+            config.side_channel_port,
+        )
+        reporter.start()
+        stop.wait()
+        reporter.stop()
+    return 0
+
+
+def main(env: Mapping[str, str] | None = None, *, interval_s: float = DEFAULT_INTERVAL_S) -> int:
+    """`disagg worker sidecar --mode watch`: exits 0 on SIGTERM or SIGINT, 2 on a bad configuration."""
+    env = os.environ if env is None else env
+    configure_logging(env.get(LOG_LEVEL_ENV, "info"))
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        return run(env, stop, interval_s=interval_s)
+    except DisaggError as exc:
+        log.error("invalid watch configuration: %s: %s", exc.reason, exc.message)
+        return 2

@@ -1,0 +1,783 @@
+"""The KV worker sidecar: the process next to every engine that owns the NIXL agent and moves the engine's KV.
+
+One process per worker (PP stage, TP rank). It
+- takes the engine's calls on a Unix socket (`disagg.worker.sidecar.engine_link`): the engine registers the
+  layout of its KV pool (a shared-memory file both processes map), then reports finished requests (prefill)
+  or announces requests it expects (decode), and is told when each request's KV has been sent, has arrived,
+  or has failed;
+- checks the registered layout against its own configuration (`disagg.worker.sidecar.config`) and registers
+  the pool with NIXL once;
+- serves the side channel (vLLM framing); the engine's (pp 0, tp 0) worker also republishes the handshake
+  payload of the engine's other workers, as vLLM's scheduler serves every worker of an engine;
+- runs the push connector (`PushProducer` on prefill, `PushConsumer` on decode) with layer-name routing;
+- serves `/healthz`, `/readyz` and Prometheus metrics, logs one JSON object per line, and on SIGTERM stops
+  serving, releases its NIXL agent and exits 0;
+- in a pod (`status_loop.pod_api_client`), once the engine has registered, checks its peers every
+  `PEER_REPORT_INTERVAL_S` and writes its Pod's `disagg.io/kv-transfer-ready` condition (`PeerReporter`).
+
+Threads: the main thread owns the NIXL agent (every NIXL call, every connector `poll()`, every reply and
+event written to the engine). Socket readers, the side-channel server, the payload republisher, the peer
+reporter and the HTTP server only decode, queue, serve bytes or read the registered layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import numpy as np
+
+from disagg.worker.connector.consumer import PushConsumer
+from disagg.worker.connector.kv_pool import ShmPool
+from disagg.worker.connector.producer import PushProducer, desc_ids
+from disagg.worker.connector.push import Failure, LocalKV, RemoteEngine, agent_name, find_request
+from disagg.worker.connector.side_channel import SideChannelServer, fetch_payloads, handshake_targets
+from disagg.worker.connector.transport import NixlTransport
+from disagg.worker.kv import wire
+from disagg.worker.kv.errors import (
+    BlockIdOutOfRange,
+    DisaggError,
+    DuplicateRequest,
+    EngineLayoutMismatch,
+    EngineProtocolError,
+    KVPoolUnavailable,
+    LayoutNotRegistered,
+    LeaseExpired,
+    UnknownRequest,
+    WrongRole,
+)
+from disagg.worker.kv.layout import StageLayout, build_stage_layout
+from disagg.worker.kv.routing import group_arrays, region_capacities
+from disagg.worker.reporting.status_loop import PeerReporter, pod_api_client
+from disagg.worker.sidecar.config import SidecarConfig, WorkerEndpoint
+from disagg.worker.sidecar.engine_link import (
+    Ack,
+    EngineMessage,
+    Error,
+    KVFailed,
+    KVReady,
+    KVSent,
+    QueryRequest,
+    RegisterLayout,
+    RequestFinished,
+    RequestState,
+    RequestStatus,
+    SidecarMessage,
+    decode_engine_message,
+    encode_frame,
+    read_frame,
+)
+from disagg.worker.sidecar.metrics import Health, HttpServer, SidecarMetrics
+
+log = logging.getLogger("disagg.worker.sidecar.transfer")
+
+BUSY_POLL_S = 0.001
+IDLE_POLL_S = 0.02
+REPUBLISH_RETRY_S = 0.5
+REPUBLISH_REFRESH_S = 30.0
+KEEP_FINISHED = 10_000
+"""Finished requests remembered for `QueryRequest`."""
+PEER_REPORT_INTERVAL_S = 10.0
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message and any `extra={"fields": {...}}`."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        line.update(getattr(record, "fields", {}))
+        if record.exc_info:
+            line["exc"] = self.formatException(record.exc_info)
+        return json.dumps(line, default=str)
+
+
+def configure_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def _event(level: int, msg: str, **fields: Any) -> None:
+    log.log(level, msg, extra={"fields": fields})
+
+
+# ---- engine layout checks (no I/O) -------------------------------------------------------------------------
+
+
+def expected_layout(config: SidecarConfig, message: RegisterLayout) -> StageLayout:
+    """The layout this worker must have, from the configuration and the engine's capacity; or a typed error
+    naming the first field where the engine's registration contradicts the configuration."""
+    topo = config.topology
+
+    def differ(what: str, engine: object, configured: object) -> None:
+        if engine != configured:
+            raise EngineLayoutMismatch(
+                f"{what}: the engine registers {engine!r}, the sidecar's configuration says {configured!r}"
+            )
+
+    differ("engine_id", message.engine_id, config.engine_id)
+    differ("role", message.role, config.role)
+    model = message.model
+    configured = topo.model
+    differ("model.layer_kinds", model.layer_kinds, [kind.value for kind in configured.kinds])
+    differ("model.num_kv_heads", model.num_kv_heads, configured.num_kv_heads)
+    differ("model.head_size", model.head_size, configured.head_size)
+    differ("model.dtype_bytes", model.dtype_bytes, configured.dtype_bytes)
+    differ("model.layer_name_template", model.layer_name_template, configured.layer_name_template)
+    differ("model.hma", model.hma, configured.hma)
+    differ("pp_size", message.pp_size, config.pp_size)
+    differ("pp_rank", message.pp_rank, config.pp_rank)
+    differ("tp_size", message.tp_size, config.tp_size)
+    differ("tp_rank", message.tp_rank, config.tp_rank)
+    differ("block_size", message.block_size, topo.block_size)
+    differ("packed", message.packed, topo.packed)
+    layers = topo.stage_layers[config.pp_rank] if config.role == "prefill" else range(configured.num_layers)
+    differ("layers", (message.layer_start, message.layer_stop), (layers.start, layers.stop))
+    if config.kv_pool is not None:
+        differ("pool.path", message.pool.path, config.kv_pool)
+    if message.num_blocks < 1 or message.kernel_block_size < 1:
+        raise EngineLayoutMismatch(
+            f"num_blocks {message.num_blocks} and kernel_block_size {message.kernel_block_size} "
+            "must be positive"
+        )
+    try:
+        layout = build_stage_layout(
+            configured,
+            pp_rank=config.pp_rank,
+            pp_size=config.pp_size,
+            tp_size=config.tp_size,
+            block_size=topo.block_size,
+            num_blocks=message.num_blocks,
+            partition=topo.layer_partition if config.role == "prefill" else None,
+            packed=topo.packed,
+            kernel_block_size=message.kernel_block_size,
+        )
+    except DisaggError as exc:
+        raise EngineLayoutMismatch(f"the registered geometry cannot be laid out: {exc.message}") from None
+    differ("number of regions", len(message.regions), len(layout.regions))
+    for index, (got, want) in enumerate(zip(message.regions, layout.regions, strict=True)):
+        differ(f"regions[{index}].members", got.members, list(want.members))
+        differ(f"regions[{index}].offset", got.offset, want.offset)
+        differ(f"regions[{index}].block_len", got.block_len, want.block_len)
+        differ(f"regions[{index}].block_stride", got.block_stride, want.block_stride)
+        differ(f"regions[{index}].num_blocks", got.num_blocks, want.num_blocks)
+    if message.pool.nbytes < layout.total_bytes:
+        raise EngineLayoutMismatch(
+            f"pool.nbytes: the engine's pool has {message.pool.nbytes} bytes, the layout needs "
+            f"{layout.total_bytes}"
+        )
+    return layout
+
+
+def check_block_ids(layout: StageLayout, block_ids: Sequence[Sequence[int]]) -> None:
+    """One list per KV cache group, every id a logical block inside the pool."""
+    if len(block_ids) != len(layout.groups):
+        raise EngineProtocolError(
+            f"block ids name {len(block_ids)} KV cache groups, the layout has {len(layout.groups)}"
+        )
+    capacity = layout.num_blocks // layout.physical_blocks_per_logical
+    for group, ids in enumerate(block_ids):
+        bad = [b for b in ids if not 0 <= b < capacity]
+        if bad:
+            raise BlockIdOutOfRange(
+                f"group {group}: block ids {bad[:8]} are outside 0..{capacity - 1} "
+                f"(the pool holds {capacity} blocks)"
+            )
+    if not any(block_ids):
+        raise EngineProtocolError("a request needs at least one block")
+
+
+# ---- NIXL agent with accounting ----------------------------------------------------------------------------
+
+
+def pushed_bytes(
+    local: LocalKV, held: Sequence[Sequence[int]], decoder_blocks: Sequence[Sequence[int]], decode_tp: int
+) -> int:
+    """Bytes a producer writes for one request: the descriptors its routing selects for the decoder's blocks
+    (prefill ids trimmed to the decoder's count, as the producer trims a decoder's prefix-cache hit), once per
+    decode rank it writes to."""
+    trimmed = [
+        list(mine)[len(mine) - len(theirs) :] for mine, theirs in zip(held, decoder_blocks, strict=True)
+    ]
+    geometry = local.geometry
+    ids = desc_ids(local, geometry, group_arrays(trimmed), source=True)
+    layers = local.transfer_layers
+    if layers is not None:
+        lengths = np.asarray([geometry.block_lens[r] for r in layers.region_indices], dtype=np.int64)
+        capacities = np.asarray(layers.capacities(geometry), dtype=np.int64)
+    else:
+        lengths = np.asarray(geometry.block_lens, dtype=np.int64)
+        capacities = np.asarray(region_capacities(geometry), dtype=np.int64)
+    # Descriptor id -> its region (or transfer layer) by the cumulative capacities, then that one's length.
+    owner = np.searchsorted(np.cumsum(capacities), ids, side="right")
+    config = local.config
+    ranks = len(handshake_targets(config.tp_size, config.tp_rank, decode_tp, 1))
+    return int(lengths[owner].sum()) * ranks
+
+
+class HandshakeClock:
+    """Times each peer engine from the moment this worker needs it to its NIXL agents being loaded."""
+
+    def __init__(self, observe: Callable[[float], None]) -> None:
+        self._observe = observe
+        self._needed: dict[str, float] = {}
+        self.loaded_at: dict[str, float] = {}
+
+    def need(self, engine_id: str, peers: frozenset[str]) -> None:
+        if engine_id not in self._needed and not any(p.startswith(f"{engine_id}/") for p in peers):
+            self._needed[engine_id] = time.monotonic()
+
+    def loaded(self, agent: str) -> None:
+        engine_id = agent.rsplit("/", 2)[0]
+        now = time.monotonic()
+        self.loaded_at[engine_id] = now
+        started = self._needed.pop(engine_id, None)
+        if started is not None:
+            self._observe(now - started)
+
+
+# Checked file by file, mypy cannot follow the editable install's package mapping and sees NixlTransport as
+# Any; through `make lint`'s symlinked tree it sees the class.
+class ObservedTransport(NixlTransport):  # type: ignore[misc, unused-ignore]
+    """The sidecar's NIXL agent, watched: it keeps the decoders' PUSH_REG registrations it delivers (for the
+    byte count and transfer time of each push) and times handshakes (a PUSH_REG from an unknown decoder, or a
+    request for an unknown prefill engine, starts one; loading the peer's agent ends it)."""
+
+    def __init__(self, name: str, clock: HandshakeClock) -> None:
+        super().__init__(name)
+        self.clock = clock
+        self.push_registrations: OrderedDict[str, tuple[wire.PushRegistration, float]] = OrderedDict()
+
+    def add_peer(self, agent_metadata: bytes) -> str:
+        name: str = super().add_peer(agent_metadata)
+        self.clock.loaded(name)
+        return name
+
+    def notifs(self) -> dict[str, list[bytes]]:
+        got: dict[str, list[bytes]] = super().notifs()
+        for messages in got.values():
+            for message in messages:
+                if message.startswith(wire.PUSH_REG_NOTIF_PREFIX):
+                    with contextlib.suppress(DisaggError):
+                        registration = wire.decode_push_reg_notif(message)
+                        self.clock.need(registration.decode_engine_id, self.peers)
+                        self.push_registrations[registration.request_id] = (registration, time.monotonic())
+                        while len(self.push_registrations) > KEEP_FINISHED:
+                            self.push_registrations.popitem(last=False)
+        return got
+
+    def take_registration(self, held_request_id: str) -> tuple[wire.PushRegistration, float] | None:
+        """The registration a finished prefill request was matched with (same id up to the random suffix)."""
+        request_id = find_request(held_request_id, self.push_registrations)
+        return None if request_id is None else self.push_registrations.pop(request_id)
+
+
+# ---- the engine socket -------------------------------------------------------------------------------------
+
+
+class EngineConnection:
+    """One engine connection; the main thread writes replies and events, a reader thread queues messages."""
+
+    def __init__(self, sock: socket.socket, number: int) -> None:
+        self.sock = sock
+        self.number = number
+        self._lock = threading.Lock()
+        self.open = True
+
+    def send(self, message: SidecarMessage) -> None:
+        with self._lock:
+            if not self.open:
+                return
+            try:
+                self.sock.sendall(encode_frame(message))
+            except OSError as exc:
+                self.open = False
+                _event(logging.WARNING, "engine connection lost", connection=self.number, error=str(exc))
+
+    def close(self) -> None:
+        with self._lock:
+            self.open = False
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+Inbound = tuple[EngineConnection, EngineMessage]
+
+
+class EngineSocketServer:
+    """Accepts engine connections on a Unix socket; decoded messages go to `inbox`, garbage gets an error."""
+
+    def __init__(self, path: str, inbox: queue.Queue[Inbound], metrics: SidecarMetrics) -> None:
+        self.path = path
+        self._inbox = inbox
+        self._metrics = metrics
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(path)
+        self._sock.listen(16)
+        self._connections: list[EngineConnection] = []
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._accept, name="engine-socket", daemon=True)
+
+    def start(self) -> EngineSocketServer:
+        self._thread.start()
+        return self
+
+    def _accept(self) -> None:
+        number = 0
+        while True:
+            try:
+                sock, _ = self._sock.accept()
+            except OSError:
+                return
+            number += 1
+            conn = EngineConnection(sock, number)
+            with self._lock:
+                self._connections.append(conn)
+            _event(logging.INFO, "engine connected", connection=number)
+            threading.Thread(
+                target=self._read, args=(conn,), name=f"engine-conn-{number}", daemon=True
+            ).start()
+
+    def _read(self, conn: EngineConnection) -> None:
+        while conn.open:
+            try:
+                body = read_frame(conn.sock)
+            except (OSError, EngineProtocolError) as exc:
+                # A frame that cannot be delimited leaves no way to resynchronise: answer, then hang up.
+                self._refuse(conn, EngineProtocolError(str(exc)))
+                break
+            if body is None:
+                break
+            try:
+                message = decode_engine_message(body)
+            except EngineProtocolError as exc:
+                self._refuse(conn, exc)
+                continue
+            self._inbox.put((conn, message))
+        _event(logging.INFO, "engine disconnected", connection=conn.number)
+        conn.close()
+
+    def _refuse(self, conn: EngineConnection, error: DisaggError) -> None:
+        self._metrics.engine_errors.labels(error.reason).inc()
+        _event(logging.WARNING, "refused an engine message", reason=error.reason, error=error.message)
+        conn.send(Error(error.reason, error.message))
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        # Closing the listening socket ends accept(); join so no connection is accepted after stop().
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        with self._lock:
+            for conn in self._connections:
+                conn.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+# ---- republishing the engine's other workers ---------------------------------------------------------------
+
+
+class Republisher:
+    """Fetches the other workers' handshake payloads for the serving worker's side channel, and refreshes them
+    (a restarted worker comes back with a new NIXL agent)."""
+
+    def __init__(self, config: SidecarConfig, server: SideChannelServer) -> None:
+        self._config = config
+        self._server = server
+        self._missing = {(w.pp_rank, w.tp_rank) for w in config.republished_workers}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="republisher", daemon=True)
+
+    @property
+    def missing(self) -> set[tuple[int, int]]:
+        with self._lock:
+            return set(self._missing)
+
+    def start(self) -> Republisher:
+        if self._config.republished_workers:
+            self._thread.start()
+        return self
+
+    def _fetch(self, worker: WorkerEndpoint) -> bool:
+        try:
+            (reply,) = fetch_payloads(
+                worker.host, worker.port, [(worker.pp_rank, worker.tp_rank)], timeout_s=2.0
+            )
+            wire.decode_handshake_payload(
+                reply.payload,
+                expected_hash=self._config.compat_hash,
+                expected_engine_id=self._config.engine_id,
+                local_factors=self._config.compat_factors,
+            )
+        except DisaggError as exc:
+            _event(
+                logging.DEBUG if self._stop.is_set() else logging.INFO,
+                "worker payload not available yet",
+                pp_rank=worker.pp_rank,
+                tp_rank=worker.tp_rank,
+                reason=exc.reason,
+                error=exc.message,
+            )
+            return False
+        self._server.set_payload(worker.pp_rank, worker.tp_rank, reply.payload)
+        with self._lock:
+            if (worker.pp_rank, worker.tp_rank) in self._missing:
+                self._missing.discard((worker.pp_rank, worker.tp_rank))
+                _event(
+                    logging.INFO,
+                    "republishing worker payload",
+                    pp_rank=worker.pp_rank,
+                    tp_rank=worker.tp_rank,
+                )
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            done = all([self._fetch(w) for w in self._config.republished_workers])
+            self._stop.wait(REPUBLISH_REFRESH_S if done else REPUBLISH_RETRY_S)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+
+# ---- the sidecar -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Tracked:
+    conn: EngineConnection
+    state: RequestState
+    started: float
+    block_ids: list[list[int]]
+    reason: str = ""
+    message: str = ""
+
+
+class Sidecar:
+    def __init__(self, config: SidecarConfig, env: Mapping[str, str] | None = None) -> None:
+        """`env` (default `os.environ`) tells whether this sidecar runs in a pod and reports to its Pod."""
+        self.config = config
+        env = os.environ if env is None else env
+        api = pod_api_client(env)
+        # Built now so that a pod spec without DISAGG_DEPLOYMENT fails at start, not at the engine's register;
+        # started once the engine has registered (the prefill check plans against the registered layout).
+        self.peer_reporter: PeerReporter | None = (
+            None
+            if api is None
+            else PeerReporter.for_pod(config, None, api, env, interval_s=PEER_REPORT_INTERVAL_S)
+        )
+        self.metrics = SidecarMetrics(config.role, config.engine_id, config.pp_rank, config.tp_rank)
+        self.health = Health()
+        self.stopping = threading.Event()
+        self._inbox: queue.Queue[Inbound] = queue.Queue()
+        self._requests: OrderedDict[str, _Tracked] = OrderedDict()
+        self._pending = 0
+        self.layout: StageLayout | None = None
+        self._registered: RegisterLayout | None = None
+        self._pool: ShmPool | None = None
+        self._local: LocalKV | None = None
+        self._connector: PushProducer | PushConsumer | None = None
+        peer_role = "decode" if config.role == "prefill" else "prefill"
+        self._clock = HandshakeClock(self.metrics.handshake_latency.labels(peer_role).observe)
+        self.transport = ObservedTransport(
+            agent_name(config.engine_id, config.pp_rank, config.tp_rank), self._clock
+        )
+        self.http = HttpServer(config.metrics_host, config.metrics_port, self.metrics, self.health).start()
+        self.side_channel = SideChannelServer(config.side_channel_host, config.side_channel_port).start()
+        self.republisher = Republisher(config, self.side_channel).start()
+        self.engine_socket = EngineSocketServer(config.engine_socket, self._inbox, self.metrics).start()
+        _event(
+            logging.INFO,
+            "sidecar started",
+            role=config.role,
+            engine_id=config.engine_id,
+            pp_rank=config.pp_rank,
+            tp_rank=config.tp_rank,
+            side_channel=f"{config.side_channel_host}:{config.side_channel_port}",
+            engine_socket=config.engine_socket,
+            metrics_port=self.http.port,
+            compat_hash=config.compat_hash or "off",
+        )
+
+    # -- main loop (owns the NIXL agent) ---------------------------------------------------------------------
+
+    def run(self) -> int:
+        try:
+            while not self.stopping.is_set():
+                self.health.beat()
+                self._update_readiness()
+                timeout = BUSY_POLL_S if self._pending else IDLE_POLL_S
+                try:
+                    first: Inbound | None = self._inbox.get(timeout=timeout)
+                except queue.Empty:
+                    first = None
+                while first is not None:
+                    self._handle(*first)
+                    try:
+                        first = self._inbox.get_nowait()
+                    except queue.Empty:
+                        first = None
+                if self._connector is not None:
+                    self._poll()
+        finally:
+            self.close()
+        return 0
+
+    def _update_readiness(self) -> None:
+        if self._registered is None:
+            reason: str | None = "the engine has not registered its KV layout"
+        elif missing := self.republisher.missing:
+            reason = f"waiting for the handshake payloads of workers (pp, tp) {sorted(missing)}"
+        else:
+            reason = None
+        self.health.set_ready(reason)
+        self.metrics.ready.set(0 if reason else 1)
+
+    def _handle(self, conn: EngineConnection, message: EngineMessage) -> None:
+        kind = type(message).__name__
+        self.metrics.engine_messages.labels(kind).inc()
+        try:
+            reply: SidecarMessage = self._dispatch(conn, message)
+        except DisaggError as exc:
+            self.metrics.engine_errors.labels(exc.reason).inc()
+            _event(
+                logging.WARNING, "refused an engine message", type=kind, reason=exc.reason, error=exc.message
+            )
+            reply = Error(exc.reason, exc.message)
+        conn.send(reply)
+
+    def _dispatch(self, conn: EngineConnection, message: EngineMessage) -> SidecarMessage:
+        if isinstance(message, RegisterLayout):
+            self._register(message)
+            return Ack()
+        if isinstance(message, QueryRequest):
+            tracked = self._requests.get(message.request_id)
+            if tracked is None:
+                raise UnknownRequest(f"no request {message.request_id!r} was finished or expected here")
+            return RequestStatus(message.request_id, tracked.state, tracked.reason, tracked.message)
+        if self.layout is None or self._connector is None:
+            raise LayoutNotRegistered(
+                f"{type(message).__name__} before RegisterLayout: register the KV layout first"
+            )
+        if not message.request_id:
+            raise EngineProtocolError("request_id is empty")
+        existing = self._requests.get(message.request_id)
+        if existing is not None and existing.state == "pending":
+            raise DuplicateRequest(f"request {message.request_id!r} is already in flight")
+        check_block_ids(self.layout, message.block_ids)
+        if isinstance(message, RequestFinished):
+            if not isinstance(self._connector, PushProducer):
+                raise WrongRole("RequestFinished goes to a prefill sidecar; this one decodes")
+            self._connector.request_finished(message.request_id, message.block_ids)
+        else:
+            if not isinstance(self._connector, PushConsumer):
+                raise WrongRole("ExpectRequest goes to a decode sidecar; this one prefills")
+            prefill = message.prefill
+            if prefill.tp_size < 1 or prefill.pp_size < 1 or not 0 < prefill.port < 65536 or not prefill.host:
+                raise EngineProtocolError(f"prefill engine {prefill} has no usable side channel or sizes")
+            self._clock.need(prefill.engine_id, self.transport.peers)
+            self._connector.expect(
+                message.request_id,
+                message.block_ids,
+                RemoteEngine(prefill.engine_id, prefill.host, prefill.port, prefill.tp_size, prefill.pp_size),
+            )
+        self._track(message.request_id, _Tracked(conn, "pending", time.monotonic(), message.block_ids))
+        return Ack()
+
+    def _track(self, request_id: str, tracked: _Tracked) -> None:
+        self._requests.pop(request_id, None)
+        self._requests[request_id] = tracked
+        self._pending += 1
+        while len(self._requests) > KEEP_FINISHED:
+            oldest, entry = next(iter(self._requests.items()))
+            if entry.state == "pending":
+                break
+            del self._requests[oldest]
+
+    def _register(self, message: RegisterLayout) -> None:
+        if self._registered is not None:
+            if message == self._registered:
+                return
+            raise EngineLayoutMismatch(
+                "the KV layout is already registered with NIXL and differs from this one; restart the pod "
+                "to change it"
+            )
+        layout = expected_layout(self.config, message)
+        try:
+            pool = ShmPool(message.pool.path, message.pool.nbytes)
+        except (OSError, ValueError) as exc:
+            raise KVPoolUnavailable(f"cannot map the KV pool {message.pool.path}: {exc}") from None
+        try:
+            local = LocalKV(layout, self.transport, pool.addr, pool.nbytes, self.config.push_config())
+            self.side_channel.set_payload(self.config.pp_rank, self.config.tp_rank, local.handshake_payload())
+        except BaseException:
+            pool.close()
+            raise
+        self._pool = pool
+        self.layout = layout
+        self._local = local
+        self._connector = PushProducer(local) if self.config.role == "prefill" else PushConsumer(local)
+        self._registered = message
+        self._update_readiness()
+        if self.peer_reporter is not None:
+            self.peer_reporter.local = local
+            self.peer_reporter.start()
+        _event(
+            logging.INFO,
+            "KV pool registered",
+            pool=message.pool.path,
+            nbytes=message.pool.nbytes,
+            regions=len(layout.regions),
+            groups=len(layout.groups),
+            num_blocks=message.num_blocks,
+            layer_name_routing=local.layer_routing,
+        )
+
+    def _poll(self) -> None:
+        connector = self._connector
+        now = time.monotonic()
+        if isinstance(connector, PushProducer):
+            produced = connector.poll()
+            for request_id in produced.sent:
+                self._sent(request_id, now)
+            for request_id in produced.expired:
+                self.metrics.lease_expiries.inc()
+                self._fail(
+                    Failure.of(
+                        request_id, LeaseExpired("no decoder took the blocks before the lease expired")
+                    )
+                )
+            for failure in produced.failed:
+                self._fail(failure)
+            for request_id in produced.registered:
+                _event(logging.DEBUG, "decoder registered", request_id=request_id)
+        elif isinstance(connector, PushConsumer):
+            consumed = connector.poll()
+            for request_id in consumed.finished:
+                tracked = self._requests.get(request_id)
+                seconds = now - tracked.started if tracked else 0.0
+                self.metrics.transfers.labels("received").inc()
+                self._finish(request_id, "ready", KVReady(request_id, seconds))
+                _event(logging.INFO, "KV ready", request_id=request_id, seconds=round(seconds, 6))
+            for failure in consumed.failed:
+                self._fail(failure)
+
+    def _sent(self, request_id: str, now: float) -> None:
+        tracked = self._requests.get(request_id)
+        matched = self.transport.take_registration(request_id)
+        nbytes, seconds = 0, 0.0
+        if tracked is not None and matched is not None and self._local is not None:
+            registration, registered_at = matched
+            nbytes = pushed_bytes(
+                self._local, tracked.block_ids, registration.local_block_ids, registration.decode_tp_size
+            )
+            # Writes start once the blocks, the registration and the decoder's agent are all there.
+            loaded = self._clock.loaded_at.get(registration.decode_engine_id, 0.0)
+            seconds = now - max(tracked.started, registered_at, loaded)
+        self.metrics.bytes_pushed.inc(nbytes)
+        self.metrics.transfers.labels("sent").inc()
+        self._finish(request_id, "sent", KVSent(request_id, nbytes, seconds))
+        _event(logging.INFO, "KV sent", request_id=request_id, bytes=nbytes, seconds=round(seconds, 6))
+
+    def _fail(self, failure: Failure) -> None:
+        self.metrics.failures.labels(failure.reason).inc()
+        _event(
+            logging.WARNING,
+            "KV transfer failed",
+            request_id=failure.request_id,
+            reason=failure.reason,
+            error=failure.message,
+        )
+        tracked = self._requests.get(failure.request_id)
+        if tracked is not None:
+            tracked.reason, tracked.message = failure.reason, failure.message
+        self._finish(
+            failure.request_id, "failed", KVFailed(failure.request_id, failure.reason, failure.message)
+        )
+
+    def _finish(self, request_id: str, state: RequestState, event: KVReady | KVSent | KVFailed) -> None:
+        tracked = self._requests.get(request_id)
+        if tracked is None:
+            return
+        if tracked.state == "pending":
+            self._pending -= 1
+        tracked.state = state
+        tracked.conn.send(event)
+
+    # -- shutdown --------------------------------------------------------------------------------------------
+
+    def stop(self, signum: int | None = None, frame: FrameType | None = None) -> None:
+        self.stopping.set()
+
+    def close(self) -> None:
+        _event(logging.INFO, "sidecar stopping", pending_requests=self._pending)
+        if self.peer_reporter is not None:
+            self.peer_reporter.stop()
+            self.peer_reporter.reporter.core.api_client.close()
+        self.engine_socket.stop()
+        self.republisher.stop()
+        self.side_channel.stop()
+        if self._connector is not None:
+            self._connector.close()
+        self.transport.close()
+        if self._pool is not None:
+            self._pool.close()
+        self.http.stop()
+        _event(logging.INFO, "sidecar stopped, NIXL agent released")
+
+
+def run(config: SidecarConfig) -> int:
+    """Run a sidecar until SIGTERM or SIGINT; returns the process exit code."""
+    configure_logging(config.log_level)
+    sidecar = Sidecar(config)
+    signal.signal(signal.SIGTERM, sidecar.stop)
+    signal.signal(signal.SIGINT, sidecar.stop)
+    try:
+        return sidecar.run()
+    except Exception:
+        log.exception("sidecar failed", extra={"fields": {"engine_id": config.engine_id}})
+        return 1
+
+
+def main() -> int:
+    from disagg.worker.sidecar.config import from_env
+
+    try:
+        config = from_env(os.environ)
+    except DisaggError as exc:
+        configure_logging("info")
+        _event(logging.ERROR, "invalid sidecar configuration", reason=exc.reason, error=exc.message)
+        return 2
+    return run(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
