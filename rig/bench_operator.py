@@ -13,7 +13,6 @@ stopped again only if this run started it.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import os
 import secrets
@@ -25,7 +24,6 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,69 +35,12 @@ from disagg.operator.api import GROUP, PLURAL, VERSION
 from disagg.operator.builders import Owner, build
 from disagg.operator.k8s_apply import Kube
 from disagg.operator.reconcile import judge
+from disagg.rig import control_plane
+from disagg.rig.control_plane import Paths
+from disagg.rig.local import REPO, free_port
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "hack" / "control-plane.sh"
 EXAMPLE = REPO / "examples" / "pp2-hma.yaml"
 CRD = REPO / "crds" / "disagg.io_disaggdeployments.yaml"
-
-
-@dataclass(frozen=True)
-class Paths:
-    kubeconfig: Path
-    bin_dir: Path
-    state: Path
-
-
-def _script(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, check=False)
-
-
-def _paths() -> Paths:
-    fields = dict(line.split("=", 1) for line in _script("paths").stdout.splitlines() if "=" in line)
-    return Paths(Path(fields["kubeconfig"]), Path(fields["bin"]), Path(fields["state"]))
-
-
-@contextmanager
-def _holders_lock(state: Path) -> Iterator[Path]:
-    """The test suites' protocol (tests/cluster/local_cluster.py): one file per live user, under a lock."""
-    holders = state / "holders"
-    holders.mkdir(parents=True, exist_ok=True)
-    with (state / "holders.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield holders
-
-
-def _others_alive(holders: Path) -> bool:
-    for entry in holders.iterdir():
-        try:
-            os.kill(int(entry.name), 0)
-        except (ProcessLookupError, ValueError):
-            continue
-        return True
-    return False
-
-
-@contextmanager
-def _control_plane() -> Iterator[Paths]:
-    """A running control plane, registered as in use so that no test session stops it under the bench."""
-    paths = _paths()
-    paths.state.mkdir(parents=True, exist_ok=True)
-    me = f"{os.getpid()}"
-    with _holders_lock(paths.state) as holders:
-        started = _script("status").returncode != 0
-        if started:
-            result = _script("start")
-            if result.returncode != 0:
-                raise RuntimeError(f"hack/control-plane.sh start failed:\n{result.stderr[-4000:]}")
-        (holders / me).touch()
-    try:
-        yield paths
-    finally:
-        with _holders_lock(paths.state) as holders:
-            (holders / me).unlink(missing_ok=True)
-            if started and not _others_alive(holders):
-                _script("stop")
 
 
 class ConditionWatch:
@@ -252,7 +193,7 @@ def _wait_children(kube: Kube, namespace: str, count: int) -> None:
 
 class Operator:
     def __init__(self, paths: Paths, namespaces: Sequence[str], log: Path) -> None:
-        port = _free_port()
+        port = free_port()
         args = [sys.executable, "-m", "disagg.operator.cli", "operator", "run", "--health-port", str(port)]
         for namespace in namespaces:
             args += ["--namespace", namespace]
@@ -284,15 +225,6 @@ class Operator:
         return time.perf_counter() - start
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _healthy(port: int) -> bool:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as response:
@@ -317,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--latency-samples", type=int, default=15)
     parser.add_argument("--count", type=int, default=100, help="DisaggDeployments reconciled end to end.")
     args = parser.parse_args(argv)
-    with _control_plane() as paths:
+    with control_plane.shared() as (paths, _):
         subprocess.run(
             [str(paths.bin_dir / "kubectl"), "apply", "-f", str(CRD)],
             check=True,

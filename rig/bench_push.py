@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from disagg.rig.local import free_port
 from disagg.worker.connector.kv_pool import ShmPool
 from disagg.worker.connector.producer import desc_ids, plan_decode_rank
 from disagg.worker.connector.push import LocalKV, PushConfig, agent_name
@@ -135,15 +136,6 @@ def _backing(resident: tuple[int, int], nbytes: int) -> str:
     return f"{rss / nbytes:.0%} resident, {huge / nbytes:.0%} in huge pages"
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _block_tables(groups: int, per_group: int, rng: np.random.Generator | None) -> list[IdArray]:
     """Distinct ids across groups (HMA allocates every group from one pool), id 0 left as the null block."""
     ids = np.arange(1, groups * per_group + 1, dtype=np.int64)
@@ -221,7 +213,7 @@ def run(shape: Shape, repeats: int, handshakes: int, pool_dir: str) -> int:
     src_layout = shape.layout(num_blocks=capacity)
     tmp = tempfile.mkdtemp(prefix="disagg-bench-", dir=pool_dir)
     dst_path, src_path = os.path.join(tmp, "decode"), os.path.join(tmp, "prefill")
-    port = _free_port()
+    port = free_port()
     ctx = multiprocessing.get_context("spawn")
     parent_conn, child_conn = ctx.Pipe()
     child = ctx.Process(target=_decoder, args=(shape, capacity, dst_path, port, child_conn), daemon=True)

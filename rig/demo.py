@@ -36,12 +36,12 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from disagg.rig.local import LOOPBACK_UCX_ENV, free_port
 from disagg.worker.engine.config import TinyConfig, encode
 
 HOST = "127.0.0.1"
 PREFILL_ENGINE = "demo-prefill"
 DECODE_ENGINE = "demo-decode"
-UCX_ENV = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,cma,self", "NIXL_LOG_LEVEL": "ERROR"}
 STEP_TIMEOUT_S = 120.0
 DEFAULT_PROMPTS = (
     "Hello!",
@@ -54,15 +54,6 @@ DEFAULT_PROMPTS = (
     "NIXL writes each block with one descriptor per layer; the completion notification tells the decoder. "
     * 4,
 )
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @dataclass(frozen=True)
@@ -134,7 +125,7 @@ def topology_document(config: TinyConfig, pp_size: int, workers: Sequence[Worker
 def sidecar_env(worker: Worker, topology_file: Path) -> dict[str, str]:
     return {
         **os.environ,
-        **UCX_ENV,
+        **LOOPBACK_UCX_ENV,
         "PYTHONSAFEPATH": "1",
         "DISAGG_ROLE": worker.role,
         "DISAGG_ENGINE_ID": worker.engine_id,

@@ -15,11 +15,9 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -27,10 +25,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
 
+from disagg.rig import local
+from disagg.rig.control_plane import SCRIPT, Paths, call_script
+from disagg.rig.local import REPO, free_port
 from disagg.worker.kv.pod_contract import POD_CONDITION, ROLE_LABEL
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "hack" / "control-plane.sh"
 CRD = REPO / "crds" / "disagg.io_disaggdeployments.yaml"
 VALID_SAMPLE = REPO / "examples" / "pp2-hma.yaml"
 BROKEN_SAMPLE = REPO / "examples" / "bad-version-mismatch.yaml"
@@ -44,22 +43,8 @@ class DemoFailed(Exception):
     """A step that did not do what it should; the message says which and shows what was seen."""
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def wait_for(what: str, probe: Callable[[], T | None], timeout_s: float, interval_s: float = 0.5) -> T:
-    deadline = time.monotonic() + timeout_s
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(interval_s)
-    raise DemoFailed(f"{what} did not happen within {timeout_s:.0f} s (last seen: {last!r})")
+def wait_for(what: str, probe: Callable[[], T | None], timeout_s: float) -> T:
+    return local.wait_for(what, probe, timeout_s, interval_s=0.5, error=DemoFailed)
 
 
 @dataclass(frozen=True)
@@ -81,18 +66,14 @@ class ControlPlane:
             # The CRD before the controller manager starts, so its garbage collector knows the kind at once.
             "DISAGG_PRE_APPLY": str(CRD),
         }
-        paths = dict(line.split("=", 1) for line in _script(env, "paths").stdout.splitlines())
-        return cls(env, Path(paths["kubeconfig"]), Path(paths["bin"]))
+        paths = Paths.from_script(env)
+        return cls(env, paths.kubeconfig, paths.bin_dir)
 
     def script(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return _script(self.env, *args)
+        return call_script(*args, env=self.env)
 
     def kubectl_env(self) -> dict[str, str]:
         return {**self.env, "KUBECONFIG": str(self.kubeconfig), "PATH": f"{self.bin_dir}:{self.env['PATH']}"}
-
-
-def _script(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, check=False)
 
 
 class Demo:

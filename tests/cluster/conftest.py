@@ -7,7 +7,6 @@ and only if a pytest session started it: one started by hand stays up.
 
 from __future__ import annotations
 
-import os
 import re
 import secrets
 import subprocess
@@ -17,8 +16,11 @@ from pathlib import Path
 
 import pytest
 from kubernetes import client, config
-from local_cluster import PRE_APPLY, ControlPlane, Holders, Paths, call_script, run_script, script_failure
+from local_cluster import ControlPlane
 from operator_harness import Cluster, OperatorProcess
+
+from disagg.rig import control_plane as rig_control_plane
+from disagg.rig.control_plane import Paths, call_script, script_failure
 
 CLUSTER_DIR = Path(__file__).resolve().parent
 INSTALL_RESULT = pytest.StashKey[subprocess.CompletedProcess[str]]()
@@ -36,26 +38,12 @@ def control_plane_bin(pytestconfig: pytest.Config) -> Path:
 @pytest.fixture(scope="session")
 def control_plane(control_plane_bin: Path) -> Iterator[ControlPlane]:
     """A running control plane, started here unless one already runs; stopped at the end only if ours."""
-    paths = Paths.from_script()
-    paths.state.mkdir(parents=True, exist_ok=True)
-    holders = Holders(paths.state)
-    with holders:
-        started_here = call_script("status").returncode != 0
-        if started_here:
-            run_script("start", env={**os.environ, "DISAGG_PRE_APPLY": str(PRE_APPLY)})
-            holders.mark_started_by_pytest()
-        holders.add()
-    api_client = config.new_client_from_config(config_file=str(paths.kubeconfig))  # type: ignore[no-untyped-call]
-    try:
-        yield ControlPlane(paths.kubeconfig, control_plane_bin, paths.server, api_client, started_here)
-    finally:
-        api_client.close()
-        with holders:
-            holders.remove()
-            if not holders.live() and holders.started_by_pytest():
-                run_script("stop")
-                holders.owner_marker.unlink(missing_ok=True)
-        holders.close()
+    with rig_control_plane.shared() as (paths, started_here):
+        api_client = config.new_client_from_config(config_file=str(paths.kubeconfig))  # type: ignore[no-untyped-call]
+        try:
+            yield ControlPlane(paths.kubeconfig, control_plane_bin, paths.server, api_client, started_here)
+        finally:
+            api_client.close()
 
 
 @pytest.fixture(scope="session")

@@ -11,9 +11,7 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
-import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -26,18 +24,13 @@ from local_cluster import REPO, ControlPlane
 
 from disagg.operator.api import GROUP, PLURAL, VERSION
 from disagg.operator.k8s_apply import MERGE, Kube
+from disagg.rig import local
+from disagg.rig.local import free_port
 
 T = TypeVar("T")
 DISAGG = REPO / ".venv" / "bin" / "disagg"
 CRD = REPO / "crds" / "disagg.io_disaggdeployments.yaml"
 EXAMPLES = REPO / "examples"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 # Generous on purpose: these bound a hang, they do not measure anything. On a loaded 2-core machine kopf can
@@ -46,15 +39,8 @@ WAIT_S = 150.0
 
 
 def wait_for(what: str, probe: Callable[[], T | None], timeout: float = WAIT_S, interval: float = 0.2) -> T:
-    """Poll until `probe` returns something truthy; fail with `what` and the last value otherwise."""
-    deadline = time.monotonic() + timeout
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; last seen: {last!r}")
+    """Poll until `probe` returns something truthy; fail the test with `what` and the last value otherwise."""
+    return local.wait_for(what, probe, timeout, interval, error=AssertionError)
 
 
 def satisfied(value: T, check: Callable[[T], bool]) -> T | None:

@@ -26,6 +26,8 @@ import pytest
 import yaml
 from local_cluster import ControlPlane
 
+from disagg.rig.local import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "disagg"
 EXAMPLE = REPO / "examples" / "pp2-hma.yaml"
@@ -323,13 +325,6 @@ def test_watch_namespaces_grant_the_workload_permissions_only_there(release: Rel
     release.must_get("rolebinding", f"{release.fullname}-workloads")
     assert granted(release, ns) == workload_grants(release) | OUTSIDE_WATCHED_NAMESPACES
     assert granted(release, "default") == OUTSIDE_WATCHED_NAMESPACES
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class ServiceNameHTTPS(http.client.HTTPSConnection):

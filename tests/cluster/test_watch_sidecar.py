@@ -14,7 +14,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -25,6 +24,8 @@ from kubernetes import client
 from local_cluster import ControlPlane
 from operator_harness import wait_for
 
+from disagg.rig.local import LOOPBACK_UCX_ENV as UCX_ENV
+from disagg.rig.local import free_port
 from disagg.worker.connector.side_channel import SideChannelServer
 from disagg.worker.kv.pod_contract import (
     DEPLOYMENT_LABEL,
@@ -40,7 +41,6 @@ HOST = "127.0.0.1"
 DEPLOYMENT = "wd"
 DECODE_POD = "wd-decode-5d8f-x2k"
 PREFILL_POD = "wd-prefill-0"
-UCX_ENV = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,cma,self", "NIXL_LOG_LEVEL": "ERROR"}
 TOPOLOGY = {
     "transferMode": "push",
     "blockSize": 16,
@@ -54,13 +54,6 @@ TOPOLOGY = {
         "dtype": "float16",
     },
 }
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def pod_env(topology_file: Path, role: str, pod: str, port: int) -> dict[str, str]:

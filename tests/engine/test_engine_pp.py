@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from disagg.rig.local import free_port
 from disagg.worker.engine.config import TinyConfig, encode, layer_name
 from disagg.worker.engine.kv_cache import BlockPool, allocate_block_tables, copy_layer_blocks
 from disagg.worker.engine.model import TinyModel
@@ -25,7 +26,6 @@ from disagg.worker.engine.pp import (
     DecodeJob,
     PrefillJob,
     decoder_main,
-    free_port,
     map_kv_cache,
     prefill_stage_main,
 )

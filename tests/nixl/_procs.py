@@ -12,7 +12,6 @@ import dataclasses
 import json
 import os
 import queue
-import socket
 import subprocess
 import sys
 import threading
@@ -24,21 +23,13 @@ from typing import Any
 
 import numpy as np
 
+from disagg.rig.local import LOOPBACK_UCX_ENV as UCX_ENV
 from disagg.worker.connector.kv_pool import ShmPool
 from disagg.worker.kv.layout import AttentionKind, ModelGeometry, StageLayout, build_stage_layout
 
 PEER_SCRIPT = Path(__file__).with_name("_peer.py")
 EVENT_TIMEOUT_S = 120.0
 HOST = "127.0.0.1"
-
-UCX_ENV = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,cma,self", "NIXL_LOG_LEVEL": "ERROR"}
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def model_of(spec: dict[str, Any]) -> ModelGeometry:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,15 +17,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from disagg.rig.local import LOOPBACK_UCX_ENV as UCX_ENV
+from disagg.rig.local import free_port
+
 HOST = "127.0.0.1"
-UCX_ENV = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,cma,self", "NIXL_LOG_LEVEL": "ERROR"}
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def http_get(port: int, path: str) -> tuple[int, str]:

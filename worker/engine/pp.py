@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,14 +23,6 @@ from disagg.worker.connector.kv_pool import ShmPool
 from disagg.worker.engine.config import TinyConfig
 from disagg.worker.engine.kv_cache import BlockTables, PagedKVCache
 from disagg.worker.engine.model import TinyModel
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (for the gloo rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def map_kv_cache(
