@@ -17,9 +17,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _procs import HOST, check_push, free_port, initial_pool, layout_of, model_of
+from _procs import HOST, check_push, initial_pool, layout_of, model_of
 from test_push import DENSE
 
+from disagg.rig.local import free_port
 from disagg.worker.connector.consumer import PushConsumer
 from disagg.worker.connector.kv_pool import ShmPool
 from disagg.worker.connector.producer import PushProducer

@@ -7,9 +7,10 @@ import time
 from typing import Any
 
 import numpy as np
-from _procs import Cluster, check_push, free_port, read_pool, written_bytes
+from _procs import Cluster, check_push, read_pool, written_bytes
 from test_push import DENSE, prefill_specs, remote
 
+from disagg.rig.local import free_port
 from disagg.worker.connector.kv_pool import ShmPool
 
 # DENSE blocks are 4 KiB per layer, 6 layers: 21 000 blocks are 126 000 descriptors, ~490 MiB. On the 2-core

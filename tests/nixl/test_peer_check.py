@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _procs import free_port
 
+from disagg.rig.local import free_port
 from disagg.worker.connector.push import LocalKV
 from disagg.worker.connector.side_channel import SideChannelServer
 from disagg.worker.kv import wire

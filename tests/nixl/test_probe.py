@@ -7,9 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _procs import HOST, Cluster, free_port
+from _procs import HOST, Cluster
 from test_push import HYBRID, prefill_specs
 
+from disagg.rig.local import free_port
 from disagg.worker.connector.side_channel import SideChannelServer
 from disagg.worker.kv import wire
 

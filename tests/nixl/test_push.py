@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from _procs import HOST, Cluster, check_push, free_port, layout_of, read_pool
+from _procs import HOST, Cluster, check_push, layout_of, read_pool
+
+from disagg.rig.local import free_port
 
 HYBRID = {"num_layers": 12, "period": 4, "num_kv_heads": 4, "head_size": 16, "dtype_bytes": 2, "hma": True}
 DENSE = {"num_layers": 6, "period": 1, "num_kv_heads": 4, "head_size": 16, "dtype_bytes": 2, "hma": False}

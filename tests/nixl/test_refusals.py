@@ -8,9 +8,10 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from _procs import HOST, Cluster, check_push, free_port, read_pool
+from _procs import HOST, Cluster, check_push, read_pool
 from test_push import HYBRID, prefill_specs, remote
 
+from disagg.rig.local import free_port
 from disagg.worker.connector.side_channel import SideChannelServer
 from disagg.worker.kv import wire
 

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _procs import free_port
 from test_peer_check import DECODE_POD, HOST, PREFILL_POD, config, peer_of, topology, worker
 
+from disagg.rig.local import free_port
 from disagg.worker.kv import wire
 from disagg.worker.kv.pod_contract import ROLE_LABEL, SIDE_CHANNEL_PORT_NAME, SIDECAR_CONTAINER
 from disagg.worker.reporting.peer_check import check_peer

@@ -11,8 +11,9 @@ from typing import Any
 
 import msgspec
 import pytest
-from sidecar_procs import SidecarProcess, free_port, metric
+from sidecar_procs import SidecarProcess, metric
 
+from disagg.rig.local import free_port
 from disagg.worker.connector.kv_pool import ShmPool
 from disagg.worker.kv.errors import (
     BlockIdOutOfRange,

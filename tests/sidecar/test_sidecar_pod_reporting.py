@@ -12,9 +12,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sidecar_procs import HOST, free_port
+from sidecar_procs import HOST
 from test_sidecar_config import env_for, topology
 
+from disagg.rig.local import free_port
 from disagg.worker.kv.errors import WorkerConfigError
 from disagg.worker.reporting.status_loop import pod_api_client
 from disagg.worker.sidecar.config import from_env
