@@ -7,7 +7,6 @@ the committed CRD is stale), 2 the file is not a valid DisaggDeployment (YAML or
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -165,15 +164,13 @@ def run_check(args: argparse.Namespace) -> int:
 
 
 def _judge(dd: DisaggDeployment) -> CompatReport:
-    """The operator's verdict: the compatibility rules, engine arguments that contradict the spec, and a
-    sidecar image neither the spec nor this environment's DISAGG_WORKER_IMAGE names."""
+    """The operator's verdict (`policies.REFUSAL_CHAIN`), with this environment as the installation: its
+    DISAGG_WORKER_IMAGE is the sidecar image of a spec that names none."""
     from disagg.operator.builders import Installation
     from disagg.operator.compat import evaluate
-    from disagg.operator.reconcile import refusals
+    from disagg.operator.policies import REFUSAL_CHAIN
 
-    report = evaluate(dd.spec)
-    found = refusals(dd.spec, report, Installation.from_environ(os.environ))
-    return dataclasses.replace(report, violations=found)
+    return evaluate(dd.spec, REFUSAL_CHAIN, Installation.from_environ(os.environ))
 
 
 def _plan_namespace(dd: DisaggDeployment) -> str:

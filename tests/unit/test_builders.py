@@ -25,7 +25,8 @@ from disagg.operator.builders import (
 )
 from disagg.operator.builders_engine import arg_violations, engine_container, is_vllm_image
 from disagg.operator.compat import evaluate
-from disagg.operator.reconcile import judge, worker_image_violations
+from disagg.operator.policies import worker_image_violations
+from disagg.operator.reconcile import judge
 from disagg.worker.kv.pod_contract import POD_CONDITION, SIDECAR_CONTAINER
 from disagg.worker.kv.topology import decode_topology
 from disagg.worker.sidecar.config import from_env
