@@ -52,6 +52,7 @@ from disagg.worker.kv.pod_contract import (
     TENSOR_PARALLEL_SIZE_ENV,
     TOPOLOGY_FILE_ENV,
 )
+from disagg.worker.kv.topology import ModelDocument, TopologyDocument, encode_topology
 
 FIELD_MANAGER: Final = "disagg-operator"
 NAME_LABEL: Final = "app.kubernetes.io/name"
@@ -189,28 +190,34 @@ def selector_labels(owner: str, role: Role, replica: int | None = None) -> dict[
 
 def topology_document(
     spec: DisaggDeploymentSpec, owner: Owner, plan: TopologyPlan, hashes: Mapping[Role, str]
-) -> str:
-    """The plan plus what a sidecar needs to build its KV layout (`disagg.worker.sidecar.config` reads it)."""
+) -> TopologyDocument:
+    """The plan plus what a sidecar needs to build its KV layout (the sidecar decodes it at startup)."""
     model = spec.model
-    document = {
-        "deployment": owner.name,
-        **plan.to_dict(),
-        "blockSize": spec.prefill.block_size,
-        "kvLeaseDurationSeconds": spec.kv_transfer.lease_seconds,
-        "model": {
-            "name": model.name,
-            "dtype": model.dtype.value,
-            "dtypeBytes": model.dtype.num_bytes,
-            "numKVHeads": model.num_kv_heads,
-            "headSize": model.head_size,
-            "layerKinds": [kind.to_layout().value for kind in model.layer_kinds()],
-            "layerNameTemplate": model.layer_name_template,
-            "hma": plan.hma,
-            "attentionBackend": spec.engine.attention_backend,
-        },
-        "compatibilityHashes": dict(hashes),
-    }
-    return json.dumps(document, sort_keys=True, indent=2)
+    return TopologyDocument(
+        deployment=owner.name,
+        transfer_mode=plan.transfer_mode,
+        hma=plan.hma,
+        packed=plan.packed,
+        routing_mode=plan.routing_mode.value,
+        prefill_tensor_parallel_size=plan.prefill_tp,
+        decode_tensor_parallel_size=plan.decode_tp,
+        notifications_per_request=plan.notifications_per_request,
+        stages=plan.stage_documents(),
+        block_size=spec.prefill.block_size,
+        kv_lease_duration_seconds=spec.kv_transfer.lease_seconds,
+        model=ModelDocument(
+            name=model.name,
+            dtype=model.dtype.value,
+            dtype_bytes=model.dtype.num_bytes,
+            num_kv_heads=model.num_kv_heads,
+            head_size=model.head_size,
+            layer_kinds=tuple(kind.to_layout() for kind in model.layer_kinds()),
+            layer_name_template=model.layer_name_template,
+            hma=plan.hma,
+            attention_backend=spec.engine.attention_backend,
+        ),
+        compatibility_hashes={role: value for role, value in hashes.items()},
+    )
 
 
 def build(
@@ -221,7 +228,7 @@ def build(
     installation: Installation = Installation(),
 ) -> list[dict[str, Any]]:
     """Every object the deployment needs, in apply order (what the pods mount or run as comes first)."""
-    topology = topology_document(spec, owner, plan, hashes)
+    topology = encode_topology(topology_document(spec, owner, plan, hashes))
     checksum = hashlib.sha256(topology.encode()).hexdigest()[:16]
     objects: list[dict[str, Any]] = [
         _object(

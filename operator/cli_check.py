@@ -7,7 +7,6 @@ the committed CRD is stale), 2 the file is not a valid DisaggDeployment (YAML or
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -17,6 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
+    import yaml
+
     from disagg.operator.api import DisaggDeployment
     from disagg.operator.compat import CompatReport
 
@@ -165,15 +166,13 @@ def run_check(args: argparse.Namespace) -> int:
 
 
 def _judge(dd: DisaggDeployment) -> CompatReport:
-    """The operator's verdict: the compatibility rules, engine arguments that contradict the spec, and a
-    sidecar image neither the spec nor this environment's DISAGG_WORKER_IMAGE names."""
+    """The operator's verdict (`policies.REFUSAL_CHAIN`), with this environment as the installation: its
+    DISAGG_WORKER_IMAGE is the sidecar image of a spec that names none."""
     from disagg.operator.builders import Installation
     from disagg.operator.compat import evaluate
-    from disagg.operator.reconcile import refusals
+    from disagg.operator.policies import REFUSAL_CHAIN
 
-    report = evaluate(dd.spec)
-    found = refusals(dd.spec, report, Installation.from_environ(os.environ))
-    return dataclasses.replace(report, violations=found)
+    return evaluate(dd.spec, REFUSAL_CHAIN, Installation.from_environ(os.environ))
 
 
 def _plan_namespace(dd: DisaggDeployment) -> str:
@@ -220,7 +219,7 @@ def run_plan(args: argparse.Namespace) -> int:
             json.dump(document, out, indent=2)
             out.write("\n")
         else:
-            yaml.safe_dump(document, out, sort_keys=False, width=110)
+            yaml.dump(document, out, Dumper=_manifest_dumper(), sort_keys=False, width=110)
     else:
         _print_plan_text(dd, report, out)
         if manifests is not None:
@@ -233,18 +232,29 @@ def run_plan(args: argparse.Namespace) -> int:
     return EXIT_OK if report.compatible else EXIT_INCOMPATIBLE
 
 
-def _dump_manifests(manifests: list[dict[str, Any]]) -> str:
-    """YAML documents as `kubectl apply -f` reads them, with multi-line strings (the topology) as blocks."""
+def _manifest_dumper() -> type[yaml.SafeDumper]:
+    """A safe dumper for people who read and diff manifests: multi-line strings (the topology) as blocks, and
+    no anchors or aliases (`&id001` / `*id001`) where the builders share one list between two containers."""
     import yaml
 
     class Dumper(yaml.SafeDumper):
-        pass
+        def ignore_aliases(self, data: Any) -> bool:
+            return True
 
     def text(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
         return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None)
 
     Dumper.add_representer(str, text)
-    dumped: str = yaml.dump_all(manifests, Dumper=Dumper, sort_keys=False, width=110, explicit_start=True)
+    return Dumper
+
+
+def _dump_manifests(manifests: list[dict[str, Any]]) -> str:
+    """YAML documents as `kubectl apply -f` reads them."""
+    import yaml
+
+    dumped: str = yaml.dump_all(
+        manifests, Dumper=_manifest_dumper(), sort_keys=False, width=110, explicit_start=True
+    )
     return dumped
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import msgspec
+
 from disagg.operator.api import (
     DisaggDeploymentSpec,
     HybridKVCacheManager,
@@ -20,6 +22,7 @@ from disagg.operator.api import (
 )
 from disagg.worker.kv.layout import ModelGeometry, pp_partition
 from disagg.worker.kv.rules import requires_layer_name_routing
+from disagg.worker.kv.topology import StageDocument
 
 
 @dataclass(frozen=True)
@@ -65,8 +68,22 @@ class TopologyPlan:
             ],
         )
 
+    def stage_documents(self) -> tuple[StageDocument, ...]:
+        """The stages as the topology document (`disagg.worker.kv.topology`) lists them."""
+        return tuple(
+            StageDocument(
+                stage=stage.stage,
+                start_layer=stage.layers.start,
+                end_layer=stage.layers.stop,
+                routing_mode=stage.routing_mode.value,
+                layers=stage.layer_names,
+            )
+            for stage in self.stages
+        )
+
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form for `disagg plan -o json` and the topology ConfigMap."""
+        """JSON-ready form for `disagg check -o json` and `disagg plan -o json`; the topology document's
+        keys (the ConfigMap carries the same and more, `disagg.worker.kv.topology`)."""
         return {
             "transferMode": self.transfer_mode,
             "hma": self.hma,
@@ -75,16 +92,8 @@ class TopologyPlan:
             "prefillTensorParallelSize": self.prefill_tp,
             "decodeTensorParallelSize": self.decode_tp,
             "notificationsPerRequest": self.notifications_per_request,
-            "stages": [
-                {
-                    "stage": stage.stage,
-                    "startLayer": stage.layers.start,
-                    "endLayer": stage.layers.stop,
-                    "routingMode": stage.routing_mode.value,
-                    "layers": list(stage.layer_names),
-                }
-                for stage in self.stages
-            ],
+            # Through JSON, so that the stages are lists and mappings as in the ConfigMap's document.
+            "stages": msgspec.json.decode(msgspec.json.encode(self.stage_documents())),
         }
 
 

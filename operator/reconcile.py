@@ -21,11 +21,11 @@ from pydantic import ValidationError
 
 from disagg.operator import conditions as cond
 from disagg.operator.api import ConditionStatus, DisaggDeploymentSpec
-from disagg.operator.builders import WORKER_IMAGE_ENV, Installation, Owner, build
-from disagg.operator.builders_engine import arg_violations
+from disagg.operator.builders import Installation, Owner, build
 from disagg.operator.compat import CompatReport, evaluate
 from disagg.operator.k8s_apply import Kube
 from disagg.operator.kv_status import pod_kv
+from disagg.operator.policies import REFUSAL_CHAIN
 from disagg.operator.status import compute, incompatibility_message, to_json, workload
 from disagg.worker.kv.errors import Violation
 
@@ -51,9 +51,8 @@ class Outcome:
 
 
 def judge(raw_spec: Mapping[str, Any], installation: Installation | None = None) -> Verdict:
-    """Every reason to refuse a spec: schema errors, pre-flight rules, engine arguments that contradict it,
-    and a sidecar image neither the spec nor the installation names. `installation` defaults to this
-    process's environment, which is the operator's (the admission webhook runs inside it)."""
+    """Every reason to refuse a spec: schema errors, then `policies.REFUSAL_CHAIN`. `installation` defaults
+    to this process's environment, which is the operator's (the admission webhook runs inside it)."""
     try:
         spec = DisaggDeploymentSpec.model_validate(dict(raw_spec))
     except ValidationError as error:
@@ -61,29 +60,9 @@ def judge(raw_spec: Mapping[str, Any], installation: Installation | None = None)
             f"spec.{'.'.join(str(part) for part in item['loc'])}: {item['msg']}" for item in error.errors()
         )
         return Verdict(None, None, (Violation("InvalidSpec", problems),))
-    report = evaluate(spec)
     installed = installation if installation is not None else Installation.from_environ(os.environ)
-    return Verdict(spec, report, refusals(spec, report, installed))
-
-
-def refusals(
-    spec: DisaggDeploymentSpec, report: CompatReport, installation: Installation
-) -> tuple[Violation, ...]:
-    """Every reason to refuse a schema-valid spec; `disagg check` and `disagg plan` use the same list."""
-    return (*report.violations, *arg_violations(spec), *worker_image_violations(spec, installation))
-
-
-def worker_image_violations(spec: DisaggDeploymentSpec, installation: Installation) -> list[Violation]:
-    if installation.sidecar_image(spec) is not None:
-        return []
-    return [
-        Violation(
-            "WorkerImageMissing",
-            f"spec.worker.image is not set and the operator has no default sidecar image "
-            f"({WORKER_IMAGE_ENV} is unset): set spec.worker.image, or install the operator with the Helm "
-            "chart, which sets it from worker.image",
-        )
-    ]
+    report = evaluate(spec, REFUSAL_CHAIN, installed)
+    return Verdict(spec, report, report.violations)
 
 
 def _owner(body: Mapping[str, Any]) -> Owner:

@@ -18,7 +18,6 @@ the tokens are identical. Every process it starts is stopped (SIGTERM, then kill
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import multiprocessing
 import os
@@ -38,6 +37,27 @@ from typing import Any
 
 from disagg.rig.local import LOOPBACK_UCX_ENV, free_port
 from disagg.worker.engine.config import TinyConfig, encode
+from disagg.worker.kv.pod_contract import (
+    ENGINE_ID_ENV,
+    ENGINE_SOCKET_ENV,
+    KV_POOL_ENV,
+    LOG_LEVEL_ENV,
+    METRICS_HOST_ENV,
+    METRICS_PORT_ENV,
+    PP_RANK_ENV,
+    ROLE_ENV,
+    SIDE_CHANNEL_HOST_ENV,
+    SIDE_CHANNEL_PORT_ENV,
+    TOPOLOGY_FILE_ENV,
+    TP_RANK_ENV,
+)
+from disagg.worker.kv.topology import (
+    ModelDocument,
+    StageDocument,
+    TopologyDocument,
+    WorkerEndpoint,
+    encode_topology,
+)
 
 HOST = "127.0.0.1"
 PREFILL_ENGINE = "demo-prefill"
@@ -88,38 +108,39 @@ class EngineSpec:
     prefill_side_channel_port: int
 
 
-def topology_document(config: TinyConfig, pp_size: int, workers: Sequence[Worker]) -> dict[str, Any]:
+def topology_document(config: TinyConfig, pp_size: int, workers: Sequence[Worker]) -> TopologyDocument:
+    """The document the operator's builders would write for this model, built through the same type."""
     geometry = config.geometry
-    return {
-        "transferMode": "push",
-        "blockSize": config.block_size,
-        "packed": False,
-        "prefillTensorParallelSize": 1,
-        "decodeTensorParallelSize": 1,
-        "stages": [
-            {"stage": rank, "startLayer": layers.start, "endLayer": layers.stop}
+    return TopologyDocument(
+        transfer_mode="push",
+        block_size=config.block_size,
+        packed=False,
+        prefill_tensor_parallel_size=1,
+        decode_tensor_parallel_size=1,
+        stages=tuple(
+            StageDocument(stage=rank, start_layer=layers.start, end_layer=layers.stop)
             for rank, layers in enumerate(config.stages(pp_size))
-        ],
-        "model": {
-            "name": f"disagg-tiny-{config.seed}",
-            "dtype": "float32",
-            "layerKinds": [kind.value for kind in geometry.kinds],
-            "numKVHeads": geometry.num_kv_heads,
-            "headSize": geometry.head_size,
-            "dtypeBytes": geometry.dtype_bytes,
-            "layerNameTemplate": geometry.layer_name_template,
-            "hma": geometry.hma,
-        },
-        "workers": {
-            "prefill": [
-                {"ppRank": w.pp_rank, "tpRank": 0, "host": HOST, "port": w.side_channel_port}
+        ),
+        model=ModelDocument(
+            name=f"disagg-tiny-{config.seed}",
+            dtype="float32",
+            layer_kinds=geometry.kinds,
+            num_kv_heads=geometry.num_kv_heads,
+            head_size=geometry.head_size,
+            dtype_bytes=geometry.dtype_bytes,
+            layer_name_template=geometry.layer_name_template,
+            hma=geometry.hma,
+        ),
+        workers={
+            "prefill": tuple(
+                WorkerEndpoint(pp_rank=w.pp_rank, tp_rank=0, host=HOST, port=w.side_channel_port)
                 for w in workers
                 if w.role == "prefill"
-            ]
+            )
         },
-        "kvLeaseDurationSeconds": 60,
-        "pushRegistrationTimeoutSeconds": 120,
-    }
+        kv_lease_duration_seconds=60,
+        push_registration_timeout_seconds=120,
+    )
 
 
 def sidecar_env(worker: Worker, topology_file: Path) -> dict[str, str]:
@@ -127,18 +148,18 @@ def sidecar_env(worker: Worker, topology_file: Path) -> dict[str, str]:
         **os.environ,
         **LOOPBACK_UCX_ENV,
         "PYTHONSAFEPATH": "1",
-        "DISAGG_ROLE": worker.role,
-        "DISAGG_ENGINE_ID": worker.engine_id,
-        "DISAGG_PP_RANK": str(worker.pp_rank),
-        "DISAGG_TP_RANK": "0",
-        "DISAGG_TOPOLOGY_FILE": str(topology_file),
-        "DISAGG_SIDE_CHANNEL_HOST": HOST,
-        "DISAGG_SIDE_CHANNEL_PORT": str(worker.side_channel_port),
-        "DISAGG_ENGINE_SOCKET": worker.socket_path,
-        "DISAGG_KV_POOL": worker.pool_path,
-        "DISAGG_METRICS_HOST": HOST,
-        "DISAGG_METRICS_PORT": str(worker.metrics_port),
-        "DISAGG_LOG_LEVEL": "info",
+        ROLE_ENV: worker.role,
+        ENGINE_ID_ENV: worker.engine_id,
+        PP_RANK_ENV: str(worker.pp_rank),
+        TP_RANK_ENV: "0",
+        TOPOLOGY_FILE_ENV: str(topology_file),
+        SIDE_CHANNEL_HOST_ENV: HOST,
+        SIDE_CHANNEL_PORT_ENV: str(worker.side_channel_port),
+        ENGINE_SOCKET_ENV: worker.socket_path,
+        KV_POOL_ENV: worker.pool_path,
+        METRICS_HOST_ENV: HOST,
+        METRICS_PORT_ENV: str(worker.metrics_port),
+        LOG_LEVEL_ENV: "info",
     }
 
 
@@ -345,7 +366,7 @@ class DemoCluster:
             for role, rank in roles
         ]
         topology = self.workdir / "topology.json"
-        topology.write_text(json.dumps(topology_document(self.config, self.pp_size, self.workers), indent=2))
+        topology.write_text(encode_topology(topology_document(self.config, self.pp_size, self.workers)))
         self.progress(f"starting {len(self.workers)} sidecars (NIXL agents, side channels, metrics) ...")
         for worker in self.workers:
             log_path = self.workdir / f"sidecar-{worker.name}.log"

@@ -11,7 +11,8 @@ import pytest
 from disagg.worker.kv import wire
 from disagg.worker.kv.errors import WorkerConfigError
 from disagg.worker.kv.layout import AttentionKind
-from disagg.worker.sidecar.config import from_env, load_topology, parse_topology
+from disagg.worker.kv.topology import decode_topology
+from disagg.worker.sidecar.config import from_env, load_topology
 
 
 def topology(**changes: Any) -> dict[str, Any]:
@@ -149,7 +150,7 @@ def test_environment_contradictions_are_named(tmp_path: Path, env: dict[str, str
 )
 def test_topology_problems_are_named(changes: dict[str, Any], message: str) -> None:
     with pytest.raises(WorkerConfigError) as caught:
-        parse_topology(topology(**changes))
+        decode_topology(topology(**changes))
     assert message in caught.value.message
 
 
@@ -157,4 +158,4 @@ def test_model_kind_typo_names_the_value() -> None:
     doc = topology()
     doc["model"] = {**doc["model"], "layerKinds": ["ful"] * 9}
     with pytest.raises(WorkerConfigError, match="'ful' is not a valid AttentionKind"):
-        parse_topology(doc)
+        decode_topology(doc)

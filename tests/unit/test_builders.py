@@ -25,9 +25,11 @@ from disagg.operator.builders import (
 )
 from disagg.operator.builders_engine import arg_violations, engine_container, is_vllm_image
 from disagg.operator.compat import evaluate
-from disagg.operator.reconcile import judge, worker_image_violations
+from disagg.operator.policies import worker_image_violations
+from disagg.operator.reconcile import judge
 from disagg.worker.kv.pod_contract import POD_CONDITION, SIDECAR_CONTAINER
-from disagg.worker.sidecar.config import from_env, parse_topology
+from disagg.worker.kv.topology import decode_topology
+from disagg.worker.sidecar.config import from_env
 
 OWNER = Owner(name="gemma-pp2", namespace="ns1", uid="0f0e-uid", generation=7)
 CHART_DEFAULT = Installation()
@@ -126,7 +128,7 @@ class TestObjectSet:
 
     def test_the_sidecar_accepts_the_topology_document(self) -> None:
         document = objects(spec())["ConfigMap", "gemma-pp2-topology"]["data"][TOPOLOGY_KEY]
-        topology = parse_topology(json.loads(document))
+        topology = decode_topology(json.loads(document))
         assert topology.block_size == 32
 
     def test_service_ports_name_their_protocol(self) -> None:

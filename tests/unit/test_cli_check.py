@@ -194,6 +194,19 @@ def test_plan_prints_the_manifests_the_operator_applies(capsys: pytest.CaptureFi
     assert header == [f"#   - {d['kind']} {d['metadata']['name']}" for d in documents]
 
 
+@pytest.mark.parametrize("output", ["text", "yaml"])
+def test_plan_yaml_has_no_anchors_or_aliases(capsys: pytest.CaptureFixture[str], output: str) -> None:
+    # The builders share one env list and one mounts list between a pod's two containers; people read and
+    # diff the manifests, so each object is written out in full.
+    code, out, _ = run(capsys, "plan", "-o", output, str(VALID_EXAMPLE))
+    assert code == 0
+    # An anchor (`&id001`) or an alias (`*id001`) is a node event with an anchor name.
+    anchored = [
+        event.anchor for event in yaml.parse(out) if isinstance(event, yaml.NodeEvent) and event.anchor
+    ]
+    assert anchored == []
+
+
 def test_plan_names_the_installations_worker_cluster_role(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

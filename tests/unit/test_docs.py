@@ -52,6 +52,7 @@ REASON_SOURCES = (
     "worker/connector/producer.py",
     "worker/connector/consumer.py",
     "operator/compat.py",
+    "operator/policies.py",
     "operator/reconcile.py",
     "operator/kv_status.py",
     "operator/status.py",
@@ -170,7 +171,7 @@ def test_every_cited_code_object_exists(name: str) -> None:
     refs = {
         ref
         for ref in CODE_REF.findall(doc(name))
-        if ref.split(".")[0] in {"rules", "routing", "layout", "wire", "errors", "push", "compat"}
+        if ref.split(".")[0] in {"rules", "routing", "layout", "wire", "errors", "push", "compat", "policies"}
         or ref.startswith(("push_", "transport."))
     }
     assert refs

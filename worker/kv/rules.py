@@ -208,6 +208,3 @@ def check_topology(
         if violation is not None and violation not in unique:
             unique.append(violation)
     return unique
-
-
-startup_violations = check_topology

@@ -40,7 +40,8 @@ from disagg.worker.kv.pod_contract import (
     SIDE_CHANNEL_PORT_NAME,
     SIDECAR_CONTAINER,
 )
-from disagg.worker.sidecar.config import Role, SidecarConfig
+from disagg.worker.kv.topology import Role
+from disagg.worker.sidecar.config import SidecarConfig
 
 MAX_MESSAGE_CHARS: Final = 4000
 

@@ -33,7 +33,13 @@ from disagg.worker.connector.push import LocalKV, agent_name
 from disagg.worker.connector.side_channel import DEFAULT_HANDSHAKE_TIMEOUT_S, SideChannelServer
 from disagg.worker.kv.errors import DisaggError, WorkerConfigError
 from disagg.worker.kv.layout import build_stage_layout
-from disagg.worker.kv.pod_contract import DEPLOYMENT_LABEL, ROLE_LABEL
+from disagg.worker.kv.pod_contract import (
+    DEPLOYMENT_ENV,
+    DEPLOYMENT_LABEL,
+    POD_NAME_ENV,
+    POD_NAMESPACE_ENV,
+    ROLE_LABEL,
+)
 from disagg.worker.reporting.peer_check import Outcome, check_round, peer_role
 from disagg.worker.reporting.pod_report import PodReporter, kube_client
 from disagg.worker.sidecar.config import SidecarConfig, from_env
@@ -109,8 +115,8 @@ class PeerReporter:
         check: Check | None = None,
     ) -> PeerReporter:
         """The reporter of the pod `env` names (`POD_NAMESPACE`, `POD_NAME`, `DISAGG_DEPLOYMENT`)."""
-        reporter = PodReporter(api, _required(env, "POD_NAMESPACE"), _required(env, "POD_NAME"))
-        deployment = _required(env, "DISAGG_DEPLOYMENT")
+        reporter = PodReporter(api, _required(env, POD_NAMESPACE_ENV), _required(env, POD_NAME_ENV))
+        deployment = _required(env, DEPLOYMENT_ENV)
         return cls(config, local, reporter, deployment, interval_s=interval_s, check=check)
 
     def start(self) -> PeerReporter:
@@ -135,7 +141,7 @@ def pod_api_client(env: Mapping[str, str]) -> client.ApiClient | None:
     """A client for the API server when `env` is a pod's (`POD_NAME` and `POD_NAMESPACE` set) and credentials
     exist: the in-cluster service account, else the `KUBECONFIG` file `env` names. None otherwise (the
     data-path demo, the sidecar tests), so a sidecar outside a pod never tries to reach an API server."""
-    if not env.get("POD_NAME") or not env.get("POD_NAMESPACE"):
+    if not env.get(POD_NAME_ENV) or not env.get(POD_NAMESPACE_ENV):
         return None
     if env.get("KUBERNETES_SERVICE_HOST") and SERVICE_ACCOUNT_TOKEN.is_file():
         kube_config.load_incluster_config()  # type: ignore[no-untyped-call]
@@ -184,7 +190,7 @@ def registered_kv(config: SidecarConfig, num_blocks: int, pool_path: Path) -> It
 
 def run(env: Mapping[str, str], interval_s: float, num_blocks: int, stop: threading.Event) -> int:
     config = from_env(env)
-    pod = _required(env, "POD_NAME")
+    pod = _required(env, POD_NAME_ENV)
     pool_path = Path("/dev/shm") / f"disagg-status-{pod}-{os.getpid()}"
     with registered_kv(config, num_blocks, pool_path) as local, kube_client() as api:
         server = SideChannelServer(config.side_channel_host, config.side_channel_port)

@@ -19,33 +19,8 @@ Environment (the operator's builders set these in the pod spec; names are stable
   each must equal the topology's value for this role.
 - `DISAGG_LOG_LEVEL`: `debug`, `info` (default), `warning` or `error`.
 
-Topology file: the operator's topology plan (`disagg plan -o json`) plus what the sidecar needs to build its
-KV layout. Keys (camelCase; unknown keys are ignored so the plan can grow):
-
-    transferMode: push                      # the sidecar runs the push connector; pull is refused
-    blockSize: 16                           # logical block size, equal on both roles
-    packed: false                           # block-outermost (BLHNC) pools
-    prefillTensorParallelSize: 1
-    decodeTensorParallelSize: 1
-    stages:                                 # one per prefill PP stage, in order; contiguous layer ranges
-      - {stage: 0, startLayer: 0, endLayer: 5}
-      - {stage: 1, startLayer: 5, endLayer: 9}
-    model:
-      layerKinds: [sliding_window, sliding_window, full, ...]   # per layer: full|sliding_window|mla|mamba
-      numKVHeads: 2
-      headSize: 16
-      dtypeBytes: 4
-      layerNameTemplate: "model.layers.{i}.self_attn.attn"    # optional
-      hma: true                             # optional, default true
-      name: tiny                            # optional: with dtype, derives the compatibility hash
-      dtype: float32                        # optional
-      attentionBackend: FLASH_ATTN          # optional
-    compatibilityHashes: {prefill: <sha256>, decode: <sha256>}  # optional
-    workers:                                # optional: other workers of an engine whose side-channel payload
-      prefill:                              # its serving worker (pp 0, tp 0) republishes, vLLM-style
-        - {ppRank: 1, tpRank: 0, host: 10.0.0.7, port: 5600}
-    kvLeaseDurationSeconds: 30              # optional
-    pushRegistrationTimeoutSeconds: 480     # optional
+Topology file: the operator's topology document (`disagg.worker.kv.topology`, which lists its keys), JSON
+or YAML; `load_topology` reads it and `decode_topology` checks it.
 """
 
 from __future__ import annotations
@@ -53,16 +28,15 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
 from disagg.worker.connector.push import PushConfig
 from disagg.worker.kv import wire
-from disagg.worker.kv.errors import DisaggError, WorkerConfigError
-from disagg.worker.kv.layout import DEFAULT_LAYER_NAME_TEMPLATE, AttentionKind, ModelGeometry, pp_partition
+from disagg.worker.kv.errors import WorkerConfigError
 from disagg.worker.kv.pod_contract import (
     BLOCK_SIZE_ENV,
     COMPATIBILITY_HASH_ENV,
@@ -84,180 +58,11 @@ from disagg.worker.kv.pod_contract import (
     TOPOLOGY_FILE_ENV,
     TP_RANK_ENV,
 )
+from disagg.worker.kv.topology import ROLES, Role, Topology, WorkerEndpoint, decode_topology
 
-Role = Literal["prefill", "decode"]
-ROLES: tuple[Role, ...] = ("prefill", "decode")
 DEFAULT_METRICS_PORT = 9090
 DEFAULT_ENGINE_SOCKET = "/dev/shm/disagg-engine.sock"
 _ORDINAL = re.compile(r"^(?P<base>.+)-(?P<ordinal>\d+)$")
-
-
-@dataclass(frozen=True)
-class WorkerEndpoint:
-    """Another worker of the same engine, whose handshake payload the serving worker republishes."""
-
-    pp_rank: int
-    tp_rank: int
-    host: str
-    port: int
-
-
-@dataclass(frozen=True)
-class Topology:
-    model: ModelGeometry
-    transfer_mode: str
-    block_size: int
-    packed: bool
-    prefill_tp: int
-    decode_tp: int
-    stage_layers: tuple[range, ...]
-    model_name: str | None = None
-    dtype: str | None = None
-    attention_backend: str = "FLASH_ATTN"
-    compatibility_hashes: Mapping[str, str] = field(default_factory=dict)
-    workers: Mapping[str, tuple[WorkerEndpoint, ...]] = field(default_factory=dict)
-    kv_lease_duration_s: float = 30.0
-    push_registration_timeout_s: float = 480.0
-
-    @property
-    def prefill_pp(self) -> int:
-        return len(self.stage_layers)
-
-    @property
-    def layer_partition(self) -> tuple[int, ...]:
-        return tuple(len(layers) for layers in self.stage_layers)
-
-    def compat_factors(self) -> dict[str, Any] | None:
-        """vLLM's hash factors for this model, when the file names the model and its dtype."""
-        if self.model_name is None or self.dtype is None:
-            return None
-        try:
-            factors: dict[str, Any] = wire.compat_factors(
-                vllm_version="disagg",
-                model=self.model_name,
-                dtype=self.dtype,
-                num_kv_heads=self.model.num_kv_heads,
-                head_size=self.model.head_size,
-                num_hidden_layers=self.model.num_layers,
-                attn_backend_name=self.attention_backend,
-                is_hma_enabled=self.model.hma,
-                transfer_mode="push",
-            )
-        except ValueError as exc:
-            raise WorkerConfigError(f"topology model.dtype: {exc}") from None
-        return factors
-
-
-def _get(doc: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
-    if key not in doc:
-        raise WorkerConfigError(f"topology: {where}{key} is missing")
-    value = doc[key]
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise WorkerConfigError(f"topology: {where}{key} must be {_kind_name(kind)}, got {value!r}")
-    return value
-
-
-def _opt(doc: Mapping[str, Any], key: str, kind: type | tuple[type, ...], default: Any, where: str) -> Any:
-    return default if doc.get(key) is None else _get(doc, key, kind, where)
-
-
-def _kind_name(kind: type | tuple[type, ...]) -> str:
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    return " or ".join(k.__name__ for k in kinds)
-
-
-def _positive(value: int, what: str) -> int:
-    if value < 1:
-        raise WorkerConfigError(f"topology: {what} must be positive, got {value}")
-    return value
-
-
-def parse_topology(doc: Any) -> Topology:
-    """The topology from its parsed document; every problem is a `WorkerConfigError` naming the key."""
-    if not isinstance(doc, Mapping):
-        raise WorkerConfigError(f"topology: the document must be a mapping, got {type(doc).__name__}")
-    transfer_mode = _get(doc, "transferMode", str, "")
-    if transfer_mode != "push":
-        raise WorkerConfigError(
-            f"topology: transferMode is {transfer_mode!r}; the sidecar moves KV with the push connector only"
-        )
-    m = _get(doc, "model", Mapping, "")
-    kinds_raw = _get(m, "layerKinds", list, "model.")
-    try:
-        kinds = tuple(AttentionKind(kind) for kind in kinds_raw)
-    except ValueError as exc:
-        raise WorkerConfigError(f"topology: model.layerKinds: {exc}") from None
-    try:
-        model = ModelGeometry(
-            kinds,
-            _get(m, "numKVHeads", int, "model."),
-            _get(m, "headSize", int, "model."),
-            _get(m, "dtypeBytes", int, "model."),
-            _opt(m, "layerNameTemplate", str, DEFAULT_LAYER_NAME_TEMPLATE, "model."),
-            _opt(m, "hma", bool, True, "model."),
-        )
-    except DisaggError as exc:
-        raise WorkerConfigError(f"topology: model: {exc.message}") from None
-    stages = _get(doc, "stages", list, "")
-    if not stages:
-        raise WorkerConfigError("topology: stages is empty; a prefill engine has at least one stage")
-    ranges = []
-    for index, stage in enumerate(stages):
-        where = f"stages[{index}]."
-        if not isinstance(stage, Mapping):
-            raise WorkerConfigError(f"topology: stages[{index}] must be a mapping")
-        if _opt(stage, "stage", int, index, where) != index:
-            raise WorkerConfigError(
-                f"topology: {where}stage is {stage['stage']}, expected {index} (in order)"
-            )
-        ranges.append(range(_get(stage, "startLayer", int, where), _get(stage, "endLayer", int, where)))
-    sizes = [len(r) for r in ranges]
-    try:
-        expected = pp_partition(model.num_layers, len(ranges), sizes)
-    except DisaggError as exc:
-        raise WorkerConfigError(f"topology: stages: {exc.message}") from None
-    if ranges != expected:
-        raise WorkerConfigError(
-            f"topology: stages {[(r.start, r.stop) for r in ranges]} are not contiguous from layer 0 to "
-            f"{model.num_layers}"
-        )
-    for index, stage in enumerate(stages):
-        listed = stage.get("layers")
-        names = [model.layer_name(i) for i in ranges[index]]
-        if listed is not None and list(listed) != names:
-            raise WorkerConfigError(f"topology: stages[{index}].layers {listed} != the model's {names}")
-    hashes = _opt(doc, "compatibilityHashes", Mapping, {}, "")
-    workers: dict[str, tuple[WorkerEndpoint, ...]] = {}
-    for role, listed in _opt(doc, "workers", Mapping, {}, "").items():
-        if role not in ROLES or not isinstance(listed, list):
-            raise WorkerConfigError(f"topology: workers.{role} must be a list under prefill or decode")
-        workers[role] = tuple(
-            WorkerEndpoint(
-                _get(w, "ppRank", int, f"workers.{role}[{i}]."),
-                _opt(w, "tpRank", int, 0, f"workers.{role}[{i}]."),
-                _get(w, "host", str, f"workers.{role}[{i}]."),
-                _get(w, "port", int, f"workers.{role}[{i}]."),
-            )
-            for i, w in enumerate(listed)
-        )
-    return Topology(
-        model=model,
-        transfer_mode=transfer_mode,
-        block_size=_positive(_get(doc, "blockSize", int, ""), "blockSize"),
-        packed=_opt(doc, "packed", bool, False, ""),
-        prefill_tp=_positive(_opt(doc, "prefillTensorParallelSize", int, 1, ""), "prefillTensorParallelSize"),
-        decode_tp=_positive(_opt(doc, "decodeTensorParallelSize", int, 1, ""), "decodeTensorParallelSize"),
-        stage_layers=tuple(ranges),
-        model_name=_opt(m, "name", str, None, "model."),
-        dtype=_opt(m, "dtype", str, None, "model."),
-        attention_backend=_opt(m, "attentionBackend", str, "FLASH_ATTN", "model."),
-        compatibility_hashes={str(k): str(v) for k, v in hashes.items()},
-        workers=workers,
-        kv_lease_duration_s=float(_opt(doc, "kvLeaseDurationSeconds", (int, float), 30.0, "")),
-        push_registration_timeout_s=float(
-            _opt(doc, "pushRegistrationTimeoutSeconds", (int, float), 480.0, "")
-        ),
-    )
 
 
 def load_topology(path: str | Path) -> Topology:
@@ -270,7 +75,7 @@ def load_topology(path: str | Path) -> Topology:
         doc = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         raise WorkerConfigError(f"topology file {path} is not valid {path.suffix or 'YAML'}: {exc}") from None
-    return parse_topology(doc)
+    return decode_topology(doc)
 
 
 @dataclass(frozen=True)

@@ -61,8 +61,9 @@ from disagg.worker.kv.errors import (
 )
 from disagg.worker.kv.layout import StageLayout, build_stage_layout
 from disagg.worker.kv.routing import group_arrays, region_capacities
+from disagg.worker.kv.topology import WorkerEndpoint
 from disagg.worker.reporting.status_loop import PeerReporter, pod_api_client
-from disagg.worker.sidecar.config import SidecarConfig, WorkerEndpoint
+from disagg.worker.sidecar.config import SidecarConfig
 from disagg.worker.sidecar.engine_link import (
     Ack,
     EngineMessage,

@@ -1,0 +1,245 @@
+"""Every reason to refuse a schema-valid `DisaggDeploymentSpec`, as one ordered chain of named policies. Pure.
+
+Modelled on cert-manager's `policies.go`: a policy is a function of one input that returns the violations it
+finds (a CamelCase reason and a message that says what to change), and a chain is a tuple of policies read
+top to bottom, evaluated in order, every violation kept. Reconcile, the admission webhook and `disagg check`
+/ `disagg plan` all run `REFUSAL_CHAIN` (through `compat.evaluate`), so the three cannot disagree.
+
+`COMPATIBILITY_CHAIN` is the part the spec alone decides (the CRD's CEL rules mirror it); a new rule of that
+kind is a function here and one line in that tuple. The worker's own rules are not copied here: the topology
+rules are `disagg.worker.kv.rules.check_topology` (the sidecar and its handshake use the same functions), and
+engine arguments are judged by `builders_engine.arg_violations` beside the table of flags the builders own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Final
+
+from disagg.operator.api import ROLES, DisaggDeploymentSpec, KVCacheLayout, Role, RoleSpec
+from disagg.operator.builders import WORKER_IMAGE_ENV, Installation
+from disagg.operator.builders_engine import arg_violations
+from disagg.operator.plan import model_geometry
+from disagg.worker.kv.errors import LayoutError, Violation
+from disagg.worker.kv.layout import ModelGeometry
+from disagg.worker.kv.rules import RoleTopology, check_topology
+from disagg.worker.kv.wire import differing_factors
+
+# Where each factor comes from in the spec, so a mismatch names the field to change.
+_FACTOR_FIELDS: Final = MappingProxyType(
+    {
+        "vllm_version": "version",
+        "attn_backend_name": "attentionBackend",
+        "dtype": "dtype",
+        "cache_dtype": "kvCacheDtype",
+        "image": "image",
+        "revision": "revision",
+    }
+)
+
+
+@dataclass(frozen=True)
+class PolicyInput:
+    """What the policies judge: the spec, and what is derived from it once for all of them."""
+
+    spec: DisaggDeploymentSpec
+    # None when the model's geometry cannot be built; `model_geometry_is_valid` reports why.
+    geometry: ModelGeometry | None
+    geometry_error: Violation | None
+    # Per role: the factors the handshake compares (`compat.role_factors`) and those the operator also
+    # requires equal (`compat.deployment_factors`).
+    factors: Mapping[Role, Mapping[str, Any]]
+    installation: Installation
+
+    @classmethod
+    def of(
+        cls,
+        spec: DisaggDeploymentSpec,
+        factors: Mapping[Role, Mapping[str, Any]],
+        installation: Installation,
+    ) -> PolicyInput:
+        try:
+            return cls(spec, model_geometry(spec), None, factors, installation)
+        except LayoutError as error:
+            return cls(spec, None, error.violation, factors, installation)
+
+
+Policy = Callable[[PolicyInput], Sequence[Violation]]
+
+
+def evaluate_chain(chain: Sequence[Policy], given: PolicyInput) -> tuple[Violation, ...]:
+    """Every violation of every policy of `chain`, in chain order."""
+    return tuple(violation for policy in chain for violation in policy(given))
+
+
+# ---- the policies, in chain order -------------------------------------------------------------------------
+
+
+def model_geometry_is_valid(given: PolicyInput) -> Sequence[Violation]:
+    return [] if given.geometry_error is None else [given.geometry_error]
+
+
+def worker_topology_rules(given: PolicyInput) -> Sequence[Violation]:
+    """The connector's PP/TP/block-size/partition rules: the worker's own functions."""
+    spec, geometry = given.spec, given.geometry
+    if geometry is None:
+        return []
+
+    def topology(role: RoleSpec) -> RoleTopology:
+        partition = tuple(role.layer_partition) if role.layer_partition is not None else None
+        return RoleTopology(
+            role.pipeline_parallel_size, role.tensor_parallel_size, role.block_size, partition
+        )
+
+    return check_topology(
+        transfer_mode=spec.kv_transfer.connector.transfer_mode,
+        hma=geometry.hma_required,
+        has_mamba=geometry.has_mamba,
+        is_mla=geometry.is_mla,
+        num_layers=geometry.num_layers,
+        prefill=topology(spec.prefill),
+        decode=topology(spec.decode),
+        packed=spec.engine.kv_cache_layout is KVCacheLayout.BLOCK_OUTERMOST,
+    )
+
+
+def kv_heads_divide_over_tp(given: PolicyInput) -> Sequence[Violation]:
+    geometry = given.geometry
+    if geometry is None:
+        return []
+    found = (
+        kv_heads_not_divisible(
+            given.spec.model.num_kv_heads, given.spec.role(role).tensor_parallel_size, role, geometry.is_mla
+        )
+        for role in ROLES
+    )
+    return [violation for violation in found if violation is not None]
+
+
+def handshake_factors_match(given: PolicyInput) -> Sequence[Violation]:
+    mismatch = factor_mismatch(given.factors["prefill"], given.factors["decode"])
+    return [] if mismatch is None else [mismatch]
+
+
+def kv_pool_is_valid(given: PolicyInput) -> Sequence[Violation]:
+    return kv_pool_violations(given.spec)
+
+
+def engine_arguments_agree(given: PolicyInput) -> Sequence[Violation]:
+    return arg_violations(given.spec)
+
+
+def worker_image_is_named(given: PolicyInput) -> Sequence[Violation]:
+    return worker_image_violations(given.spec, given.installation)
+
+
+COMPATIBILITY_CHAIN: Final[tuple[Policy, ...]] = (
+    model_geometry_is_valid,
+    worker_topology_rules,
+    kv_heads_divide_over_tp,
+    handshake_factors_match,
+    kv_pool_is_valid,
+)
+"""What the spec alone decides: `compat.evaluate(spec)` and the CRD's CEL rules."""
+
+REFUSAL_CHAIN: Final[tuple[Policy, ...]] = (
+    *COMPATIBILITY_CHAIN,
+    engine_arguments_agree,
+    worker_image_is_named,
+)
+"""Everything the operator refuses a spec for: reconcile, the webhook, `disagg check` and `disagg plan`."""
+
+
+# ---- the rules the policies apply ----------------------------------------------------------------------
+
+
+def factor_mismatch(prefill: Mapping[str, Any], decode: Mapping[str, Any]) -> Violation | None:
+    """A violation naming every factor that differs between the roles, with both values."""
+    differing = differing_factors(prefill, decode)
+    if not differing:
+        return None
+    details = ", ".join(
+        f"{_FACTOR_FIELDS.get(key, key)} (prefill {prefill.get(key)!r}, decode {decode.get(key)!r})"
+        for key in differing
+    )
+    return Violation(
+        "CompatibilityHashMismatch",
+        f"prefill and decode would not pass the handshake compatibility check: they differ in {details}; "
+        "make spec.prefill.overrides and spec.decode.overrides agree, or remove them to use the shared "
+        "engine and model settings",
+    )
+
+
+def kv_heads_not_divisible(num_kv_heads: int, tp_size: int, role: Role, is_mla: bool) -> Violation | None:
+    """Non-MLA KV heads are split over TP ranks, or replicated when TP exceeds them: one divides the other."""
+    if is_mla or num_kv_heads % tp_size == 0 or tp_size % num_kv_heads == 0:
+        return None
+    return Violation(
+        "KVHeadsNotDivisible",
+        f"the model's {num_kv_heads} KV heads cannot be split over {role} tensorParallelSize {tp_size}: "
+        f"choose a {role} tensorParallelSize that divides {num_kv_heads} or is a multiple of it",
+    )
+
+
+def kv_pool_violations(spec: DisaggDeploymentSpec) -> list[Violation]:
+    """A huge page pool needs a size in whole pages, and every container that maps it (engine and sidecar)
+    needs a cpu or memory request or limit beside its hugepages, which Kubernetes refuses otherwise."""
+    pool = spec.kv_transfer.kv_pool
+    page = None if pool is None else pool.medium.huge_page_bytes
+    resource = None if pool is None else pool.medium.resource_name
+    if pool is None or page is None or resource is None:
+        return []
+    size = pool.size_bytes()
+    found: list[Violation] = []
+    pages = pool.medium.value.split("-", 1)[1]
+    if size is None or size <= 0 or size % page:
+        given = "not set" if pool.size_limit is None else repr(pool.size_limit)
+        found.append(
+            Violation(
+                "KVPoolSizeInvalid",
+                f"spec.kvTransfer.kvPool.medium {pool.medium.value} needs sizeLimit, a positive whole number "
+                f"of {pages} pages, but it is {given}: set spec.kvTransfer.kvPool.sizeLimit to the pool's "
+                "size rounded up to whole pages (e.g. 16Gi)",
+            )
+        )
+    containers = {
+        "spec.prefill.resources": spec.prefill.resources,
+        "spec.decode.resources": spec.decode.resources,
+        "spec.worker.resources": spec.worker.resources,
+    }
+    for path, resources in containers.items():
+        sections = [(resources or {}).get(key) or {} for key in ("requests", "limits")]
+        if not any(name in section for section in sections for name in ("cpu", "memory")):
+            found.append(
+                Violation(
+                    "KVPoolResourcesInvalid",
+                    f"{path} has no cpu or memory request or limit, which Kubernetes requires of a container "
+                    f"with {resource}: add requests.memory (or cpu) to {path}",
+                )
+            )
+        other = {str(section[resource]) for section in sections if resource in section} - {pool.size_limit}
+        if other:
+            found.append(
+                Violation(
+                    "KVPoolResourcesInvalid",
+                    f"{path} sets {resource} to {sorted(other)[0]!r} but spec.kvTransfer.kvPool.sizeLimit is "
+                    f"{pool.size_limit!r}: remove {resource} from {path}, the operator sets it from the pool",
+                )
+            )
+    return found
+
+
+def worker_image_violations(spec: DisaggDeploymentSpec, installation: Installation) -> list[Violation]:
+    """A sidecar image neither the spec nor the installation names."""
+    if installation.sidecar_image(spec) is not None:
+        return []
+    return [
+        Violation(
+            "WorkerImageMissing",
+            f"spec.worker.image is not set and the operator has no default sidecar image "
+            f"({WORKER_IMAGE_ENV} is unset): set spec.worker.image, or install the operator with the Helm "
+            "chart, which sets it from worker.image",
+        )
+    ]
