@@ -49,7 +49,7 @@ from disagg.worker.reporting.peer_check import (
 )
 from disagg.worker.reporting.status_loop import PeerReporter, pod_api_client
 from disagg.worker.sidecar.config import SidecarConfig, from_env
-from disagg.worker.sidecar.transfer import configure_logging
+from disagg.worker.sidecar.logs import configure_logging
 
 log = logging.getLogger("disagg.worker.reporting.watch")
 DEFAULT_INTERVAL_S = 10.0

@@ -1,4 +1,11 @@
-"""The KV worker sidecar of an engine pod: configuration, the engine's local socket, metrics and the process.
+"""The transfer sidecar of an engine pod: the process that owns the NIXL agent and moves its engine's KV.
+
+- `config`: the sidecar's configuration (environment and topology file);
+- `engine_link`: the engine protocol (frames and messages); `engine_socket`: the Unix socket that serves it;
+- `layout_checks`: the engine's registration and requests checked against the configuration (no I/O);
+- `republisher`: the serving worker's side channel answers for the engine's other workers;
+- `metrics`: health, readiness and Prometheus; `logs`: one JSON object per line;
+- `transfer`: the orchestrator (`Sidecar`), whose main thread owns the NIXL agent and runs the connector.
 
 `python -m disagg.worker.sidecar.transfer` (or `disagg worker sidecar`) runs it.
 """

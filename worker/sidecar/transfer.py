@@ -1,16 +1,19 @@
 """The KV worker sidecar: the process next to every engine that owns the NIXL agent and moves the engine's KV.
 
 One process per worker (PP stage, TP rank). It
-- takes the engine's calls on a Unix socket (`disagg.worker.sidecar.engine_link`): the engine registers the
+- takes the engine's calls on a Unix socket (`disagg.worker.sidecar.engine_socket`, the protocol in
+  `disagg.worker.sidecar.engine_link`): the engine registers the
   layout of its KV pool (a shared-memory file both processes map), then reports finished requests (prefill)
   or announces requests it expects (decode), and is told when each request's KV has been sent, has arrived,
   or has failed;
-- checks the registered layout against its own configuration (`disagg.worker.sidecar.config`) and registers
-  the pool with NIXL once;
+- checks the registered layout against its own configuration (`disagg.worker.sidecar.layout_checks`) and
+  registers the pool with NIXL once;
 - serves the side channel (vLLM framing); the engine's (pp 0, tp 0) worker also republishes the handshake
-  payload of the engine's other workers, as vLLM's scheduler serves every worker of an engine;
+  payload of the engine's other workers (`disagg.worker.sidecar.republisher`), as vLLM's scheduler serves
+  every worker of an engine;
 - runs the push connector (`PushProducer` on prefill, `PushConsumer` on decode) with layer-name routing;
-- serves `/healthz`, `/readyz` and Prometheus metrics, logs one JSON object per line, and on SIGTERM stops
+- serves `/healthz`, `/readyz` and Prometheus metrics, logs one JSON object per line
+  (`disagg.worker.sidecar.logs`), and on SIGTERM stops
   serving, releases its NIXL agent and exits 0;
 - in a pod (`status_loop.pod_api_client`), once the engine has registered, checks its peers every
   `PEER_REPORT_INTERVAL_S` and writes its Pod's `disagg.io/kv-transfer-ready` condition (`PeerReporter`).
@@ -23,12 +26,10 @@ reporter and the HTTP server only decode, queue, serve bytes or read the registe
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import queue
 import signal
-import socket
 import sys
 import threading
 import time
@@ -44,11 +45,10 @@ from disagg.worker.connector.consumer import PushConsumer
 from disagg.worker.connector.kv_pool import ShmPool
 from disagg.worker.connector.producer import PushProducer, desc_ids
 from disagg.worker.connector.push import Failure, LocalKV, RemoteEngine, agent_name, find_request
-from disagg.worker.connector.side_channel import SideChannelServer, fetch_payloads, handshake_targets
+from disagg.worker.connector.side_channel import SideChannelServer, handshake_targets
 from disagg.worker.connector.transport import NixlTransport
 from disagg.worker.kv import wire
 from disagg.worker.kv.errors import (
-    BlockIdOutOfRange,
     DisaggError,
     DuplicateRequest,
     EngineLayoutMismatch,
@@ -59,7 +59,7 @@ from disagg.worker.kv.errors import (
     UnknownRequest,
     WrongRole,
 )
-from disagg.worker.kv.layout import StageLayout, build_stage_layout
+from disagg.worker.kv.layout import StageLayout
 from disagg.worker.kv.routing import group_arrays, region_capacities
 from disagg.worker.kv.topology import WorkerEndpoint
 from disagg.worker.reporting.status_loop import PeerReporter, pod_api_client
@@ -77,135 +77,24 @@ from disagg.worker.sidecar.engine_link import (
     RequestState,
     RequestStatus,
     SidecarMessage,
-    decode_engine_message,
-    encode_frame,
-    read_frame,
 )
+from disagg.worker.sidecar.engine_socket import EngineConnection, EngineSocketServer, Inbound
+from disagg.worker.sidecar.layout_checks import check_block_ids, expected_layout
+from disagg.worker.sidecar.logs import configure_logging, event
 from disagg.worker.sidecar.metrics import Health, HttpServer, SidecarMetrics
+from disagg.worker.sidecar.republisher import Republisher
 
-log = logging.getLogger("disagg.worker.sidecar.transfer")
+log = logging.getLogger(__name__)
 
 BUSY_POLL_S = 0.001
 IDLE_POLL_S = 0.02
-REPUBLISH_RETRY_S = 0.5
-REPUBLISH_REFRESH_S = 30.0
 KEEP_FINISHED = 10_000
 """Finished requests remembered for `QueryRequest`."""
 PEER_REPORT_INTERVAL_S = 10.0
 
 
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message and any `extra={"fields": {...}}`."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        line: dict[str, Any] = {
-            "ts": round(record.created, 3),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        line.update(getattr(record, "fields", {}))
-        if record.exc_info:
-            line["exc"] = self.formatException(record.exc_info)
-        return json.dumps(line, default=str)
-
-
-def configure_logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter())
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-
-
 def _event(level: int, msg: str, **fields: Any) -> None:
-    log.log(level, msg, extra={"fields": fields})
-
-
-# ---- engine layout checks (no I/O) -------------------------------------------------------------------------
-
-
-def expected_layout(config: SidecarConfig, message: RegisterLayout) -> StageLayout:
-    """The layout this worker must have, from the configuration and the engine's capacity; or a typed error
-    naming the first field where the engine's registration contradicts the configuration."""
-    topo = config.topology
-
-    def differ(what: str, engine: object, configured: object) -> None:
-        if engine != configured:
-            raise EngineLayoutMismatch(
-                f"{what}: the engine registers {engine!r}, the sidecar's configuration says {configured!r}"
-            )
-
-    differ("engine_id", message.engine_id, config.engine_id)
-    differ("role", message.role, config.role)
-    model = message.model
-    configured = topo.model
-    differ("model.layer_kinds", model.layer_kinds, [kind.value for kind in configured.kinds])
-    differ("model.num_kv_heads", model.num_kv_heads, configured.num_kv_heads)
-    differ("model.head_size", model.head_size, configured.head_size)
-    differ("model.dtype_bytes", model.dtype_bytes, configured.dtype_bytes)
-    differ("model.layer_name_template", model.layer_name_template, configured.layer_name_template)
-    differ("model.hma", model.hma, configured.hma)
-    differ("pp_size", message.pp_size, config.pp_size)
-    differ("pp_rank", message.pp_rank, config.pp_rank)
-    differ("tp_size", message.tp_size, config.tp_size)
-    differ("tp_rank", message.tp_rank, config.tp_rank)
-    differ("block_size", message.block_size, topo.block_size)
-    differ("packed", message.packed, topo.packed)
-    layers = topo.stage_layers[config.pp_rank] if config.role == "prefill" else range(configured.num_layers)
-    differ("layers", (message.layer_start, message.layer_stop), (layers.start, layers.stop))
-    if config.kv_pool is not None:
-        differ("pool.path", message.pool.path, config.kv_pool)
-    if message.num_blocks < 1 or message.kernel_block_size < 1:
-        raise EngineLayoutMismatch(
-            f"num_blocks {message.num_blocks} and kernel_block_size {message.kernel_block_size} "
-            "must be positive"
-        )
-    try:
-        layout = build_stage_layout(
-            configured,
-            pp_rank=config.pp_rank,
-            pp_size=config.pp_size,
-            tp_size=config.tp_size,
-            block_size=topo.block_size,
-            num_blocks=message.num_blocks,
-            partition=topo.layer_partition if config.role == "prefill" else None,
-            packed=topo.packed,
-            kernel_block_size=message.kernel_block_size,
-        )
-    except DisaggError as exc:
-        raise EngineLayoutMismatch(f"the registered geometry cannot be laid out: {exc.message}") from None
-    differ("number of regions", len(message.regions), len(layout.regions))
-    for index, (got, want) in enumerate(zip(message.regions, layout.regions, strict=True)):
-        differ(f"regions[{index}].members", got.members, list(want.members))
-        differ(f"regions[{index}].offset", got.offset, want.offset)
-        differ(f"regions[{index}].block_len", got.block_len, want.block_len)
-        differ(f"regions[{index}].block_stride", got.block_stride, want.block_stride)
-        differ(f"regions[{index}].num_blocks", got.num_blocks, want.num_blocks)
-    if message.pool.nbytes < layout.total_bytes:
-        raise EngineLayoutMismatch(
-            f"pool.nbytes: the engine's pool has {message.pool.nbytes} bytes, the layout needs "
-            f"{layout.total_bytes}"
-        )
-    return layout
-
-
-def check_block_ids(layout: StageLayout, block_ids: Sequence[Sequence[int]]) -> None:
-    """One list per KV cache group, every id a logical block inside the pool."""
-    if len(block_ids) != len(layout.groups):
-        raise EngineProtocolError(
-            f"block ids name {len(block_ids)} KV cache groups, the layout has {len(layout.groups)}"
-        )
-    capacity = layout.num_blocks // layout.physical_blocks_per_logical
-    for group, ids in enumerate(block_ids):
-        bad = [b for b in ids if not 0 <= b < capacity]
-        if bad:
-            raise BlockIdOutOfRange(
-                f"group {group}: block ids {bad[:8]} are outside 0..{capacity - 1} "
-                f"(the pool holds {capacity} blocks)"
-            )
-    if not any(block_ids):
-        raise EngineProtocolError("a request needs at least one block")
+    event(log, level, msg, **fields)
 
 
 # ---- NIXL agent with accounting ----------------------------------------------------------------------------
@@ -291,182 +180,6 @@ class ObservedTransport(NixlTransport):  # type: ignore[misc, unused-ignore]
         """The registration a finished prefill request was matched with (same id up to the random suffix)."""
         request_id = find_request(held_request_id, self.push_registrations)
         return None if request_id is None else self.push_registrations.pop(request_id)
-
-
-# ---- the engine socket -------------------------------------------------------------------------------------
-
-
-class EngineConnection:
-    """One engine connection; the main thread writes replies and events, a reader thread queues messages."""
-
-    def __init__(self, sock: socket.socket, number: int) -> None:
-        self.sock = sock
-        self.number = number
-        self._lock = threading.Lock()
-        self.open = True
-
-    def send(self, message: SidecarMessage) -> None:
-        with self._lock:
-            if not self.open:
-                return
-            try:
-                self.sock.sendall(encode_frame(message))
-            except OSError as exc:
-                self.open = False
-                _event(logging.WARNING, "engine connection lost", connection=self.number, error=str(exc))
-
-    def close(self) -> None:
-        with self._lock:
-            self.open = False
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
-
-
-Inbound = tuple[EngineConnection, EngineMessage]
-
-
-class EngineSocketServer:
-    """Accepts engine connections on a Unix socket; decoded messages go to `inbox`, garbage gets an error."""
-
-    def __init__(self, path: str, inbox: queue.Queue[Inbound], metrics: SidecarMetrics) -> None:
-        self.path = path
-        self._inbox = inbox
-        self._metrics = metrics
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.bind(path)
-        self._sock.listen(16)
-        self._connections: list[EngineConnection] = []
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._accept, name="engine-socket", daemon=True)
-
-    def start(self) -> EngineSocketServer:
-        self._thread.start()
-        return self
-
-    def _accept(self) -> None:
-        number = 0
-        while True:
-            try:
-                sock, _ = self._sock.accept()
-            except OSError:
-                return
-            number += 1
-            conn = EngineConnection(sock, number)
-            with self._lock:
-                self._connections.append(conn)
-            _event(logging.INFO, "engine connected", connection=number)
-            threading.Thread(
-                target=self._read, args=(conn,), name=f"engine-conn-{number}", daemon=True
-            ).start()
-
-    def _read(self, conn: EngineConnection) -> None:
-        while conn.open:
-            try:
-                body = read_frame(conn.sock)
-            except (OSError, EngineProtocolError) as exc:
-                # A frame that cannot be delimited leaves no way to resynchronise: answer, then hang up.
-                self._refuse(conn, EngineProtocolError(str(exc)))
-                break
-            if body is None:
-                break
-            try:
-                message = decode_engine_message(body)
-            except EngineProtocolError as exc:
-                self._refuse(conn, exc)
-                continue
-            self._inbox.put((conn, message))
-        _event(logging.INFO, "engine disconnected", connection=conn.number)
-        conn.close()
-
-    def _refuse(self, conn: EngineConnection, error: DisaggError) -> None:
-        self._metrics.engine_errors.labels(error.reason).inc()
-        _event(logging.WARNING, "refused an engine message", reason=error.reason, error=error.message)
-        conn.send(Error(error.reason, error.message))
-
-    def stop(self) -> None:
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
-        # Closing the listening socket ends accept(); join so no connection is accepted after stop().
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
-        with self._lock:
-            for conn in self._connections:
-                conn.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-
-
-# ---- republishing the engine's other workers ---------------------------------------------------------------
-
-
-class Republisher:
-    """Fetches the other workers' handshake payloads for the serving worker's side channel, and refreshes them
-    (a restarted worker comes back with a new NIXL agent)."""
-
-    def __init__(self, config: SidecarConfig, server: SideChannelServer) -> None:
-        self._config = config
-        self._server = server
-        self._missing = {(w.pp_rank, w.tp_rank) for w in config.republished_workers}
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="republisher", daemon=True)
-
-    @property
-    def missing(self) -> set[tuple[int, int]]:
-        with self._lock:
-            return set(self._missing)
-
-    def start(self) -> Republisher:
-        if self._config.republished_workers:
-            self._thread.start()
-        return self
-
-    def _fetch(self, worker: WorkerEndpoint) -> bool:
-        try:
-            (reply,) = fetch_payloads(
-                worker.host, worker.port, [(worker.pp_rank, worker.tp_rank)], timeout_s=2.0
-            )
-            wire.decode_handshake_payload(
-                reply.payload,
-                expected_hash=self._config.compat_hash,
-                expected_engine_id=self._config.engine_id,
-                local_factors=self._config.compat_factors,
-            )
-        except DisaggError as exc:
-            _event(
-                logging.DEBUG if self._stop.is_set() else logging.INFO,
-                "worker payload not available yet",
-                pp_rank=worker.pp_rank,
-                tp_rank=worker.tp_rank,
-                reason=exc.reason,
-                error=exc.message,
-            )
-            return False
-        self._server.set_payload(worker.pp_rank, worker.tp_rank, reply.payload)
-        with self._lock:
-            if (worker.pp_rank, worker.tp_rank) in self._missing:
-                self._missing.discard((worker.pp_rank, worker.tp_rank))
-                _event(
-                    logging.INFO,
-                    "republishing worker payload",
-                    pp_rank=worker.pp_rank,
-                    tp_rank=worker.tp_rank,
-                )
-        return True
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            done = all([self._fetch(w) for w in self._config.republished_workers])
-            self._stop.wait(REPUBLISH_REFRESH_S if done else REPUBLISH_RETRY_S)
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
 
 
 # ---- the sidecar -------------------------------------------------------------------------------------------
