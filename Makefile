@@ -47,6 +47,8 @@ lint: $(STAMP)
 	ln -sfn ../../../worker .cache/mypy-src/disagg/worker
 	ln -sfn ../../../rig .cache/mypy-src/disagg/rig
 	MYPYPATH=.cache/mypy-src $(VENV)/bin/mypy --namespace-packages -p disagg.operator -p disagg.worker -p disagg.rig
+	# The import contracts of pyproject.toml ([tool.importlinter]), on the same tree.
+	PYTHONPATH=.cache/mypy-src $(VENV)/bin/lint-imports --no-cache
 
 crds: $(STAMP)
 	$(VENV)/bin/disagg crd generate --output-dir crds

@@ -1,6 +1,6 @@
 """The data-path demo: 2 pipeline-parallel prefill stages and 1 decoder, each with its sidecar, on loopback.
 
-Six processes besides this one: three sidecars (`python -m disagg.worker.sidecar.transfer`, configured only by
+Six processes besides this one: three sidecars (`python -m disagg.worker.cli.transfer`, configured only by
 the environment and a topology file, as in a pod) and three engine processes (the reference engine: two
 prefill stages handing activations over `torch.distributed` gloo, one decoder). Each engine maps its KV pool
 from a /dev/shm file and registers it with its sidecar over the local socket. Per request:
@@ -372,7 +372,7 @@ class DemoCluster:
             log_path = self.workdir / f"sidecar-{worker.name}.log"
             with open(log_path, "wb") as log_file:
                 popen = subprocess.Popen(
-                    [sys.executable, "-m", "disagg.worker.sidecar.transfer"],
+                    [sys.executable, "-m", "disagg.worker.cli.transfer"],
                     env=sidecar_env(worker, topology),
                     stdout=log_file,
                     stderr=subprocess.STDOUT,

@@ -1,4 +1,4 @@
-"""Sidecar tests run real sidecar processes (`python -m disagg.worker.sidecar.transfer`), real NIXL agents."""
+"""Sidecar tests run real sidecar processes (`python -m disagg.worker.cli.transfer`), real NIXL agents."""
 
 from __future__ import annotations
 

@@ -71,7 +71,7 @@ class SidecarProcess:
         self.log_path = tmp / f"{name}.log"
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "disagg.worker.sidecar.transfer"],
+                [sys.executable, "-m", "disagg.worker.cli.transfer"],
                 env=full_env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

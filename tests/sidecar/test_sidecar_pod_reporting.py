@@ -1,8 +1,9 @@
 """Whether a transfer sidecar reports to its Pod: only in a pod, with credentials for the API server.
 
-The sidecars here are real (`Sidecar` with its NIXL agent, side channel, engine socket and HTTP server)
-and the Kubernetes clients are the real client loaded from a real kubeconfig file; nothing here reaches an
-API server, because the reporter only starts once an engine registers its layout.
+The sidecars here are real (`Sidecar` as the process entry point wires it, with its NIXL agent, side
+channel, engine socket and HTTP server) and the Kubernetes clients are the real client loaded from a real
+kubeconfig file; nothing here reaches an API server, because the reporter only starts once an engine
+registers its layout.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from sidecar_procs import HOST
 from test_sidecar_config import env_for, topology
 
 from disagg.rig.local import free_port
+from disagg.worker.cli.transfer import transfer_sidecar
 from disagg.worker.kv.errors import WorkerConfigError
 from disagg.worker.reporting.status_loop import pod_api_client
 from disagg.worker.sidecar.config import from_env
@@ -94,7 +96,7 @@ def test_a_sidecar_in_a_pod_reports_to_that_pod(tmp_path: Path, started: list[Si
     env = sidecar_env(
         tmp_path, POD_NAMESPACE="team-a", DISAGG_DEPLOYMENT="llm", KUBECONFIG=str(kubeconfig(tmp_path))
     )
-    sidecar = Sidecar(from_env(env), env)
+    sidecar = transfer_sidecar(from_env(env), pod_api_client(env), env)
     started.append(sidecar)
     assert sidecar.peer_reporter is not None
     reporter = sidecar.peer_reporter
@@ -108,7 +110,7 @@ def test_a_sidecar_in_a_pod_reports_to_that_pod(tmp_path: Path, started: list[Si
 
 def test_a_sidecar_outside_a_pod_does_not_report(tmp_path: Path, started: list[Sidecar]) -> None:
     env = sidecar_env(tmp_path, DISAGG_DEPLOYMENT="llm", KUBECONFIG=str(kubeconfig(tmp_path)))
-    sidecar = Sidecar(from_env(env), env)
+    sidecar = transfer_sidecar(from_env(env), pod_api_client(env), env)
     started.append(sidecar)
     assert sidecar.peer_reporter is None
 
@@ -116,4 +118,4 @@ def test_a_sidecar_outside_a_pod_does_not_report(tmp_path: Path, started: list[S
 def test_a_pod_spec_without_its_deployment_fails_at_start(tmp_path: Path) -> None:
     env = sidecar_env(tmp_path, POD_NAMESPACE="team-a", KUBECONFIG=str(kubeconfig(tmp_path)))
     with pytest.raises(WorkerConfigError, match="DISAGG_DEPLOYMENT is not set"):
-        Sidecar(from_env(env), env)
+        transfer_sidecar(from_env(env), pod_api_client(env), env)

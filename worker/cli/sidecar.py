@@ -49,7 +49,7 @@ def _worker(args: argparse.Namespace) -> int:
             return 2
         watched: int = watch(interval_s=args.interval)
         return watched
-    from disagg.worker.sidecar.transfer import main
+    from disagg.worker.cli.transfer import main
 
     code: int = main()
     return code

@@ -5,8 +5,9 @@ the pod's downward-API identity and the topology file), lays out and registers a
 real NIXL agent (no engine attaches to it), serves that worker's payload on the side channel as the connector
 does, and then, every `--interval` seconds, handshakes the other role's pods of its deployment (`peer_check`)
 and writes the result to its own Pod (`pod_report`). The cluster tests and the control-plane demo run one per
-pod, as the sidecar would run in it. A transferring sidecar in a pod (`pod_api_client`) runs the same
-`PeerReporter` beside its main loop, with the `LocalKV` the engine registered; a watching sidecar
+pod, as the sidecar would run in it. A transferring sidecar in a pod (`pod_api_client`,
+`disagg.worker.cli.transfer`) runs the same `PeerReporter` beside its main loop, with the `LocalKV` the engine
+registered; a watching sidecar
 (`disagg.worker.reporting.watch`) runs it with a round that handshakes its own engine first.
 """
 
@@ -119,7 +120,10 @@ class PeerReporter:
         deployment = _required(env, DEPLOYMENT_ENV)
         return cls(config, local, reporter, deployment, interval_s=interval_s, check=check)
 
-    def start(self) -> PeerReporter:
+    def start(self, local: LocalKV | None = None) -> PeerReporter:
+        """Start the rounds; with `local`, planning against that registered KV (a transfer sidecar's)."""
+        if local is not None:
+            self.local = local
         self._thread.start()
         return self
 

@@ -7,5 +7,5 @@
 - `metrics`: health, readiness and Prometheus; `logs`: one JSON object per line;
 - `transfer`: the orchestrator (`Sidecar`), whose main thread owns the NIXL agent and runs the connector.
 
-`python -m disagg.worker.sidecar.transfer` (or `disagg worker sidecar`) runs it.
+`python -m disagg.worker.cli.transfer` (or `disagg worker sidecar`) runs it, with a reporter to its Pod.
 """

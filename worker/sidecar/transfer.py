@@ -15,8 +15,11 @@ One process per worker (PP stage, TP rank). It
 - serves `/healthz`, `/readyz` and Prometheus metrics, logs one JSON object per line
   (`disagg.worker.sidecar.logs`), and on SIGTERM stops
   serving, releases its NIXL agent and exits 0;
-- in a pod (`status_loop.pod_api_client`), once the engine has registered, checks its peers every
-  `PEER_REPORT_INTERVAL_S` and writes its Pod's `disagg.io/kv-transfer-ready` condition (`PeerReporter`).
+- once the engine has registered, starts the reporter it was given (`KVReporter`; in a pod, the layer above
+  gives it the `reporting` package's, which checks the peers and writes the Pod's condition).
+
+The process entry point (`disagg.worker.cli.transfer`) lives above `reporting`, which imports this package's
+configuration and logs: so this package never imports `reporting`.
 
 Threads: the main thread owns the NIXL agent (every NIXL call, every connector `poll()`, every reply and
 event written to the engine). Socket readers, the side-channel server, the payload republisher, the peer
@@ -27,17 +30,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import queue
-import signal
-import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -61,8 +61,6 @@ from disagg.worker.kv.errors import (
 )
 from disagg.worker.kv.layout import StageLayout
 from disagg.worker.kv.routing import group_arrays, region_capacities
-from disagg.worker.kv.topology import WorkerEndpoint
-from disagg.worker.reporting.status_loop import PeerReporter, pod_api_client
 from disagg.worker.sidecar.config import SidecarConfig
 from disagg.worker.sidecar.engine_link import (
     Ack,
@@ -80,7 +78,7 @@ from disagg.worker.sidecar.engine_link import (
 )
 from disagg.worker.sidecar.engine_socket import EngineConnection, EngineSocketServer, Inbound
 from disagg.worker.sidecar.layout_checks import check_block_ids, expected_layout
-from disagg.worker.sidecar.logs import configure_logging, event
+from disagg.worker.sidecar.logs import event
 from disagg.worker.sidecar.metrics import Health, HttpServer, SidecarMetrics
 from disagg.worker.sidecar.republisher import Republisher
 
@@ -90,7 +88,6 @@ BUSY_POLL_S = 0.001
 IDLE_POLL_S = 0.02
 KEEP_FINISHED = 10_000
 """Finished requests remembered for `QueryRequest`."""
-PEER_REPORT_INTERVAL_S = 10.0
 
 
 def _event(level: int, msg: str, **fields: Any) -> None:
@@ -185,6 +182,15 @@ class ObservedTransport(NixlTransport):  # type: ignore[misc, unused-ignore]
 # ---- the sidecar -------------------------------------------------------------------------------------------
 
 
+class KVReporter(Protocol):
+    """Reports on this worker's KV transfer on a thread of its own, beside the main loop: started with the
+    `LocalKV` the engine registered (it may plan against it but makes no NIXL call), stopped at shutdown."""
+
+    def start(self, local: LocalKV) -> object: ...
+
+    def stop(self) -> None: ...
+
+
 @dataclass
 class _Tracked:
     conn: EngineConnection
@@ -196,18 +202,9 @@ class _Tracked:
 
 
 class Sidecar:
-    def __init__(self, config: SidecarConfig, env: Mapping[str, str] | None = None) -> None:
-        """`env` (default `os.environ`) tells whether this sidecar runs in a pod and reports to its Pod."""
+    def __init__(self, config: SidecarConfig, reporter: KVReporter | None = None) -> None:
         self.config = config
-        env = os.environ if env is None else env
-        api = pod_api_client(env)
-        # Built now so that a pod spec without DISAGG_DEPLOYMENT fails at start, not at the engine's register;
-        # started once the engine has registered (the prefill check plans against the registered layout).
-        self.peer_reporter: PeerReporter | None = (
-            None
-            if api is None
-            else PeerReporter.for_pod(config, None, api, env, interval_s=PEER_REPORT_INTERVAL_S)
-        )
+        self.peer_reporter = reporter
         self.metrics = SidecarMetrics(config.role, config.engine_id, config.pp_rank, config.tp_rank)
         self.health = Health()
         self.stopping = threading.Event()
@@ -362,8 +359,7 @@ class Sidecar:
         self._registered = message
         self._update_readiness()
         if self.peer_reporter is not None:
-            self.peer_reporter.local = local
-            self.peer_reporter.start()
+            self.peer_reporter.start(local)
         _event(
             logging.INFO,
             "KV pool registered",
@@ -455,7 +451,6 @@ class Sidecar:
         _event(logging.INFO, "sidecar stopping", pending_requests=self._pending)
         if self.peer_reporter is not None:
             self.peer_reporter.stop()
-            self.peer_reporter.reporter.core.api_client.close()
         self.engine_socket.stop()
         self.republisher.stop()
         self.side_channel.stop()
@@ -466,32 +461,3 @@ class Sidecar:
             self._pool.close()
         self.http.stop()
         _event(logging.INFO, "sidecar stopped, NIXL agent released")
-
-
-def run(config: SidecarConfig) -> int:
-    """Run a sidecar until SIGTERM or SIGINT; returns the process exit code."""
-    configure_logging(config.log_level)
-    sidecar = Sidecar(config)
-    signal.signal(signal.SIGTERM, sidecar.stop)
-    signal.signal(signal.SIGINT, sidecar.stop)
-    try:
-        return sidecar.run()
-    except Exception:
-        log.exception("sidecar failed", extra={"fields": {"engine_id": config.engine_id}})
-        return 1
-
-
-def main() -> int:
-    from disagg.worker.sidecar.config import from_env
-
-    try:
-        config = from_env(os.environ)
-    except DisaggError as exc:
-        configure_logging("info")
-        _event(logging.ERROR, "invalid sidecar configuration", reason=exc.reason, error=exc.message)
-        return 2
-    return run(config)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
