@@ -113,7 +113,9 @@ def main() -> int:
                 message=failure.message,
                 peers=sorted(transport.peers),
             )
-        for kind in ("sent", "expired", "registered", "finished"):
+        for sent in getattr(events, "sent", ()):
+            emit(event="sent", req=sent.request_id, nbytes=sent.nbytes)
+        for kind in ("expired", "registered", "finished"):
             for req in getattr(events, kind, ()):
                 emit(event=kind, req=req)
     connector.close()

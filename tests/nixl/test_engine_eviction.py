@@ -125,7 +125,7 @@ class Pair:
         failed = [*p_events.failed, *d_events.failed]
         assert not failed, failed
         assert not p_events.expired, p_events.expired
-        self.sent += p_events.sent
+        self.sent += [sent.request_id for sent in p_events.sent]
         self.registered += p_events.registered
         self.finished += d_events.finished
 

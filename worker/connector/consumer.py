@@ -10,7 +10,6 @@ and a watchdog fails a registration that never completes.
 from __future__ import annotations
 
 import logging
-import queue
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -18,11 +17,11 @@ from dataclasses import dataclass, field
 from disagg.worker.connector.push import (
     Clock,
     Failure,
+    Handshake,
     LocalKV,
     PushSide,
     RemoteEngine,
     as_disagg_error,
-    drain,
 )
 from disagg.worker.connector.side_channel import PeerHandshake, handshake_targets
 from disagg.worker.connector.transport import PreppedList
@@ -57,6 +56,8 @@ class _PrefillEngine:
 class ConsumerEvents:
     finished: list[str] = field(default_factory=list)
     failed: list[Failure] = field(default_factory=list)
+    handshakes: list[Handshake] = field(default_factory=list)
+    """Prefill engines connected by this poll."""
 
 
 class PushConsumer(PushSide[_PrefillEngine]):
@@ -67,27 +68,20 @@ class PushConsumer(PushSide[_PrefillEngine]):
                 reason="DecodePipelineParallel",
             )
         super().__init__(local, clock)
-        self._inbox: queue.SimpleQueue[tuple[str, list[list[int]], RemoteEngine]] = queue.SimpleQueue()
         self._expected: dict[str, _Expected] = {}
         self._next_heartbeat = clock() + self.config.heartbeat_interval_s
 
-    # -- called by the engine (any thread) ------------------------------------------------------------------
-
     def expect(self, request_id: str, local_block_ids_per_group: BlockIds, remote: RemoteEngine) -> None:
-        """KV for `request_id` will be pushed into these logical blocks by `remote` (one list per group)."""
+        """KV for `request_id` will be pushed into these logical blocks by `remote` (one list per group);
+        the registration watchdog starts now."""
         blocks = [ids.tolist() for ids in group_arrays(local_block_ids_per_group)]
-        self._inbox.put((request_id, blocks, remote))
-
-    # -- called by the owner thread --------------------------------------------------------------------------
+        needed = remote.pp_size * max(1, remote.tp_size // self.config.tp_size)
+        deadline = self._clock() + self.config.push_registration_timeout_s
+        self._expected[request_id] = _Expected(blocks, remote, deadline, needed)
 
     def poll(self) -> ConsumerEvents:
         events = ConsumerEvents()
         now = self._clock()
-        for request_id, blocks, remote in drain(self._inbox):
-            needed = remote.pp_size * max(1, remote.tp_size // self.config.tp_size)
-            self._expected[request_id] = _Expected(
-                blocks, remote, now + self.config.push_registration_timeout_s, needed
-            )
         self._apply_handshakes(now, events)
         self._register(now, events)
         self._read_notifs(now, events)
@@ -135,12 +129,13 @@ class PushConsumer(PushSide[_PrefillEngine]):
             engine.last_active = now
 
     def _apply_handshakes(self, now: float, events: ConsumerEvents) -> None:
-        for engine_id, result in self._handshakes.collect():
+        for engine_id, started_at, result in self._handshakes.collect():
             try:
                 if isinstance(result, BaseException):
                     raise as_disagg_error(result, f"handshake with prefill engine {engine_id!r}")
                 remote = next(e.remote for e in self._expected.values() if e.remote.engine_id == engine_id)
-                self._connect(remote, result, now)
+                agents = self._connect(remote, result, now)
+                events.handshakes.append(Handshake(engine_id, tuple(agents), started_at, now))
             except (DisaggError, StopIteration) as exc:
                 error = exc if isinstance(exc, DisaggError) else HandshakeError("no request waits for it")
                 log.warning("prefill engine %r refused: %s", engine_id, error)
@@ -149,7 +144,7 @@ class PushConsumer(PushSide[_PrefillEngine]):
                         del self._expected[request_id]
                         events.failed.append(Failure.of(request_id, error))
 
-    def _connect(self, remote: RemoteEngine, peers: Sequence[PeerHandshake], now: float) -> None:
+    def _connect(self, remote: RemoteEngine, peers: Sequence[PeerHandshake], now: float) -> list[str]:
         """Notification-only peers: the decoder only sends PUSH_REG and heartbeats to prefill workers."""
         agents: list[str] = []
         try:
@@ -160,6 +155,7 @@ class PushConsumer(PushSide[_PrefillEngine]):
                 self.transport.remove_peer(agent)
             raise
         self._engines[remote.engine_id] = _PrefillEngine(remote, agents, now)
+        return agents
 
     def _read_notifs(self, now: float, events: ConsumerEvents) -> None:
         for sender, _, notif in self._notifs():

@@ -10,7 +10,6 @@ adds its NIXL agent only then, and WRITEs every layer's blocks with the completi
 from __future__ import annotations
 
 import logging
-import queue
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -18,11 +17,11 @@ from dataclasses import dataclass, field
 from disagg.worker.connector.push import (
     Clock,
     Failure,
+    Handshake,
     LocalKV,
     PushSide,
     RemoteEngine,
     as_disagg_error,
-    drain,
     find_request,
 )
 from disagg.worker.connector.side_channel import PeerHandshake, handshake_targets
@@ -81,25 +80,45 @@ class _DecodeEngine:
 @dataclass
 class _Sending:
     request_id: str
-    engine_id: str
+    registration: wire.PushRegistration
     xfers: list[Xfer]
+    nbytes: int
+    posted_at: float
+
+
+@dataclass(frozen=True)
+class Sent:
+    """A request whose KV this worker wrote to every decode rank, all WRITEs complete."""
+
+    request_id: str
+    """This worker's (prefill) request id."""
+    decode_request_id: str
+    decode_engine_id: str
+    nbytes: int
+    """Bytes the WRITEs moved, summed over the decode ranks written to."""
+    posted_at: float
+    """When the WRITEs were posted (the producer's clock): the blocks, the registration and the decoder's
+    agents were all there."""
+    done_at: float
+    """The first poll that saw every WRITE complete."""
 
 
 @dataclass
 class ProducerEvents:
     """What one `poll()` observed. `sent` and `expired` requests' blocks may be freed by the caller."""
 
-    sent: list[str] = field(default_factory=list)
+    sent: list[Sent] = field(default_factory=list)
     failed: list[Failure] = field(default_factory=list)
     expired: list[str] = field(default_factory=list)
     registered: list[str] = field(default_factory=list)
     """Registrations received (decoder request ids), for observability."""
+    handshakes: list[Handshake] = field(default_factory=list)
+    """Decode engines connected by this poll."""
 
 
 class PushProducer(PushSide[_DecodeEngine]):
     def __init__(self, local: LocalKV, *, clock: Clock = time.monotonic) -> None:
         super().__init__(local, clock)
-        self._inbox: queue.SimpleQueue[tuple[str, list[IdArray]]] = queue.SimpleQueue()
         self._held: dict[str, _Held] = {}
         # Registration and the time after which it is dropped unmatched: by then the decoder's own watchdog
         # (the same push_registration_timeout_s) has failed the request, and keeping it would pin the decoder.
@@ -107,26 +126,22 @@ class PushProducer(PushSide[_DecodeEngine]):
         self._waiting: dict[str, list[tuple[str, wire.PushRegistration]]] = {}
         self._sending: list[_Sending] = []
 
-    # -- called by the engine (any thread) ------------------------------------------------------------------
-
     def request_finished(self, request_id: str, block_ids_per_group: BlockIds) -> None:
-        """The request's KV is complete in these logical blocks (one list per KV cache group)."""
-        self._inbox.put((request_id, group_arrays(block_ids_per_group)))
-
-    # -- called by the owner thread --------------------------------------------------------------------------
+        """The request's KV is complete in these logical blocks (one list per KV cache group); its lease
+        starts now."""
+        deadline = self._clock() + self.config.kv_lease_duration_s
+        self._held[request_id] = _Held(group_arrays(block_ids_per_group), deadline)
 
     def poll(self) -> ProducerEvents:
         events = ProducerEvents()
         now = self._clock()
-        for request_id, blocks in drain(self._inbox):
-            self._held[request_id] = _Held(blocks, now + self.config.kv_lease_duration_s)
         self._read_notifs(now, events)
         self._apply_handshakes(now, events)
         self._match(now, events)
         self._poll_transfers(now, events)
         self._expire(now, events)
         # A decoder whose registration waits for this worker's KV is not idle: it is about to be written to.
-        busy = {s.engine_id for s in self._sending}
+        busy = {s.registration.decode_engine_id for s in self._sending}
         busy.update(r.decode_engine_id for r, _ in self._registrations.values())
         self._evict_idle(now, busy)
         return events
@@ -174,22 +189,25 @@ class PushProducer(PushSide[_DecodeEngine]):
             self._handshakes.start(remote, targets)
 
     def _apply_handshakes(self, now: float, events: ProducerEvents) -> None:
-        for engine_id, result in self._handshakes.collect():
+        for engine_id, started_at, result in self._handshakes.collect():
             waiting = self._waiting.pop(engine_id, [])
             try:
                 if isinstance(result, BaseException):
                     raise as_disagg_error(result, f"handshake with decode engine {engine_id!r}")
                 decode_tp = waiting[0][1].decode_tp_size if waiting else 1
-                self._connect(engine_id, result, decode_tp, now)
+                agents = self._connect(engine_id, result, decode_tp, now)
             except DisaggError as exc:
                 log.warning("decode engine %r refused: %s", engine_id, exc)
                 for held_id, registration in waiting:
                     self._fail(held_id, registration.request_id, exc, events)
                 continue
+            events.handshakes.append(Handshake(engine_id, tuple(agents), started_at, now))
             for held_id, registration in waiting:
                 self._write(held_id, registration, now, events)
 
-    def _connect(self, engine_id: str, peers: Sequence[PeerHandshake], decode_tp: int, now: float) -> None:
+    def _connect(
+        self, engine_id: str, peers: Sequence[PeerHandshake], decode_tp: int, now: float
+    ) -> list[str]:
         """Validate and align every decode rank; only when all pass are their NIXL agents added."""
         planned = [(peer, *plan_decode_rank(self.local, peer.metadata, decode_tp)) for peer in peers]
         ranks = []
@@ -205,6 +223,7 @@ class PushProducer(PushSide[_DecodeEngine]):
                 self.transport.remove_peer(rank.agent)
             raise
         self._engines[engine_id] = _DecodeEngine(engine_id, ranks, now)
+        return [rank.agent for rank in ranks]
 
     def _write(
         self, held_id: str, registration: wire.PushRegistration, now: float, events: ProducerEvents
@@ -219,6 +238,7 @@ class PushProducer(PushSide[_DecodeEngine]):
         held = self._held[held_id]
         notif = wire.encode_completion_notif(registration.request_id, self.config.tp_size)
         xfers: list[Xfer] = []
+        nbytes = 0
         try:
             local_ids, decode_blocks = self._local_ids(held.block_ids, registration.local_block_ids)
             for rank in engine.ranks:
@@ -228,6 +248,7 @@ class PushProducer(PushSide[_DecodeEngine]):
                         f"{len(local_ids)} local blocks against {len(remote_ids)} decode blocks"
                     )
                 xfers.append(self._post(rank, local_ids, remote_ids, notif))
+                nbytes += int(self.local.descs[local_ids, 1].sum())
         except DisaggError as exc:
             for xfer in xfers:
                 self.transport.release(xfer)
@@ -235,7 +256,7 @@ class PushProducer(PushSide[_DecodeEngine]):
                 self._evict(engine.engine_id)
             self._fail(held_id, registration.request_id, exc, events)
             return
-        self._sending.append(_Sending(held_id, engine.engine_id, xfers))
+        self._sending.append(_Sending(held_id, registration, xfers, nbytes, now))
 
     def _post(self, rank: _DecodeRank, local_ids: IdArray, remote_ids: IdArray, notif: bytes) -> Xfer:
         """One WRITE: runs contiguous on both sides as single descriptors when there are any, else by index
@@ -273,7 +294,7 @@ class PushProducer(PushSide[_DecodeEngine]):
             except TransferFailed as exc:
                 for xfer in sending.xfers:
                     self.transport.release(xfer)
-                self._evict(sending.engine_id)
+                self._evict(sending.registration.decode_engine_id)
                 # The blocks stay held: the lease frees them, as the decoder may still be reading garbage.
                 self._held[sending.request_id].writing = False
                 events.failed.append(Failure.of(sending.request_id, exc))
@@ -282,8 +303,18 @@ class PushProducer(PushSide[_DecodeEngine]):
                 for xfer in sending.xfers:
                     self.transport.release(xfer)
                 del self._held[sending.request_id]
-                events.sent.append(sending.request_id)
-                engine = self._engines.get(sending.engine_id)
+                registration = sending.registration
+                events.sent.append(
+                    Sent(
+                        sending.request_id,
+                        registration.request_id,
+                        registration.decode_engine_id,
+                        sending.nbytes,
+                        sending.posted_at,
+                        now,
+                    )
+                )
+                engine = self._engines.get(registration.decode_engine_id)
                 if engine is not None:
                     engine.last_active = now
             else:

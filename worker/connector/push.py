@@ -2,16 +2,17 @@
 and the bookkeeping of connected peer engines (`PushSide`).
 
 The connector has two single-threaded state machines, `PushProducer` (prefill, `producer.py`) and
-`PushConsumer` (decode, `consumer.py`). Their public methods that take work (`request_finished`,
-`expect`) only enqueue and may be called from any thread; every NIXL call happens inside `poll()`, so the
-thread that calls `poll()` owns the agent (NIXL is not thread-safe). Side-channel handshakes (ZMQ and
-decoding, no NIXL) run on one background thread, and their results are applied by `poll()`.
+`PushConsumer` (decode, `consumer.py`), each called by one thread, which owns the NIXL agent (NIXL is not
+thread-safe): the methods that take work (`request_finished`, `expect`) only record it, and every NIXL call
+happens inside `poll()`. Side-channel handshakes (ZMQ and decoding, no NIXL) run on one background thread,
+and their results are applied by `poll()`. What `poll()` reports carries what the connector knew when it
+acted: the bytes it posted, when, and to which peer (`producer.Sent`, `Handshake`), read from the clock it
+was given.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import re
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -190,40 +191,58 @@ class LocalKV:
         return payload
 
 
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class Handshake:
+    """A peer engine connected: its side channel answered, its metadata passed the checks and its NIXL
+    agents are loaded."""
+
+    engine_id: str
+    agents: tuple[str, ...]
+    started_at: float
+    """When the handshake was started (the connector's clock)."""
+    done_at: float
+    """The poll that loaded the peer's agents."""
+
+
 @dataclass
 class HandshakeJobs:
     """Side-channel handshakes on one background thread; `poll()` collects finished ones."""
 
     config: PushConfig
+    clock: Clock
     _pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="disagg-handshake")
     )
-    _running: dict[str, Future[list[PeerHandshake]]] = field(default_factory=dict)
+    _running: dict[str, tuple[float, Future[list[PeerHandshake]]]] = field(default_factory=dict)
 
     def start(self, remote: RemoteEngine, targets: Sequence[tuple[int, int]]) -> None:
         if remote.engine_id in self._running:
             return
-        self._running[remote.engine_id] = self._pool.submit(
-            handshake,
-            remote.host,
-            remote.port,
-            targets,
-            expected_hash=self.config.compat_hash,
-            expected_engine_id=remote.engine_id,
-            local_factors=self.config.compat_factors,
-            timeout_s=self.config.handshake_timeout_s,
+        self._running[remote.engine_id] = (
+            self.clock(),
+            self._pool.submit(
+                handshake,
+                remote.host,
+                remote.port,
+                targets,
+                expected_hash=self.config.compat_hash,
+                expected_engine_id=remote.engine_id,
+                local_factors=self.config.compat_factors,
+                timeout_s=self.config.handshake_timeout_s,
+            ),
         )
 
-    def running(self, engine_id: str) -> bool:
-        return engine_id in self._running
-
-    def collect(self) -> list[tuple[str, list[PeerHandshake] | BaseException]]:
+    def collect(self) -> list[tuple[str, float, list[PeerHandshake] | BaseException]]:
+        """Each finished handshake: the engine, when it was started, and its result."""
         done = []
-        for engine_id, future in list(self._running.items()):
+        for engine_id, (started_at, future) in list(self._running.items()):
             if future.done():
                 del self._running[engine_id]
                 exc = future.exception()
-                done.append((engine_id, exc if exc is not None else future.result()))
+                done.append((engine_id, started_at, exc if exc is not None else future.result()))
         return done
 
     def close(self) -> None:
@@ -235,20 +254,6 @@ def as_disagg_error(exc: BaseException, what: str) -> DisaggError:
     if isinstance(exc, DisaggError):
         return exc
     return DisaggError(f"{what}: {type(exc).__name__}: {exc}", reason="HandshakeFailed")
-
-
-Clock = Callable[[], float]
-
-T = TypeVar("T")
-
-
-def drain(inbox: queue.SimpleQueue[T]) -> Iterator[T]:
-    """What other threads enqueued, without blocking."""
-    while True:
-        try:
-            yield inbox.get_nowait()
-        except queue.Empty:
-            return
 
 
 class PeerEngine(Protocol):
@@ -274,7 +279,7 @@ class PushSide(Generic[E]):
         self.transport = local.transport
         self._clock = clock
         self._engines: dict[str, E] = {}
-        self._handshakes = HandshakeJobs(self.config)
+        self._handshakes = HandshakeJobs(self.config, clock)
 
     def close(self) -> None:
         self._handshakes.close()

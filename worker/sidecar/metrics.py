@@ -50,7 +50,8 @@ class SidecarMetrics:
         )
         self.handshake_latency = Histogram(
             "disagg_handshake_latency_seconds",
-            "From needing a peer engine to its NIXL agents being loaded (side channel, checks, add agent).",
+            "From starting a handshake with a peer engine to its NIXL agents being loaded (side channel, "
+            "checks, add agent).",
             ["peer_role"],
             buckets=HANDSHAKE_BUCKETS,
             registry=r,

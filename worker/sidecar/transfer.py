@@ -12,6 +12,8 @@ One process per worker (PP stage, TP rank). It
   payload of the engine's other workers (`disagg.worker.sidecar.republisher`), as vLLM's scheduler serves
   every worker of an engine;
 - runs the push connector (`PushProducer` on prefill, `PushConsumer` on decode) with layer-name routing;
+  its metrics and the engine's `KVSent` come from what the connector's events carry (bytes posted, when, to
+  which peer; handshake start and end), not from watching the NIXL agent;
 - serves `/healthz`, `/readyz` and Prometheus metrics, logs one JSON object per line
   (`disagg.worker.sidecar.logs`), and on SIGTERM stops
   serving, releases its NIXL agent and exits 0;
@@ -21,33 +23,30 @@ One process per worker (PP stage, TP rank). It
 The process entry point (`disagg.worker.cli.transfer`) lives above `reporting`, which imports this package's
 configuration and logs: so this package never imports `reporting`.
 
-Threads: the main thread owns the NIXL agent (every NIXL call, every connector `poll()`, every reply and
-event written to the engine). Socket readers, the side-channel server, the payload republisher, the peer
+Threads: the main thread owns the NIXL agent (every NIXL call, every connector call, every reply and
+event written to the engine); the engine socket's inbox is the one queue between the engine and the
+connector. Socket readers, the side-channel server, the payload republisher, the peer
 reporter and the HTTP server only decode, queue, serve bytes or read the registered layout.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Protocol
 
-import numpy as np
-
 from disagg.worker.connector.consumer import PushConsumer
 from disagg.worker.connector.kv_pool import ShmPool
-from disagg.worker.connector.producer import PushProducer, desc_ids
-from disagg.worker.connector.push import Failure, LocalKV, RemoteEngine, agent_name, find_request
-from disagg.worker.connector.side_channel import SideChannelServer, handshake_targets
+from disagg.worker.connector.producer import PushProducer, Sent
+from disagg.worker.connector.push import Failure, Handshake, LocalKV, RemoteEngine, agent_name
+from disagg.worker.connector.side_channel import SideChannelServer
 from disagg.worker.connector.transport import NixlTransport
-from disagg.worker.kv import wire
 from disagg.worker.kv.errors import (
     DisaggError,
     DuplicateRequest,
@@ -60,7 +59,6 @@ from disagg.worker.kv.errors import (
     WrongRole,
 )
 from disagg.worker.kv.layout import StageLayout
-from disagg.worker.kv.routing import group_arrays, region_capacities
 from disagg.worker.sidecar.config import SidecarConfig
 from disagg.worker.sidecar.engine_link import (
     Ack,
@@ -94,94 +92,6 @@ def _event(level: int, msg: str, **fields: Any) -> None:
     event(log, level, msg, **fields)
 
 
-# ---- NIXL agent with accounting ----------------------------------------------------------------------------
-
-
-def pushed_bytes(
-    local: LocalKV, held: Sequence[Sequence[int]], decoder_blocks: Sequence[Sequence[int]], decode_tp: int
-) -> int:
-    """Bytes a producer writes for one request: the descriptors its routing selects for the decoder's blocks
-    (prefill ids trimmed to the decoder's count, as the producer trims a decoder's prefix-cache hit), once per
-    decode rank it writes to."""
-    trimmed = [
-        list(mine)[len(mine) - len(theirs) :] for mine, theirs in zip(held, decoder_blocks, strict=True)
-    ]
-    geometry = local.geometry
-    ids = desc_ids(local, geometry, group_arrays(trimmed), source=True)
-    layers = local.transfer_layers
-    if layers is not None:
-        lengths = np.asarray([geometry.block_lens[r] for r in layers.region_indices], dtype=np.int64)
-        capacities = np.asarray(layers.capacities(geometry), dtype=np.int64)
-    else:
-        lengths = np.asarray(geometry.block_lens, dtype=np.int64)
-        capacities = np.asarray(region_capacities(geometry), dtype=np.int64)
-    # Descriptor id -> its region (or transfer layer) by the cumulative capacities, then that one's length.
-    owner = np.searchsorted(np.cumsum(capacities), ids, side="right")
-    config = local.config
-    ranks = len(handshake_targets(config.tp_size, config.tp_rank, decode_tp, 1))
-    return int(lengths[owner].sum()) * ranks
-
-
-class HandshakeClock:
-    """Times each peer engine from the moment this worker needs it to its NIXL agents being loaded."""
-
-    def __init__(self, observe: Callable[[float], None]) -> None:
-        self._observe = observe
-        self._needed: dict[str, float] = {}
-        self.loaded_at: dict[str, float] = {}
-
-    def need(self, engine_id: str, peers: frozenset[str]) -> None:
-        if engine_id not in self._needed and not any(p.startswith(f"{engine_id}/") for p in peers):
-            self._needed[engine_id] = time.monotonic()
-
-    def loaded(self, agent: str) -> None:
-        engine_id = agent.rsplit("/", 2)[0]
-        now = time.monotonic()
-        self.loaded_at[engine_id] = now
-        started = self._needed.pop(engine_id, None)
-        if started is not None:
-            self._observe(now - started)
-
-
-# Checked file by file, mypy cannot follow the editable install's package mapping and sees NixlTransport as
-# Any; through `make lint`'s symlinked tree it sees the class.
-class ObservedTransport(NixlTransport):  # type: ignore[misc, unused-ignore]
-    """The sidecar's NIXL agent, watched: it keeps the decoders' PUSH_REG registrations it delivers (for the
-    byte count and transfer time of each push) and times handshakes (a PUSH_REG from an unknown decoder, or a
-    request for an unknown prefill engine, starts one; loading the peer's agent ends it)."""
-
-    def __init__(self, name: str, clock: HandshakeClock) -> None:
-        super().__init__(name)
-        self.clock = clock
-        self.push_registrations: OrderedDict[str, tuple[wire.PushRegistration, float]] = OrderedDict()
-
-    def add_peer(self, agent_metadata: bytes) -> str:
-        name: str = super().add_peer(agent_metadata)
-        self.clock.loaded(name)
-        return name
-
-    def notifs(self) -> dict[str, list[bytes]]:
-        got: dict[str, list[bytes]] = super().notifs()
-        for messages in got.values():
-            for message in messages:
-                if message.startswith(wire.PUSH_REG_NOTIF_PREFIX):
-                    with contextlib.suppress(DisaggError):
-                        registration = wire.decode_push_reg_notif(message)
-                        self.clock.need(registration.decode_engine_id, self.peers)
-                        self.push_registrations[registration.request_id] = (registration, time.monotonic())
-                        while len(self.push_registrations) > KEEP_FINISHED:
-                            self.push_registrations.popitem(last=False)
-        return got
-
-    def take_registration(self, held_request_id: str) -> tuple[wire.PushRegistration, float] | None:
-        """The registration a finished prefill request was matched with (same id up to the random suffix)."""
-        request_id = find_request(held_request_id, self.push_registrations)
-        return None if request_id is None else self.push_registrations.pop(request_id)
-
-
-# ---- the sidecar -------------------------------------------------------------------------------------------
-
-
 class KVReporter(Protocol):
     """Reports on this worker's KV transfer on a thread of its own, beside the main loop: started with the
     `LocalKV` the engine registered (it may plan against it but makes no NIXL call), stopped at shutdown."""
@@ -196,7 +106,6 @@ class _Tracked:
     conn: EngineConnection
     state: RequestState
     started: float
-    block_ids: list[list[int]]
     reason: str = ""
     message: str = ""
 
@@ -214,13 +123,10 @@ class Sidecar:
         self.layout: StageLayout | None = None
         self._registered: RegisterLayout | None = None
         self._pool: ShmPool | None = None
-        self._local: LocalKV | None = None
         self._connector: PushProducer | PushConsumer | None = None
         peer_role = "decode" if config.role == "prefill" else "prefill"
-        self._clock = HandshakeClock(self.metrics.handshake_latency.labels(peer_role).observe)
-        self.transport = ObservedTransport(
-            agent_name(config.engine_id, config.pp_rank, config.tp_rank), self._clock
-        )
+        self._handshake_latency = self.metrics.handshake_latency.labels(peer_role)
+        self.transport = NixlTransport(agent_name(config.engine_id, config.pp_rank, config.tp_rank))
         self.http = HttpServer(config.metrics_host, config.metrics_port, self.metrics, self.health).start()
         self.side_channel = SideChannelServer(config.side_channel_host, config.side_channel_port).start()
         self.republisher = Republisher(config, self.side_channel).start()
@@ -314,13 +220,12 @@ class Sidecar:
             prefill = message.prefill
             if prefill.tp_size < 1 or prefill.pp_size < 1 or not 0 < prefill.port < 65536 or not prefill.host:
                 raise EngineProtocolError(f"prefill engine {prefill} has no usable side channel or sizes")
-            self._clock.need(prefill.engine_id, self.transport.peers)
             self._connector.expect(
                 message.request_id,
                 message.block_ids,
                 RemoteEngine(prefill.engine_id, prefill.host, prefill.port, prefill.tp_size, prefill.pp_size),
             )
-        self._track(message.request_id, _Tracked(conn, "pending", time.monotonic(), message.block_ids))
+        self._track(message.request_id, _Tracked(conn, "pending", time.monotonic()))
         return Ack()
 
     def _track(self, request_id: str, tracked: _Tracked) -> None:
@@ -354,7 +259,6 @@ class Sidecar:
             raise
         self._pool = pool
         self.layout = layout
-        self._local = local
         self._connector = PushProducer(local) if self.config.role == "prefill" else PushConsumer(local)
         self._registered = message
         self._update_readiness()
@@ -373,11 +277,11 @@ class Sidecar:
 
     def _poll(self) -> None:
         connector = self._connector
-        now = time.monotonic()
         if isinstance(connector, PushProducer):
             produced = connector.poll()
-            for request_id in produced.sent:
-                self._sent(request_id, now)
+            self._connected(produced.handshakes)
+            for sent in produced.sent:
+                self._sent(sent)
             for request_id in produced.expired:
                 self.metrics.lease_expiries.inc()
                 self._fail(
@@ -391,6 +295,8 @@ class Sidecar:
                 _event(logging.DEBUG, "decoder registered", request_id=request_id)
         elif isinstance(connector, PushConsumer):
             consumed = connector.poll()
+            self._connected(consumed.handshakes)
+            now = time.monotonic()
             for request_id in consumed.finished:
                 tracked = self._requests.get(request_id)
                 seconds = now - tracked.started if tracked else 0.0
@@ -400,22 +306,32 @@ class Sidecar:
             for failure in consumed.failed:
                 self._fail(failure)
 
-    def _sent(self, request_id: str, now: float) -> None:
-        tracked = self._requests.get(request_id)
-        matched = self.transport.take_registration(request_id)
-        nbytes, seconds = 0, 0.0
-        if tracked is not None and matched is not None and self._local is not None:
-            registration, registered_at = matched
-            nbytes = pushed_bytes(
-                self._local, tracked.block_ids, registration.local_block_ids, registration.decode_tp_size
+    def _connected(self, handshakes: Sequence[Handshake]) -> None:
+        for handshake in handshakes:
+            seconds = handshake.done_at - handshake.started_at
+            self._handshake_latency.observe(seconds)
+            _event(
+                logging.INFO,
+                "peer engine connected",
+                engine_id=handshake.engine_id,
+                agents=list(handshake.agents),
+                seconds=round(seconds, 6),
             )
-            # Writes start once the blocks, the registration and the decoder's agent are all there.
-            loaded = self._clock.loaded_at.get(registration.decode_engine_id, 0.0)
-            seconds = now - max(tracked.started, registered_at, loaded)
-        self.metrics.bytes_pushed.inc(nbytes)
+
+    def _sent(self, sent: Sent) -> None:
+        seconds = sent.done_at - sent.posted_at
+        self.metrics.bytes_pushed.inc(sent.nbytes)
         self.metrics.transfers.labels("sent").inc()
-        self._finish(request_id, "sent", KVSent(request_id, nbytes, seconds))
-        _event(logging.INFO, "KV sent", request_id=request_id, bytes=nbytes, seconds=round(seconds, 6))
+        self._finish(sent.request_id, "sent", KVSent(sent.request_id, sent.nbytes, seconds))
+        _event(
+            logging.INFO,
+            "KV sent",
+            request_id=sent.request_id,
+            decode_engine_id=sent.decode_engine_id,
+            decode_request_id=sent.decode_request_id,
+            bytes=sent.nbytes,
+            seconds=round(seconds, 6),
+        )
 
     def _fail(self, failure: Failure) -> None:
         self.metrics.failures.labels(failure.reason).inc()
