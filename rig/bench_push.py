@@ -35,7 +35,7 @@ import numpy.typing as npt
 
 from disagg.rig.local import free_port
 from disagg.worker.connector.kv_pool import ShmPool
-from disagg.worker.connector.producer import desc_ids, plan_decode_rank
+from disagg.worker.connector.producer import plan_decode_rank
 from disagg.worker.connector.push import LocalKV, PushConfig, agent_name
 from disagg.worker.connector.side_channel import SideChannelServer, handshake
 from disagg.worker.connector.transport import (
@@ -46,7 +46,7 @@ from disagg.worker.connector.transport import (
     merge_runs,
 )
 from disagg.worker.kv.layout import ModelGeometry, StageLayout, build_stage_layout
-from disagg.worker.kv.routing import DescArray, IdArray
+from disagg.worker.kv.routing import DescArray, IdArray, expand_logical_blocks
 
 HOST = "127.0.0.1"
 DECODE_ENGINE = "bench-decode"
@@ -231,7 +231,7 @@ def run(shape: Shape, repeats: int, handshakes: int, pool_dir: str) -> int:
             src_layout, transport, src.addr, src.nbytes, _config(shape, PREFILL_ENGINE, 0), layer_routing=True
         )
         [peer] = handshake(HOST, port, [(0, 0)], expected_hash=COMPAT_HASH, expected_engine_id=DECODE_ENGINE)
-        geometry, descs = plan_decode_rank(local, peer.metadata, 1)
+        plan, descs = plan_decode_rank(local, peer.metadata, 1)
         peer_name = transport.add_peer(peer.metadata.agent_metadata)
         remote = transport.prep(peer_name, descs)
         dst = ShmPool(dst_path)
@@ -247,8 +247,10 @@ def run(shape: Shape, repeats: int, handshakes: int, pool_dir: str) -> int:
         ]:
             src_blocks = _block_tables(groups, per_group, src_rng)
             dst_blocks = _block_tables(groups, per_group, dst_rng)
-            local_ids = desc_ids(local, local.geometry, src_blocks, source=True)
-            remote_ids = desc_ids(local, geometry, dst_blocks)
+            local_ids, remote_ids = plan.desc_ids(
+                expand_logical_blocks(src_blocks, plan.local.physical_blocks_per_logical_kv_block),
+                expand_logical_blocks(dst_blocks, plan.remote.physical_blocks_per_logical_kv_block),
+            )
             cases.append((_Row(label, []), src_blocks, dst_blocks, local_ids, remote_ids, merge))
         nbytes = len(cases[0][3]) * block_len
         copy_src = np.random.default_rng(1).integers(0, 256, size=nbytes, dtype=np.uint8)

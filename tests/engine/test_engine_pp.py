@@ -20,7 +20,7 @@ import torch
 
 from disagg.rig.local import free_port
 from disagg.worker.engine.config import TinyConfig, encode, layer_name
-from disagg.worker.engine.kv_cache import BlockPool, allocate_block_tables, copy_layer_blocks
+from disagg.worker.engine.kv_cache import BlockPool, PagedKVCache, allocate_block_tables
 from disagg.worker.engine.model import TinyModel
 from disagg.worker.engine.pp import (
     DecodeJob,
@@ -111,3 +111,15 @@ def test_pp_prefill_then_decode_from_moved_kv_equals_monolithic_run(shm_dir: Pat
         clean, corrupted = (pool.submit(decoder_main, decode, str(p)) for p in (d_path, bad_path))
         assert clean.result(timeout=120) == reference
         assert corrupted.result(timeout=120) != reference
+
+
+def copy_layer_blocks(
+    src: PagedKVCache, dst: PagedKVCache, name: str, src_blocks: list[int], dst_blocks: list[int]
+) -> None:
+    """Copy layer `name`'s blocks between two caches by layer name, pairing block ids positionally."""
+    if len(src_blocks) != len(dst_blocks):
+        raise ValueError(
+            f"{len(src_blocks)} source blocks vs {len(dst_blocks)} destination blocks for {name}"
+        )
+    for s, d in zip(src_blocks, dst_blocks, strict=True):
+        dst.layer_block_view(name, d)[:] = src.layer_block_view(name, s)

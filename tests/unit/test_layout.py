@@ -12,7 +12,6 @@ from disagg.worker.kv.layout import (
     build_stage_layout,
     kv_cache_groups,
     natural_sorted,
-    parse_layer_partition,
     pp_partition,
     transfer_group_index_by_layer,
 )
@@ -195,7 +194,7 @@ def test_even_split_remainder_rule(num_layers: int, pp: int, sizes: list[int]) -
 
 
 def test_explicit_partition() -> None:
-    assert pp_partition(30, 2, parse_layer_partition("12,18")) == [range(0, 12), range(12, 30)]
+    assert pp_partition(30, 2, (12, 18)) == [range(0, 12), range(12, 30)]
 
 
 @pytest.mark.parametrize("partition", [(10, 10), (30, 0), (10, 10, 10)])

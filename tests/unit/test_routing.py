@@ -7,6 +7,7 @@ group's block list.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,16 +18,15 @@ import pytest
 from disagg.worker.kv.errors import BlockIdOutOfRange, MissingLayers, RegionGeometryMismatch
 from disagg.worker.kv.layout import AttentionKind, ModelGeometry, StageLayout, build_stage_layout
 from disagg.worker.kv.routing import (
+    IdArray,
     RegionGeometry,
     TransferLayers,
     TransferPlan,
     align_remote_regions,
-    attention_source_ranks,
     compute_desc_ids,
     expand_logical_blocks,
     group_mapped_desc_ids,
     layer_routed_desc_ids,
-    legacy_desc_ids,
     local_descs,
     plan_transfer,
     rank_offset_factor,
@@ -431,3 +431,31 @@ def test_aligning_vllm_golden_decoder_metadata() -> None:
     assert decode_agent_metadata(encode_agent_metadata(aligned)) == aligned
     with pytest.raises(MissingLayers, match=r"model\.layers\.6\.self_attn\.attn"):
         align_remote_regions(meta, [name(5), name(6)])
+
+
+# ---- vLLM's formulas the product does not run, kept here as oracles ------------------------------------
+
+
+def legacy_desc_ids(block_ids: Sequence[int], num_regions: int, num_blocks: int) -> IdArray:
+    """vLLM v0.11's single-group formula, region-major: `r * num_blocks + b`."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        raise BlockIdOutOfRange(f"block ids in [{ids.min()}, {ids.max()}] exceed capacity {num_blocks}")
+    return (np.arange(num_regions, dtype=np.int64)[:, None] * num_blocks + ids[None, :]).reshape(-1)
+
+
+def attention_source_ranks(
+    tp_rank: int, local_tp: int, remote_tp: int, total_kv_heads: int, is_mla: bool
+) -> tuple[int, ...]:
+    """Remote ranks whose heads this rank's block covers (vLLM `compute_tp_mapping`, attention part)."""
+    if is_mla or local_tp >= remote_tp:
+        return (tp_rank * remote_tp // local_tp,)
+    k = remote_tp // local_tp
+    ranks: list[int] = []
+    heads: set[int] = set()
+    for rank in range(tp_rank * k, tp_rank * k + k):
+        head = rank * total_kv_heads // remote_tp
+        if head not in heads:
+            heads.add(head)
+            ranks.append(rank)
+    return tuple(ranks)

@@ -38,12 +38,11 @@ from disagg.worker.kv.routing import (
     BlockIds,
     DescArray,
     IdArray,
-    RegionGeometry,
-    compute_desc_ids,
+    TransferPlan,
     expand_logical_blocks,
     group_arrays,
+    plan_transfer,
     rank_offset_factor,
-    region_capacities,
     remote_descs,
 )
 
@@ -59,10 +58,11 @@ class _Held:
 
 @dataclass
 class _DecodeRank:
-    """One decode worker this producer writes to: its agent, aligned geometry and prepared descriptors."""
+    """One decode worker this producer writes to: its agent, the plan pairing its regions with this worker's
+    and its prepared descriptors."""
 
     agent: str
-    geometry: RegionGeometry
+    plan: TransferPlan
     descs: DescArray
     prepped: PreppedList
 
@@ -212,10 +212,10 @@ class PushProducer(PushSide[_DecodeEngine]):
         planned = [(peer, *plan_decode_rank(self.local, peer.metadata, decode_tp)) for peer in peers]
         ranks = []
         try:
-            for peer, geometry, descs in planned:
+            for peer, plan, descs in planned:
                 name = self._add_agent(engine_id, peer, "decode")
                 ranks.append(
-                    _DecodeRank(name, geometry, descs, self.transport.prep(name, descs, self.config.mem_type))
+                    _DecodeRank(name, plan, descs, self.transport.prep(name, descs, self.config.mem_type))
                 )
         except DisaggError:
             for rank in ranks:
@@ -240,9 +240,15 @@ class PushProducer(PushSide[_DecodeEngine]):
         xfers: list[Xfer] = []
         nbytes = 0
         try:
-            local_ids, decode_blocks = self._local_ids(held.block_ids, registration.local_block_ids)
+            local_blocks, decode_blocks = self._trimmed(held.block_ids, registration.local_block_ids)
+            local_kernel = expand_logical_blocks(
+                local_blocks, self.local.geometry.physical_blocks_per_logical_kv_block
+            )
             for rank in engine.ranks:
-                remote_ids = desc_ids(self.local, rank.geometry, decode_blocks)
+                remote_kernel = expand_logical_blocks(
+                    decode_blocks, rank.plan.remote.physical_blocks_per_logical_kv_block
+                )
+                local_ids, remote_ids = rank.plan.desc_ids(local_kernel, remote_kernel)
                 if len(remote_ids) != len(local_ids):
                     raise RegionGeometryMismatch(
                         f"{len(local_ids)} local blocks against {len(remote_ids)} decode blocks"
@@ -268,9 +274,10 @@ class PushProducer(PushSide[_DecodeEngine]):
             )
         return self.transport.write(self.local.prepped, local_ids, rank.prepped, remote_ids, notif)
 
-    def _local_ids(
+    def _trimmed(
         self, held: list[IdArray], decode_ids: Sequence[Sequence[int]]
-    ) -> tuple[IdArray, list[IdArray]]:
+    ) -> tuple[list[IdArray], list[IdArray]]:
+        """This request's blocks and the decoder's, per group, paired block by block."""
         if len(decode_ids) != len(held):
             raise RegionGeometryMismatch(
                 f"the decoder named blocks for {len(decode_ids)} KV cache groups, this worker has {len(held)}"
@@ -284,7 +291,7 @@ class PushProducer(PushSide[_DecodeEngine]):
                 )
             # A prefix-cache hit on the decoder leaves it needing only the trailing blocks.
             trimmed.append(mine[len(mine) - len(theirs) :])
-        return desc_ids(self.local, self.local.geometry, trimmed, source=True), decode
+        return trimmed, decode
 
     def _poll_transfers(self, now: float, events: ProducerEvents) -> None:
         still = []
@@ -372,32 +379,22 @@ def _prefill_rank(local: LocalKV) -> PrefillRank:
 
 def plan_decode_rank(
     local: LocalKV, meta: wire.NixlAgentMetadata, remote_tp: int
-) -> tuple[RegionGeometry, DescArray]:
-    """Every check that can refuse a decode rank (`decode_checks.check_decode_rank`), and its destination
-    descriptors; no NIXL call."""
+) -> tuple[TransferPlan, DescArray]:
+    """Every check that can refuse a decode rank (`decode_checks.check_decode_rank`, then `plan_transfer`'s
+    refusal of differing cache-group layouts without layer-name routing), the plan that pairs its regions
+    with this worker's, and its destination descriptors; no NIXL call."""
     config = local.config
-    aligned, local_regions = check_decode_rank(_prefill_rank(local), meta, remote_tp)
+    checked, _ = check_decode_rank(_prefill_rank(local), meta, remote_tp)
+    # Aligned (by layer name) or sliced (to this PP stage) already: aligning again changes nothing.
+    plan, aligned = plan_transfer(local.geometry, checked, transfer_layers=local.transfer_layers)
     offset_factor = rank_offset_factor(
         config.tp_rank, config.tp_size, remote_tp, config.model.num_kv_heads, config.model.is_mla
     )
     descs = remote_descs(
         aligned,
         local.geometry,
-        local_regions=local_regions,
+        local_regions=plan.local_regions,
         replicated=local.layout.region_replicated,
         rank_offset_factor=offset_factor,
     )
-    return aligned, descs
-
-
-def desc_ids(
-    local: LocalKV, geometry: RegionGeometry, block_ids: list[IdArray], *, source: bool = False
-) -> IdArray:
-    """Descriptor ids of `block_ids` (logical, per group) in `geometry`: this worker's own (`source`) or an
-    aligned decode rank's."""
-    kernel = expand_logical_blocks(block_ids, geometry.physical_blocks_per_logical_kv_block)
-    layers = local.transfer_layers
-    if layers is not None:
-        caps = layers.capacities(geometry) if source else region_capacities(geometry)
-        return compute_desc_ids(kernel, caps, transfer_group_ids=layers.group_ids)
-    return compute_desc_ids(kernel, region_capacities(geometry), region_group_ids=geometry.region_group_ids)
+    return plan, descs

@@ -168,10 +168,6 @@ class NixlTransport:
                 raise _failed(f"register {length} B at {addr:#x}", exc) from exc
         return reg
 
-    @property
-    def registrations(self) -> tuple[Registration, ...]:
-        return tuple(self._registrations)
-
     def metadata(self) -> bytes:
         """The opaque agent blob (connection info and registrations) a peer passes to `add_peer`."""
         md: bytes = self._agent.get_agent_metadata()

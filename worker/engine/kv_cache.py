@@ -289,15 +289,3 @@ class PagedKVCache:
         start = self.layout.layer_offset(name, block_id)
         array: np.ndarray = self.buffer.numpy()[start : start + self.layout.block_len]
         return array
-
-
-def copy_layer_blocks(
-    src: PagedKVCache, dst: PagedKVCache, name: str, src_blocks: list[int], dst_blocks: list[int]
-) -> None:
-    """Copy layer `name`'s blocks between two caches by layer name, pairing block ids positionally."""
-    if len(src_blocks) != len(dst_blocks):
-        raise ValueError(
-            f"{len(src_blocks)} source blocks vs {len(dst_blocks)} destination blocks for {name}"
-        )
-    for s, d in zip(src_blocks, dst_blocks, strict=True):
-        dst.layer_block_view(name, d)[:] = src.layer_block_view(name, s)

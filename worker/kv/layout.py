@@ -192,14 +192,6 @@ def transfer_group_index_by_layer(geometry: ModelGeometry) -> dict[str, int]:
     return {name: g for g, group in enumerate(kv_cache_groups(geometry)) for name in group}
 
 
-def parse_layer_partition(text: str) -> tuple[int, ...]:
-    """Parse a `VLLM_PP_LAYER_PARTITION` value such as `"12,18"`."""
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise LayoutError(f"layer partition {text!r} is not a comma-separated list of integers") from None
-
-
 def pp_partition(num_layers: int, pp_size: int, partition: Sequence[int] | None = None) -> list[range]:
     """Layers of each PP stage: vLLM's `get_pp_indices`, or an explicit partition (layers per stage).
 

@@ -360,14 +360,6 @@ def group_mapped_desc_ids(
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
-def legacy_desc_ids(block_ids: Sequence[int], num_regions: int, num_blocks: int) -> IdArray:
-    """vLLM v0.11's single-group formula, region-major: `r * num_blocks + b`."""
-    ids = np.asarray(block_ids, dtype=np.int64)
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
-        raise BlockIdOutOfRange(f"block ids in [{ids.min()}, {ids.max()}] exceed capacity {num_blocks}")
-    return (np.arange(num_regions, dtype=np.int64)[:, None] * num_blocks + ids[None, :]).reshape(-1)
-
-
 def compute_desc_ids(
     block_ids: BlockIds,
     capacities: Sequence[int],
@@ -462,23 +454,6 @@ def remote_descs(
         )
         parts.append(_descs(addrs, np.full(len(addrs), local_len // reads, dtype=np.int64), remote.device_id))
     return np.concatenate(parts) if parts else np.zeros((0, 3), dtype=np.uint64)
-
-
-def attention_source_ranks(
-    tp_rank: int, local_tp: int, remote_tp: int, total_kv_heads: int, is_mla: bool
-) -> tuple[int, ...]:
-    """Remote ranks whose heads this rank's block covers (vLLM `compute_tp_mapping`, attention part)."""
-    if is_mla or local_tp >= remote_tp:
-        return (tp_rank * remote_tp // local_tp,)
-    k = remote_tp // local_tp
-    ranks: list[int] = []
-    heads: set[int] = set()
-    for rank in range(tp_rank * k, tp_rank * k + k):
-        head = rank * total_kv_heads // remote_tp
-        if head not in heads:
-            heads.add(head)
-            ranks.append(rank)
-    return tuple(ranks)
 
 
 def rank_offset_factor(tp_rank: int, local_tp: int, remote_tp: int, total_kv_heads: int, is_mla: bool) -> int:
