@@ -8,6 +8,9 @@ handshake a real vLLM engine. The golden vectors in `tests/golden/` pin the enco
 Everything read from the network goes through a size check and a typed (or explicitly validated untyped)
 msgpack decode; nothing is ever unpickled. Refusals are typed (`disagg.worker.kv.errors`) and name the
 difference. This module is pure: no I/O, no clock.
+
+It runs to some 450 lines because it mirrors vLLM's structs and notif formats field for field; split, it would
+part what the golden vectors pin together.
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ Engine -> sidecar (every one gets exactly one reply, in order):
 
 Sidecar -> engine: replies `Ack`, `Error(reason, message)`, `RequestStatus`; events `KVReady`, `KVSent`,
 `KVFailed(reason, message)`, pushed whenever they happen (the client sorts events from replies).
+
+Both ends of the protocol (messages, framing, the engine's client) stay in this one module of some 420 lines,
+so that they change together; an engine needs this module and nothing else of the sidecar package.
 """
 
 from __future__ import annotations
