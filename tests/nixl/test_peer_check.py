@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from disagg.rig.local import free_port
@@ -194,3 +195,21 @@ def test_a_pod_without_peers_reports_unknown(tmp_path: Path, role: str) -> None:
     pod = PREFILL_POD if role == "prefill" else DECODE_POD
     outcome = summarize(config(tmp_path, role, pod, topology()), [], [])
     assert (outcome.status, outcome.reason) == ("Unknown", "NoPeers")
+
+
+def test_a_decoder_with_other_cache_groups_is_refused_without_layer_name_routing(tmp_path: Path) -> None:
+    # A PP1 stage does not route by layer name: its regions pair with the decoder's by index, so both must
+    # lay out the same KV cache groups (the producer's plan, `routing.plan_transfer`, refuses otherwise).
+    one_stage = [{"stage": 0, "startLayer": 0, "endLayer": 6}]
+    prefill = config(tmp_path, "prefill", PREFILL_POD, topology(stages=one_stage), DISAGG_PP_RANK="0")
+    decode = config(tmp_path, "decode", DECODE_POD, topology(stages=one_stage))
+    with worker(prefill) as (local, _), worker(decode) as (remote, server):
+        meta = remote.metadata()
+        regrouped = msgspec.structs.replace(meta, region_group_ids=list(range(len(meta.kv_caches_base_addr))))
+        payload = wire.encode_handshake_payload(regrouped, decode.compat_hash or "")
+        server.set_payload(decode.pp_rank, decode.tp_rank, payload)
+        error = check_peer(prefill, local, peer_of(decode, DECODE_POD), timeout_s=2.0)
+    assert local.layer_routing is False
+    assert error is not None
+    assert error.reason == "RegionGeometryMismatch"
+    assert "region group ids differ" in error.message
