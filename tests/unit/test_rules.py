@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from disagg.worker.kv import rules
-from disagg.worker.kv.errors import CompatibilityError, Violation, require
+from disagg.worker.kv.errors import CompatibilityError, Violation
 from disagg.worker.kv.rules import RoleTopology, check_topology
 
 
@@ -143,13 +143,13 @@ def test_check_topology_accepts_the_supported_topology() -> None:
     )
 
 
-def test_require_raises_the_reason() -> None:
+def test_a_typed_error_raised_for_a_rule_gives_back_its_violation() -> None:
+    # How the worker raises a rule (decode_checks) and how the operator's policies read it back.
     violation = rules.mamba_under_pp(True, 2)
-    with pytest.raises(CompatibilityError) as info:
-        require(violation)
-    assert info.value.violation == violation
-    require(None)
     assert isinstance(violation, Violation)
+    with pytest.raises(CompatibilityError) as info:
+        raise CompatibilityError(violation.message, reason=violation.reason)
+    assert info.value.violation == violation
 
 
 def test_a_pp1_push_peer_advertises_layers_but_keeps_region_routing() -> None:

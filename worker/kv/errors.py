@@ -43,10 +43,6 @@ class CompatibilityError(DisaggError):
 
     reason = "Incompatible"
 
-    @classmethod
-    def from_violation(cls, violation: Violation) -> CompatibilityError:
-        return cls(violation.message, reason=violation.reason)
-
 
 class HandshakeError(DisaggError):
     """A peer refused at handshake, before any NIXL agent for it is added."""
@@ -156,9 +152,3 @@ class LeaseExpired(TransferFailed):
     """A finished request's blocks were released because no decoder took them before the lease ran out."""
 
     reason = "LeaseExpired"
-
-
-def require(violation: Violation | None) -> None:
-    """Raise the violation as a CompatibilityError; do nothing when the rule holds."""
-    if violation is not None:
-        raise CompatibilityError.from_violation(violation)

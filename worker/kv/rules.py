@@ -1,6 +1,7 @@
 """Compatibility rules of the NIXL push connector under PP and HMA, as pure functions.
 
-The worker applies them at startup and handshake (`errors.require`), the operator before any pod exists.
+The worker applies them at handshake (`decode_checks`, raising the typed error with the rule's reason), the
+operator before any pod exists (`disagg.operator.policies`).
 Each rule returns a `Violation` (a CamelCase reason and a message that says what to change) or None.
 Sources: `vllm-nixl-push-connector.md` §2.3, §2.4 and §4.
 """
