@@ -46,15 +46,25 @@ def worker() -> None:
                     data = p.agent_metadata_bytes
                 meta = dec.decode(data)
                 keys = list(msgspec.msgpack.decode(data).keys())
-                row.update(ok=True,
-                           filled_from_defaults=[k for k in fields if k not in keys],
-                           unknown_keys_dropped=[k for k in keys if k not in fields],
-                           reencode_identical=enc.encode(meta) == data)
-            except Exception as e:  # noqa: BLE001
+                row.update(
+                    ok=True,
+                    filled_from_defaults=[k for k in fields if k not in keys],
+                    unknown_keys_dropped=[k for k in keys if k not in fields],
+                    reencode_identical=enc.encode(meta) == data,
+                )
+            except Exception as e:
                 row.update(ok=False, error=f"{type(e).__name__}: {e}")
             out.append(row)
-    print(json.dumps({"decoder_release": vllm.__version__, "connector_version": M.NIXL_CONNECTOR_VERSION,
-                      "module": M.__file__, "results": out}))
+    print(
+        json.dumps(
+            {
+                "decoder_release": vllm.__version__,
+                "connector_version": M.NIXL_CONNECTOR_VERSION,
+                "module": M.__file__,
+                "results": out,
+            }
+        )
+    )
 
 
 def main() -> int:
@@ -70,8 +80,9 @@ def main() -> int:
                 print(f"cross_decode.py: no extracted wheel for {v} under {root}; skipped", file=sys.stderr)
                 continue
             env["PYTHONPATH"] = str(root / v)
-        r = subprocess.run([sys.executable, __file__, "--worker"], env=env, capture_output=True, text=True,
-                           check=True)
+        r = subprocess.run(
+            [sys.executable, __file__, "--worker"], env=env, capture_output=True, text=True, check=True
+        )
         res = json.loads(r.stdout.strip().splitlines()[-1])
         res["module"] = res["module"].replace(str(root), "$VLLM_EXTRACTED_ROOT")
         if v == installed.__version__:
@@ -81,11 +92,23 @@ def main() -> int:
     for m in matrix:
         for r in m["results"]:
             summary.setdefault(r["vector"], {})[m["decoder_release"]] = (
-                ("ok" if r.get("reencode_identical") else "ok, re-encoding differs") if r["ok"] else "error")
-    (GOLDEN / "cross_decode.json").write_text(json.dumps(
-        {"kind": "cross_decode", "how": __doc__.strip().splitlines()[0], "summary": summary, "matrix": matrix},
-        indent=2) + "\n")
-    print(f"cross_decode.py: {len(matrix)} decoders x {len(summary)} vectors -> {GOLDEN / 'cross_decode.json'}")
+                ("ok" if r.get("reencode_identical") else "ok, re-encoding differs") if r["ok"] else "error"
+            )
+    (GOLDEN / "cross_decode.json").write_text(
+        json.dumps(
+            {
+                "kind": "cross_decode",
+                "how": __doc__.strip().splitlines()[0],
+                "summary": summary,
+                "matrix": matrix,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    print(
+        f"cross_decode.py: {len(matrix)} decoders x {len(summary)} vectors -> {GOLDEN / 'cross_decode.json'}"
+    )
     return 0
 
 

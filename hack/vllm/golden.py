@@ -55,12 +55,10 @@ if os.environ.get("PYTHONHASHSEED") != "0":  # HB joins a set of request ids: fi
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
-import peer  # noqa: E402  (sets HF_HUB_OFFLINE, VLLM_TARGET_DEVICE, HF_HOME before vLLM is imported)
-
 import msgspec  # noqa: E402
-import zmq  # noqa: E402
-
+import peer  # noqa: E402  (sets HF_HUB_OFFLINE, VLLM_TARGET_DEVICE, HF_HOME before vLLM is imported)
 import vllm  # noqa: E402
+import zmq  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import metadata as M  # noqa: E402
 
 NIXL_DIR = "vllm/distributed/kv_transfer/kv_connector/v1/nixl"
@@ -142,8 +140,9 @@ def provenance() -> dict[str, Any]:
         d = sha(p.read_bytes())
         files[rel] = {"sha256": d, "matches_wheel_RECORD": record.get(rel) == d if record else None}
     return {
-        "vllm_package_dir_kind": "site-packages (pip-installed wheel)" if "site-packages" in str(base) else
-        "PYTHONPATH (extracted wheel)",
+        "vllm_package_dir_kind": "site-packages (pip-installed wheel)"
+        if "site-packages" in str(base)
+        else "PYTHONPATH (extracted wheel)",
         "vllm_package_dir": str(pkg_dir),
         "metadata_module_file": M.__file__,
         "dist_info_record": str(dist) if dist.exists() else None,
@@ -367,8 +366,10 @@ def backend_name(enum_name: str) -> tuple[str, str]:
     try:
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-        return AttentionBackendEnum[enum_name].get_class().get_name(), "AttentionBackendEnum[...].get_class().get_name()"
-    except Exception as e:  # noqa: BLE001
+        return AttentionBackendEnum[
+            enum_name
+        ].get_class().get_name(), "AttentionBackendEnum[...].get_class().get_name()"
+    except Exception as e:
         return enum_name, f"literal ({type(e).__name__} importing the backend on CPU)"
 
 
@@ -381,52 +382,118 @@ def kvt(role: str, engine: str, **extra: Any) -> str:
 CONFIG_CASES = [
     dict(
         id="gemma3_1b_push_pp2_tp2",
-        argv=["--model", "google/gemma-3-1b-it", "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2",
-              "--block-size", "16", "--kv-transfer-config",
-              kvt("kv_producer", "prefill-7f3c2a", kv_connector_extra_config={"backends": ["UCX"],
-                                                                              "kv_lease_duration": 60})],
+        argv=[
+            "--model",
+            "google/gemma-3-1b-it",
+            "--tensor-parallel-size",
+            "2",
+            "--pipeline-parallel-size",
+            "2",
+            "--block-size",
+            "16",
+            "--kv-transfer-config",
+            kvt(
+                "kv_producer",
+                "prefill-7f3c2a",
+                kv_connector_extra_config={"backends": ["UCX"], "kv_lease_duration": 60},
+            ),
+        ],
         backend="FLASH_ATTN",
         modes=["push", "pull"],
     ),
     dict(
         id="gemma3_1b_push_pp1_tp2_decode",
-        argv=["--model", "google/gemma-3-1b-it", "--tensor-parallel-size", "2", "--block-size", "16",
-              "--kv-transfer-config", kvt("kv_consumer", "decode-1b9e44")],
+        argv=[
+            "--model",
+            "google/gemma-3-1b-it",
+            "--tensor-parallel-size",
+            "2",
+            "--block-size",
+            "16",
+            "--kv-transfer-config",
+            kvt("kv_consumer", "decode-1b9e44"),
+        ],
         backend="FLASH_ATTN",
         modes=["push"],
     ),
     dict(
         id="llama8b_pull_tp2",
-        argv=["--model", "meta-llama/Llama-3.1-8B-Instruct", "--tensor-parallel-size", "2", "--block-size", "16",
-              "--kv-transfer-config",
-              json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_producer", "engine_id": "llama-prefill-0"})],
+        argv=[
+            "--model",
+            "meta-llama/Llama-3.1-8B-Instruct",
+            "--tensor-parallel-size",
+            "2",
+            "--block-size",
+            "16",
+            "--kv-transfer-config",
+            json.dumps(
+                {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "engine_id": "llama-prefill-0"}
+            ),
+        ],
         backend="FLASH_ATTN",
         modes=["pull", "push"],
     ),
     dict(
         id="llama8b_fp8_nohma",
-        argv=["--model", "meta-llama/Llama-3.1-8B-Instruct", "--tensor-parallel-size", "2", "--block-size", "16",
-              "--kv-cache-dtype", "fp8", "--disable-hybrid-kv-cache-manager", "--kv-transfer-config",
-              kvt("kv_consumer", "llama-decode-0")],
+        argv=[
+            "--model",
+            "meta-llama/Llama-3.1-8B-Instruct",
+            "--tensor-parallel-size",
+            "2",
+            "--block-size",
+            "16",
+            "--kv-cache-dtype",
+            "fp8",
+            "--disable-hybrid-kv-cache-manager",
+            "--kv-transfer-config",
+            kvt("kv_consumer", "llama-decode-0"),
+        ],
         backend="FLASHINFER",
         modes=["push"],
     ),
     dict(
         id="dsv2lite_push_pp2_tp2",
-        argv=["--model", "deepseek-ai/DeepSeek-V2-Lite", "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2",
-              "--block-size", "16", "--kv-transfer-config", kvt("kv_producer", "dsv2-prefill-0")],
+        argv=[
+            "--model",
+            "deepseek-ai/DeepSeek-V2-Lite",
+            "--tensor-parallel-size",
+            "2",
+            "--pipeline-parallel-size",
+            "2",
+            "--block-size",
+            "16",
+            "--kv-transfer-config",
+            kvt("kv_producer", "dsv2-prefill-0"),
+        ],
         backend="FLASHMLA",
         modes=["push"],
         packed_backends=["FLASHMLA", "TRITON_MLA"],
     ),
     dict(
         id="dsv2lite_push_pp1_tp2_decode",
-        argv=["--model", "deepseek-ai/DeepSeek-V2-Lite", "--tensor-parallel-size", "2", "--block-size", "16",
-              "--kv-transfer-config", kvt("kv_consumer", "dsv2-decode-0")],
+        argv=[
+            "--model",
+            "deepseek-ai/DeepSeek-V2-Lite",
+            "--tensor-parallel-size",
+            "2",
+            "--block-size",
+            "16",
+            "--kv-transfer-config",
+            kvt("kv_consumer", "dsv2-decode-0"),
+        ],
         backend="FLASHMLA",
         modes=["push"],
     ),
 ]
+
+
+def packed_backend_expr() -> str:
+    """The release's expression for the hashed backend name of push + packed caches (the line after
+    'backend_name = ",".join(' in base_worker.register_kv_caches), e.g. sorted({b.get_name() for b in ...})."""
+    p = Path(vllm.__file__).resolve().parent.parent / NIXL_DIR / "base_worker.py"
+    lines = p.read_text().splitlines()
+    i = next(k for k, line in enumerate(lines) if 'backend_name = ",".join(' in line)
+    return '",".join(' + lines[i + 1].strip() + ")"
 
 
 def hash_case(cid: str, factors: dict[str, Any], digest: str, how: dict[str, Any]) -> dict[str, Any]:
@@ -452,7 +519,7 @@ def compat_hash_cases(with_configs: bool) -> tuple[list[dict[str, Any]], list[st
             t0 = time.perf_counter()
             try:
                 cfg = peer.build_vllm_config(c["argv"], restore_repo_id=False)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 problems.append(f"{c['id']}: VllmConfig failed: {type(e).__name__}: {e}")
                 continue
             print(f"  VllmConfig {c['id']}: {time.perf_counter() - t0:.1f}s", file=sys.stderr)
@@ -466,28 +533,46 @@ def compat_hash_cases(with_configs: bool) -> tuple[list[dict[str, Any]], list[st
             if c.get("packed_backends"):
                 names = [backend_name(b)[0] for b in c["packed_backends"]]
                 # base_worker.register_kv_caches, push + packed (block-outermost) caches, v13+:
-                joined = ",".join(sorted(set(names)))
-                variants.append(("push", joined, "packed push: ','.join(sorted({b.get_name() for b in attn_backends}))"
-                                                 f" over {names}"))
+                expr = packed_backend_expr()
+                # the release's own expression, evaluated on the backend classes' names
+                joined = eval(
+                    expr,
+                    {"sorted": sorted},
+                    {
+                        "self": types.SimpleNamespace(
+                            attn_backends=[types.SimpleNamespace(get_name=(lambda n=n: n)) for n in names]
+                        )
+                    },
+                )
+                variants.append(
+                    ("push", joined, f"packed push (base_worker.register_kv_caches): {expr} over {names}")
+                )
             for mode, bn, bh in variants:
                 with peer.captured_hash_factors() as seen:
                     digest = M.compute_nixl_compatibility_hash(cfg, bn, transfer_mode=mode)
-                suffix = "" if (mode, bn) == (c["modes"][0], bname) else (
-                    f"_{mode}" if bn == bname else "_packed_backends")
-                cases.append(hash_case(
-                    c["id"] + suffix, seen[-1], digest,
-                    {
-                        "how": "compute_nixl_compatibility_hash(vllm_config, attn_backend_name, transfer_mode=...)"
-                               " on a VllmConfig from vLLM's serve parser + AsyncEngineArgs.from_cli_args(args)"
-                               ".create_engine_config(); factors captured from its call to hash_factors",
-                        "argv": ["vllm", "serve", *c["argv"]],
-                        "attn_backend_name": bn,
-                        "attn_backend_name_from": bh,
-                        "transfer_mode": mode,
-                        "model_config_model_offline": offline_model_shown,
-                        "model_config_model_hashed": repo_id,
-                    },
-                ))
+                suffix = (
+                    ""
+                    if (mode, bn) == (c["modes"][0], bname)
+                    else (f"_{mode}" if bn == bname else "_packed_backends")
+                )
+                cases.append(
+                    hash_case(
+                        c["id"] + suffix,
+                        seen[-1],
+                        digest,
+                        {
+                            "how": "compute_nixl_compatibility_hash(vllm_config, attn_backend_name, transfer_mode=...)"
+                            " on a VllmConfig from vLLM's serve parser + AsyncEngineArgs.from_cli_args(args)"
+                            ".create_engine_config(); factors captured from its call to hash_factors",
+                            "argv": ["vllm", "serve", *c["argv"]],
+                            "attn_backend_name": bn,
+                            "attn_backend_name_from": bh,
+                            "transfer_mode": mode,
+                            "model_config_model_offline": offline_model_shown,
+                            "model_config_model_hashed": repo_id,
+                        },
+                    )
+                )
     # Cases needing configs this machine cannot build offline (a draft model): the release's hash_factors on a
     # factor dict with the same 12 keys.
     base = {
@@ -513,15 +598,30 @@ def compat_hash_cases(with_configs: bool) -> tuple[list[dict[str, Any]], list[st
         "transfer_mode": "push",
     }
     factors = json.loads(json.dumps(base))
-    cases.append(hash_case("llama8b_eagle3_push_factors", factors, hash_factors(base), {
-        "how": "vllm.config.utils.hash_factors(factors) (no offline draft model config); speculative_config as"
-               " _get_speculative_compatibility_factors returns it (auxiliary_layer_ids a tuple -> JSON array)",
-    }))
-    ple = dict(base, speculative_config=None, model="example/ple-packed-model", num_hidden_layers=4,
-               num_kv_heads=2)
-    cases.append(hash_case("ple_push_synthetic", json.loads(json.dumps(ple)), hash_factors(ple), {
-        "how": "vllm.config.utils.hash_factors(factors) on a made-up model (for the ple_packed payload)",
-    }))
+    cases.append(
+        hash_case(
+            "llama8b_eagle3_push_factors",
+            factors,
+            hash_factors(base),
+            {
+                "how": "vllm.config.utils.hash_factors(factors) (no offline draft model config); speculative_config as"
+                " _get_speculative_compatibility_factors returns it (auxiliary_layer_ids a tuple -> JSON array)",
+            },
+        )
+    )
+    ple = dict(
+        base, speculative_config=None, model="example/ple-packed-model", num_hidden_layers=4, num_kv_heads=2
+    )
+    cases.append(
+        hash_case(
+            "ple_push_synthetic",
+            json.loads(json.dumps(ple)),
+            hash_factors(ple),
+            {
+                "how": "vllm.config.utils.hash_factors(factors) on a made-up model (for the ple_packed payload)",
+            },
+        )
+    )
     return cases, problems
 
 
@@ -560,7 +660,9 @@ def req_rep(port: int, frames: list[bytes], timeout_ms: int = 3000) -> list[byte
         ctx.destroy(linger=0)
 
 
-def capture_client_requests(targets: list[tuple[int, int, int, int]], payload: bytes, engine_id: str) -> list[dict[str, Any]]:
+def capture_client_requests(
+    targets: list[tuple[int, int, int, int]], payload: bytes, engine_id: str
+) -> list[dict[str, Any]]:
     """Run the release's real _nixl_handshake against a recording ROUTER; return what it sent.
     targets: (remote_tp_size, remote_pp_size, local_tp_rank, local_tp_size) combos."""
     out = []
@@ -573,7 +675,7 @@ def capture_client_requests(targets: list[tuple[int, int, int, int]], payload: b
         seen: list[list[bytes]] = []
         stop = threading.Event()
 
-        def serve():
+        def serve(router=router, stop=stop, seen=seen):
             router.setsockopt(zmq.RCVTIMEO, 200)
             while not stop.is_set():
                 try:
@@ -588,18 +690,26 @@ def capture_client_requests(targets: list[tuple[int, int, int, int]], payload: b
         w = peer.handshake_worker("0" * 64, tp_rank=local_rank, tp_size=local_tp, enforce_compat_hash=False)
         err = None
         try:
-            w._nixl_handshake("127.0.0.1", port, remote_tp, engine_id, remote_pp_size=remote_pp,
-                              notif_agents_only=True)
-        except Exception as e:  # noqa: BLE001
+            w._nixl_handshake(
+                "127.0.0.1", port, remote_tp, engine_id, remote_pp_size=remote_pp, notif_agents_only=True
+            )
+        except Exception as e:
             err = f"{type(e).__name__}: {e}"
         stop.set()
         t.join()
         ctx.destroy(linger=0)
-        out.append({
-            "local_tp_rank": local_rank, "local_tp_size": local_tp, "remote_tp_size": remote_tp,
-            "remote_pp_size": remote_pp, "error": err,
-            "requests": [{"frames_at_router": len(f), "delimiter": f[1].hex(), "body": f[2]} for f in seen],
-        })
+        out.append(
+            {
+                "local_tp_rank": local_rank,
+                "local_tp_size": local_tp,
+                "remote_tp_size": remote_tp,
+                "remote_pp_size": remote_pp,
+                "error": err,
+                "requests": [
+                    {"frames_at_router": len(f), "delimiter": f[1].hex(), "body": f[2]} for f in seen
+                ],
+            }
+        )
     return out
 
 
@@ -621,8 +731,9 @@ class Writer:
         jname = name.rsplit(".", 1)[0] + ".json"
         d = {"file": name, "length": len(data), "sha256": sha(data), "hex": data.hex(), "kind": kind, **desc}
         self.write_json(jname, d, extra=False)
-        self.entries.append({"file": name, "description_file": jname, "kind": kind, "length": len(data),
-                             "sha256": sha(data)})
+        self.entries.append(
+            {"file": name, "description_file": jname, "kind": kind, "length": len(data), "sha256": sha(data)}
+        )
 
     def write_json(self, name: str, obj: Any, extra: bool = True) -> None:
         (self.out / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
@@ -655,17 +766,21 @@ def main() -> int:
     hcases, hp = compat_hash_cases(not a.no_configs)
     problems += hp
     hash_by_id = {c["id"]: c["sha256"] for c in hcases}
-    w.write_json("compat_hash_cases.json", {
-        "kind": "compat_hash_cases",
-        "vllm_version": version,
-        "nixl_connector_version": M.NIXL_CONNECTOR_VERSION,
-        "rule": "hash_factors(d) = sha256(json.dumps(d, sort_keys=True).encode()).hexdigest() (vllm/config/utils.py)",
-        "factor_keys": list(hcases[-1]["factors"].keys()),
-        "worker_call": source_line(f"{NIXL_DIR}/base_worker.py", "self.compat_hash = compute_nixl_compatibility_hash("),
-        "packed_backend_name_line": source_line(f"{NIXL_DIR}/base_worker.py", "sorted(") and [
-            x for x in [source_line(f"{NIXL_DIR}/base_worker.py", 'backend_name = ",".join(')] if x],
-        "cases": hcases,
-    })
+    w.write_json(
+        "compat_hash_cases.json",
+        {
+            "kind": "compat_hash_cases",
+            "vllm_version": version,
+            "nixl_connector_version": M.NIXL_CONNECTOR_VERSION,
+            "rule": "hash_factors(d) = sha256(json.dumps(d, sort_keys=True).encode()).hexdigest() (vllm/config/utils.py)",
+            "factor_keys": list(hcases[-1]["factors"].keys()),
+            "worker_call": source_line(
+                f"{NIXL_DIR}/base_worker.py", "self.compat_hash = compute_nixl_compatibility_hash("
+            ),
+            "packed_backend_name_expr": packed_backend_expr(),
+            "cases": hcases,
+        },
+    )
 
     # 2. agent metadata + handshake payloads, served by the real listener and fetched by the real client
     stage1 = range(*get_pp_indices(26, 1, 2))
@@ -674,7 +789,9 @@ def main() -> int:
     for case in metadata_cases(stage1):
         missing = [f for f in case.get("requires", []) if f not in field_names]
         if missing:
-            skipped.append({"id": case["id"], "reason": f"NixlAgentMetadata has no field(s) {missing} in {version}"})
+            skipped.append(
+                {"id": case["id"], "reason": f"NixlAgentMetadata has no field(s) {missing} in {version}"}
+            )
             continue
         values = {k: v for k, v in case["values"].items() if k in field_names}
         meta = M.NixlAgentMetadata(**values)
@@ -683,7 +800,9 @@ def main() -> int:
         assert back == meta, case["id"]
         assert enc.encode(back) == meta_bytes
         hcase = case["compat_case"] if case["compat_case"] in hash_by_id else "ple_push_synthetic"
-        payload = M.NixlHandshakePayload(compatibility_hash=hash_by_id[hcase], agent_metadata_bytes=meta_bytes)
+        payload = M.NixlHandshakePayload(
+            compatibility_hash=hash_by_id[hcase], agent_metadata_bytes=meta_bytes
+        )
         made.append(dict(case=case, meta=meta, meta_bytes=meta_bytes, payload=payload, hash_case=hcase))
 
     listener_checks: list[dict[str, Any]] = []
@@ -697,57 +816,86 @@ def main() -> int:
             assert frames is not None and len(frames) == 2, c["id"]
             wire_payload, ts = frames
             assert wire_payload == enc.encode(m["payload"]), c["id"]
-            listener_checks.append({"case": c["id"], "served_keys": [[p, tp] for p in range(pp + 1)],
-                                    "reply_frames_at_REQ": len(frames), "frame0_len": len(wire_payload),
-                                    "frame1_first_byte": ts[:1].hex(), "frame1_len": len(ts),
-                                    "frame1_decodes_to": type(msgspec.msgpack.decode(ts)).__name__})
+            listener_checks.append(
+                {
+                    "case": c["id"],
+                    "served_keys": [[p, tp] for p in range(pp + 1)],
+                    "reply_frames_at_REQ": len(frames),
+                    "frame0_len": len(wire_payload),
+                    "frame1_first_byte": ts[:1].hex(),
+                    "frame1_len": len(ts),
+                    "frame1_decodes_to": type(msgspec.msgpack.decode(ts)).__name__,
+                }
+            )
             # the release's real client (TP tp+1, rank tp -> target remote rank tp) fetches and accepts it
             cw = peer.handshake_worker(m["payload"].compatibility_hash, tp_rank=tp, tp_size=tp + 1)
-            agents, _ = cw._nixl_handshake("127.0.0.1", served.side_channel_port, tp + 1, c["values"]["engine_id"],
-                                           remote_pp_size=pp + 1)
+            agents, _ = cw._nixl_handshake(
+                "127.0.0.1", served.side_channel_port, tp + 1, c["values"]["engine_id"], remote_pp_size=pp + 1
+            )
             assert sorted(agents) == [(p, tp) for p in range(pp + 1)], agents
             assert all(x[0] == m["meta"] for x in cw.added_full), c["id"]
-            m["client_ok"] = {"remote_ranks": [list(k) for k in sorted(agents)],
-                              "decoded_equals_value": True}
+            m["client_ok"] = {"remote_ranks": [list(k) for k in sorted(agents)], "decoded_equals_value": True}
             m["wire_payload"] = wire_payload
         finally:
             served.shutdown()
 
     for m in made:
         c, meta, mb = m["case"], m["meta"], m["meta_bytes"]
-        w.vector(f"agent_metadata_{c['id']}.msgpack", mb, "NixlAgentMetadata", {
-            "note": c["note"],
-            "encoding": f"msgpack map, {len(field_names)} entries (header {mb[:3].hex() if mb[0] == 0xde else mb[:1].hex()}),"
-                        " keys = field names in declaration order, every default written; bytes as bin, tuples as"
-                        " arrays, None as nil",
-            "fields_given": list(m["case"]["values"].keys()),
-            "decoded": plain(meta),
-            "source": {"vllm_version": version, "class": "NixlAgentMetadata", "module": M.__name__,
-                       "encoder": "msgspec.msgpack.Encoder().encode(NixlAgentMetadata(...))",
-                       "check": "msgspec.msgpack.Decoder(NixlAgentMetadata).decode(bytes) == value; re-encode identical"},
-        })
-        pb = m["wire_payload"]
-        w.vector(f"handshake_payload_{c['id']}.msgpack", pb, "NixlHandshakePayload", {
-            "note": f"Wraps agent_metadata_{c['id']}.msgpack; compatibility_hash is compat_hash_cases.json case"
-                    f" '{m['hash_case']}'. Reply frame 0 of the side channel, as read back from the release's real"
-                    " listener.",
-            "encoding": "msgpack map, 2 entries: 'compatibility_hash' (str8, 64 hex chars) then"
-                        " 'agent_metadata_bytes' (bin holding the encoded NixlAgentMetadata)",
-            "decoded": {
-                "compatibility_hash": m["payload"].compatibility_hash,
-                "compat_case": m["hash_case"],
-                "agent_metadata_bytes": {"$bytes_hex": mb.hex(), "$len": len(mb),
-                                         "$is": f"agent_metadata_{c['id']}.msgpack"},
+        w.vector(
+            f"agent_metadata_{c['id']}.msgpack",
+            mb,
+            "NixlAgentMetadata",
+            {
+                "note": c["note"],
+                "encoding": f"msgpack map, {len(field_names)} entries (header {mb[:3].hex() if mb[0] == 0xDE else mb[:1].hex()}),"
+                " keys = field names in declaration order, every default written; bytes as bin, tuples as"
+                " arrays, None as nil",
+                "fields_given": list(m["case"]["values"].keys()),
+                "decoded": plain(meta),
+                "source": {
+                    "vllm_version": version,
+                    "class": "NixlAgentMetadata",
+                    "module": M.__name__,
+                    "encoder": "msgspec.msgpack.Encoder().encode(NixlAgentMetadata(...))",
+                    "check": "msgspec.msgpack.Decoder(NixlAgentMetadata).decode(bytes) == value; re-encode identical",
+                },
             },
-            "source": {"vllm_version": version,
-                       "served_by": "NixlPushConnectorScheduler.set_xfer_handshake_metadata -> "
-                                    "NixlBaseConnectorScheduler._nixl_handshake_listener (real thread, real ZMQ)",
-                       "accepted_by_real_client": m.get("client_ok")},
-        })
+        )
+        pb = m["wire_payload"]
+        w.vector(
+            f"handshake_payload_{c['id']}.msgpack",
+            pb,
+            "NixlHandshakePayload",
+            {
+                "note": f"Wraps agent_metadata_{c['id']}.msgpack; compatibility_hash is compat_hash_cases.json case"
+                f" '{m['hash_case']}'. Reply frame 0 of the side channel, as read back from the release's real"
+                " listener.",
+                "encoding": "msgpack map, 2 entries: 'compatibility_hash' (str8, 64 hex chars) then"
+                " 'agent_metadata_bytes' (bin holding the encoded NixlAgentMetadata)",
+                "decoded": {
+                    "compatibility_hash": m["payload"].compatibility_hash,
+                    "compat_case": m["hash_case"],
+                    "agent_metadata_bytes": {
+                        "$bytes_hex": mb.hex(),
+                        "$len": len(mb),
+                        "$is": f"agent_metadata_{c['id']}.msgpack",
+                    },
+                },
+                "source": {
+                    "vllm_version": version,
+                    "served_by": "NixlPushConnectorScheduler.set_xfer_handshake_metadata -> "
+                    "NixlBaseConnectorScheduler._nixl_handshake_listener (real thread, real ZMQ)",
+                    "accepted_by_real_client": m.get("client_ok"),
+                },
+            },
+        )
 
     # 3. side-channel requests from the real client
-    caps = capture_client_requests([(1, 1, 0, 1), (2, 2, 0, 1), (4, 1, 1, 2), (1, 2, 1, 2), (256, 1, 200, 256)],
-                                   made[0]["wire_payload"], made[0]["case"]["values"]["engine_id"])
+    caps = capture_client_requests(
+        [(1, 1, 0, 1), (2, 2, 0, 1), (4, 1, 1, 2), (1, 2, 1, 2), (256, 1, 200, 256)],
+        made[0]["wire_payload"],
+        made[0]["case"]["values"]["engine_id"],
+    )
     seen_req: dict[bytes, tuple[int, int]] = {}
     for cap in caps:
         for r in cap["requests"]:
@@ -756,14 +904,22 @@ def main() -> int:
             seen_req.setdefault(body, (pp, tp))
             r["body"] = {"hex": body.hex(), "decoded": [plain(msg), pp, tp]}
     for body, (pp, tp) in sorted(seen_req.items(), key=lambda kv: kv[1]):
-        w.vector(f"side_channel_request_pp{pp}_tp{tp}.msgpack", body, "side_channel_request", {
-            "note": "The single message part the release's real _nixl_handshake client sends (REQ socket;"
-                    " a ROUTER sees [identity, b'', body]).",
-            "encoding": "fixarray(3): bin8 'get_meta_msg' (c4 0c ...), pp_rank int, tp_rank int",
-            "decoded": {"msg": {"$bytes_hex": M.GET_META_MSG.hex(), "$ascii": M.GET_META_MSG.decode()},
-                        "pp_rank": pp, "tp_rank": tp},
-            "source": {"vllm_version": version, "sent_by": "NixlBaseConnectorWorker._nixl_handshake"},
-        })
+        w.vector(
+            f"side_channel_request_pp{pp}_tp{tp}.msgpack",
+            body,
+            "side_channel_request",
+            {
+                "note": "The single message part the release's real _nixl_handshake client sends (REQ socket;"
+                " a ROUTER sees [identity, b'', body]).",
+                "encoding": "fixarray(3): bin8 'get_meta_msg' (c4 0c ...), pp_rank int, tp_rank int",
+                "decoded": {
+                    "msg": {"$bytes_hex": M.GET_META_MSG.hex(), "$ascii": M.GET_META_MSG.decode()},
+                    "pp_rank": pp,
+                    "tp_rank": tp,
+                },
+                "source": {"vllm_version": version, "sent_by": "NixlBaseConnectorWorker._nixl_handshake"},
+            },
+        )
 
     # 4. listener / client behaviour
     behaviour = side_channel_behaviour(made, enc)
@@ -781,9 +937,15 @@ def main() -> int:
         "vllm_version": version,
         "nixl_connector_version": M.NIXL_CONNECTOR_VERSION,
         "how_generated": {
-            "command": " ".join(["PYTHONSAFEPATH=1", *(["PYTHONPATH=" + os.environ["PYTHONPATH"]]
-                                                       if os.environ.get("PYTHONPATH") else []),
-                                 ".venv-vllm/bin/python", "hack/vllm/golden.py", *sys.argv[1:]]),
+            "command": " ".join(
+                [
+                    "PYTHONSAFEPATH=1",
+                    *(["PYTHONPATH=" + os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []),
+                    ".venv-vllm/bin/python",
+                    "hack/vllm/golden.py",
+                    *sys.argv[1:],
+                ]
+            ),
             "python": sys.version.split()[0],
             "msgspec": msgspec.__version__,
             "pyzmq": zmq.__version__,
@@ -794,17 +956,22 @@ def main() -> int:
         "NixlAgentMetadata_fields": fields,
         "NixlAgentMetadata_field_order": field_names,
         "NixlHandshakePayload_fields": field_table(M.NixlHandshakePayload),
-        "constants": {"GET_META_MSG": M.GET_META_MSG.decode(), "PUSH_REG_NOTIF_PREFIX": M.PUSH_REG_NOTIF_PREFIX.decode()},
+        "constants": {
+            "GET_META_MSG": M.GET_META_MSG.decode(),
+            "PUSH_REG_NOTIF_PREFIX": M.PUSH_REG_NOTIF_PREFIX.decode(),
+        },
         "pp_indices_26_layers_pp2": [list(get_pp_indices(26, r, 2)) for r in range(2)],
         "skipped_cases": skipped,
         "problems": problems,
         "files": w.entries,
-        "extra_files": sorted(w.extra) + ["manifest.json"],
+        "extra_files": [*sorted(w.extra), "manifest.json"],
         "extra_sha256": {n: sha((out / n).read_bytes()) for n in sorted(w.extra)},
     }
     w.write_json("manifest.json", manifest, extra=False)
-    print(f"golden.py: vllm {version} (connector v{M.NIXL_CONNECTOR_VERSION}) -> {out}: {len(w.entries)} vectors,"
-          f" {len(hcases)} hash cases, {len(problems)} problems, {time.perf_counter() - t_start:.1f}s")
+    print(
+        f"golden.py: vllm {version} (connector v{M.NIXL_CONNECTOR_VERSION}) -> {out}: {len(w.entries)} vectors,"
+        f" {len(hcases)} hash cases, {len(problems)} problems, {time.perf_counter() - t_start:.1f}s"
+    )
     for p in problems:
         print("  problem:", p)
     return 0
@@ -815,28 +982,43 @@ def side_channel_behaviour(made: list[dict[str, Any]], enc) -> dict[str, Any]:
     res: dict[str, Any] = {"kind": "side_channel_behavior", "vllm_version": vllm.__version__}
     m = made[0]
     eng = m["case"]["values"]["engine_id"]
-    s = serve_payloads({(0, 0): m["payload"], (1, 0): m["payload"], (0, 1): m["payload"], (1, 1): m["payload"]})
+    s = serve_payloads(
+        {(0, 0): m["payload"], (1, 0): m["payload"], (0, 1): m["payload"], (1, 1): m["payload"]}
+    )
     port = s.side_channel_port
     try:
         # str instead of bin for the tag: only a warning, still answered
         r = req_rep(port, [msgspec.msgpack.encode(("get_meta_msg", 0, 0))])
         res["str_tag_request"] = {"answered": r is not None and len(r) == 2}
         # a list instead of a tuple: identical bytes
-        res["list_vs_tuple_request_identical"] = (msgspec.msgpack.encode([M.GET_META_MSG, 1, 1])
-                                                  == msgspec.msgpack.encode((M.GET_META_MSG, 1, 1)))
+        res["list_vs_tuple_request_identical"] = msgspec.msgpack.encode(
+            [M.GET_META_MSG, 1, 1]
+        ) == msgspec.msgpack.encode((M.GET_META_MSG, 1, 1))
+
         # client: hash mismatch, disabled check, engine id mismatch, TP/PP sweep
         def client(**kw):
-            w = peer.handshake_worker(kw.pop("hash_", m["payload"].compatibility_hash),
-                                      enforce_compat_hash=kw.pop("enforce", True),
-                                      tp_rank=kw.pop("tp_rank", 0), tp_size=kw.pop("tp_size", 1))
+            w = peer.handshake_worker(
+                kw.pop("hash_", m["payload"].compatibility_hash),
+                enforce_compat_hash=kw.pop("enforce", True),
+                tp_rank=kw.pop("tp_rank", 0),
+                tp_size=kw.pop("tp_size", 1),
+            )
             try:
-                agents, off = w._nixl_handshake("127.0.0.1", port, kw.pop("remote_tp", 1), kw.pop("engine", eng),
-                                                remote_pp_size=kw.pop("remote_pp", 1),
-                                                notif_agents_only=kw.pop("notif", False))
-                return {"ok": True, "agents": {f"{k[0]},{k[1]}": v for k, v in agents.items()},
-                        "full_add_calls": [[x[1], x[2], x[3]] for x in getattr(w, "added_full", [])],
-                        "notif_only_adds": len(w.nixl_wrapper.added)}
-            except Exception as e:  # noqa: BLE001
+                agents, _off = w._nixl_handshake(
+                    "127.0.0.1",
+                    port,
+                    kw.pop("remote_tp", 1),
+                    kw.pop("engine", eng),
+                    remote_pp_size=kw.pop("remote_pp", 1),
+                    notif_agents_only=kw.pop("notif", False),
+                )
+                return {
+                    "ok": True,
+                    "agents": {f"{k[0]},{k[1]}": v for k, v in agents.items()},
+                    "full_add_calls": [[x[1], x[2], x[3]] for x in getattr(w, "added_full", [])],
+                    "notif_only_adds": len(w.nixl_wrapper.added),
+                }
+            except Exception as e:
                 return {"ok": False, "error": f"{type(e).__name__}: {str(e)[:200]}"}
 
         res["client_hash_mismatch"] = client(hash_=("f" * 64))
@@ -844,7 +1026,9 @@ def side_channel_behaviour(made: list[dict[str, Any]], enc) -> dict[str, Any]:
         res["client_engine_id_mismatch"] = client(engine="someone-else")
         res["client_pp2_tp2_from_tp1"] = client(remote_tp=2, remote_pp=2)
         res["client_pp2_tp2_from_tp1_notif_only"] = client(remote_tp=2, remote_pp=2, notif=True)
-        res["client_tp1_remote_from_local_rank1_of_2"] = client(tp_rank=1, tp_size=2, remote_tp=1, remote_pp=2)
+        res["client_tp1_remote_from_local_rank1_of_2"] = client(
+            tp_rank=1, tp_size=2, remote_tp=1, remote_pp=2
+        )
         # garbage payload
     finally:
         s.shutdown()
@@ -854,7 +1038,7 @@ def side_channel_behaviour(made: list[dict[str, Any]], enc) -> dict[str, Any]:
         try:
             w._nixl_handshake("127.0.0.1", g.side_channel_port, 1, eng)
             res["client_bad_agent_metadata"] = {"ok": True}
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             res["client_bad_agent_metadata"] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:200]}"}
         # unknown (pp, tp): KeyError in the listener thread, which then ends
         thread_errors: list[str] = []
@@ -865,10 +1049,13 @@ def side_channel_behaviour(made: list[dict[str, Any]], enc) -> dict[str, Any]:
         alive = g._nixl_handshake_listener_t.is_alive()
         r2 = req_rep(g.side_channel_port, [msgspec.msgpack.encode((M.GET_META_MSG, 0, 0))], timeout_ms=1500)
         threading.excepthook = old_hook
-        res["unknown_rank_request"] = {"request": "(b'get_meta_msg', 3, 7) to a listener serving only (0, 0)",
-                                       "answered": r is not None, "listener_thread_exception": thread_errors,
-                                       "listener_thread_alive_after": alive,
-                                       "later_valid_request_answered": r2 is not None}
+        res["unknown_rank_request"] = {
+            "request": "(b'get_meta_msg', 3, 7) to a listener serving only (0, 0)",
+            "answered": r is not None,
+            "listener_thread_exception": thread_errors,
+            "listener_thread_alive_after": alive,
+            "later_valid_request_answered": r2 is not None,
+        }
     finally:
         g._stop_event.set()
         g._nixl_handshake_listener_t.join(timeout=3)
@@ -902,10 +1089,30 @@ def notifications(w: Writer, version: str) -> list[str]:
     reg = None
     try:
         reg = registration_from_scheduler()
-    except Exception as e:  # noqa: BLE001
-        problems.append(f"PUSH_REG registration from NixlPushConnectorScheduler failed: {type(e).__name__}: {e}")
+    except Exception as e:
+        problems.append(
+            f"PUSH_REG registration from NixlPushConnectorScheduler failed: {type(e).__name__}: {e}"
+        )
     if reg is not None:
-        rid, reg_data, params_after, matched = reg
+        rid, reg_data, params_after, matched, prefill = reg
+        w.write_json(
+            "kv_transfer_params_push.json",
+            {
+                "kind": "kv_transfer_params",
+                "vllm_version": version,
+                "note": "From the release's NixlPushConnectorScheduler: the prefill (kv_producer, PP2 TP2, Gemma-3-1B-like"
+                " 2 KV groups) request_finished(request FINISHED_LENGTH_CAPPED, per-group block ids) return value"
+                " (delay_free_blocks, kv_transfer_params for the response), the decode request's params built"
+                " from it, and what the decoder's update_state_after_alloc leaves in them.",
+                "prefill_request_kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
+                "prefill_request_finished": plain(prefill["request_finished_returned"]),
+                "decode_request_kv_transfer_params": prefill["decode_request_kv_transfer_params"],
+                "decode_get_num_new_matched_tokens": list(matched),
+                "decode_kv_transfer_params_after_update_state_after_alloc": plain(params_after),
+                "decode_registration": plain(reg_data),
+                "decode_blocks_per_sw": prefill["blocks_per_sw"],
+            },
+        )
         pw = push_worker(reg_data["remote_engine_id"], {(0, 0): "p-agent-pp0-tp0", (1, 0): "p-agent-pp1-tp0"})
         pw._do_send_reg_notif(rid, reg_data)
         sent = pw.nixl_wrapper.sent
@@ -913,102 +1120,163 @@ def notifications(w: Writer, version: str) -> list[str]:
         body = sent[0][1]
         pre = M.PUSH_REG_NOTIF_PREFIX
         assert body.startswith(pre)
-        w.vector("push_reg_notif.bin", body, "push_reg_notif", {
-            "note": "D worker -> every handshaken P worker agent ((pp_rank, tp_rank) of the prefill) via NIXL"
-                    " send_notif: PUSH_REG_NOTIF_PREFIX + msgspec.msgpack.encode(registration dict). The dict is the"
-                    " one the release's NixlPushConnectorScheduler.update_state_after_alloc built for a decode"
-                    " request (Gemma-3-1B-like, 2 KV groups, SWA clipping); bytes from the release's"
-                    " NixlPushConnectorWorker._do_send_reg_notif into a recording send_notif.",
-            "encoding": f"{len(pre)} ASCII bytes {pre.decode()!r} then one msgpack map (untyped dict, insertion order)",
-            "prefix_hex": pre.hex(),
-            "sent_to_agents": [a for a, _ in sent],
-            "decoded": plain(msgspec.msgpack.decode(body[len(pre):])),
-            "kv_transfer_params_after_update_state_after_alloc": plain(params_after),
-            "get_num_new_matched_tokens": list(matched),
-            "source": {"vllm_version": version,
-                       "files": [f"{NIXL_DIR}/push_scheduler.py (update_state_after_alloc)",
-                                 f"{NIXL_DIR}/push_worker.py (_do_send_reg_notif)"]},
-        })
+        w.vector(
+            "push_reg_notif.bin",
+            body,
+            "push_reg_notif",
+            {
+                "note": "D worker -> every handshaken P worker agent ((pp_rank, tp_rank) of the prefill) via NIXL"
+                " send_notif: PUSH_REG_NOTIF_PREFIX + msgspec.msgpack.encode(registration dict). The dict is the"
+                " one the release's NixlPushConnectorScheduler.update_state_after_alloc built for a decode"
+                " request (Gemma-3-1B-like, 2 KV groups, SWA clipping); bytes from the release's"
+                " NixlPushConnectorWorker._do_send_reg_notif into a recording send_notif.",
+                "encoding": f"{len(pre)} ASCII bytes {pre.decode()!r} then one msgpack map (untyped dict, insertion order)",
+                "prefix_hex": pre.hex(),
+                "sent_to_agents": [a for a, _ in sent],
+                "decoded": plain(msgspec.msgpack.decode(body[len(pre) :])),
+                "kv_transfer_params_after_update_state_after_alloc": plain(params_after),
+                "get_num_new_matched_tokens": list(matched),
+                "source": {
+                    "vllm_version": version,
+                    "files": [
+                        f"{NIXL_DIR}/push_scheduler.py (update_state_after_alloc)",
+                        f"{NIXL_DIR}/push_worker.py (_do_send_reg_notif)",
+                    ],
+                },
+            },
+        )
 
     # heartbeat from the real _send_heartbeats
     try:
         pw = push_worker("prefill-7f3c2a", {(0, 0): "p-agent-pp0-tp0", (1, 0): "p-agent-pp1-tp0"})
         meta = M.NixlConnectorMetadata()
-        meta.heartbeat_by_engine = {"prefill-7f3c2a": M.HeartbeatInfo(
-            req_ids={"cmpl-hb-1-0-1a2b3c4d", "chatcmpl-hb-2-0-5e6f7a8b"}, host="10.0.0.5", port=5600, tp_size=2,
-            pp_size=2)}
+        meta.heartbeat_by_engine = {
+            "prefill-7f3c2a": M.HeartbeatInfo(
+                req_ids={"cmpl-hb-1-0-1a2b3c4d", "chatcmpl-hb-2-0-5e6f7a8b"},
+                host="10.0.0.5",
+                port=5600,
+                tp_size=2,
+                pp_size=2,
+            )
+        }
         pw._send_heartbeats(meta)
         sent = pw.nixl_wrapper.sent
         body = sent[0][1]
-        w.vector("heartbeat_notif.bin", body, "heartbeat_notif", {
-            "note": "D worker -> every P agent of the engine: b'HB:' + ','.join(P request ids) (a set: order is"
-                    " Python's set order, fixed here by PYTHONHASHSEED=0). Made by the release's"
-                    " NixlBaseConnectorWorker._send_heartbeats into a recording send_notif.",
-            "encoding": "UTF-8 text",
-            "sent_to_agents": [a for a, _ in sent],
-            "decoded": {"req_ids": body[3:].decode().split(",")},
-            "source": {"vllm_version": version, "file": f"{NIXL_DIR}/base_worker.py (_send_heartbeats)"},
-        })
-    except Exception as e:  # noqa: BLE001
+        w.vector(
+            "heartbeat_notif.bin",
+            body,
+            "heartbeat_notif",
+            {
+                "note": "D worker -> every P agent of the engine: b'HB:' + ','.join(P request ids) (a set: order is"
+                " Python's set order, fixed here by PYTHONHASHSEED=0). Made by the release's"
+                " NixlBaseConnectorWorker._send_heartbeats into a recording send_notif.",
+                "encoding": "UTF-8 text",
+                "sent_to_agents": [a for a, _ in sent],
+                "decoded": {"req_ids": body[3:].decode().split(",")},
+                "source": {"vllm_version": version, "file": f"{NIXL_DIR}/base_worker.py (_send_heartbeats)"},
+            },
+        )
+    except Exception as e:
         problems.append(f"heartbeat: {type(e).__name__}: {e}")
 
     # push completion notif: inline f-string inside the WRITE path
-    line = source_line(f"{NIXL_DIR}/push_worker.py", 'notif_id = f"{remote_request_id}:{self.world_size}".encode()')
+    line = source_line(
+        f"{NIXL_DIR}/push_worker.py", 'notif_id = f"{remote_request_id}:{self.world_size}".encode()'
+    )
     if line is None:
         problems.append("push completion notif line not found in push_worker.py")
     else:
         remote_request_id, world_size = "chatcmpl-d41d8cd98f00-0-5b7e9a1c", 4
         body = f"{remote_request_id}:{world_size}".encode()
-        w.vector("completion_notif_push.bin", body, "completion_notif", {
-            "note": "Push mode, attached by each P worker to its WRITE (make_prepped_xfer notif_msg): "
-                    "'<D request id>:<P TP world size>'. D parses msg.rsplit(':', 1) and finishes the request"
-                    " after pp_size * max(1, P_tp // D_tp) of them. The f-string below is the release's own line,"
-                    " evaluated here (it sits inside the WRITE path, which needs NIXL).",
-            "encoding": "UTF-8 text",
-            "source_line": line,
-            "parse_line": source_line(f"{NIXL_DIR}/push_worker.py", 'req_id, tp_size = msg.rsplit(":", 1)'),
-            "expected_notifs_line": source_line(f"{NIXL_DIR}/push_worker.py", "expected_notifs = meta.pp_size *"),
-            "decoded": {"request_id": remote_request_id, "tp_size": world_size},
-        })
+        w.vector(
+            "completion_notif_push.bin",
+            body,
+            "completion_notif",
+            {
+                "note": "Push mode, attached by each P worker to its WRITE (make_prepped_xfer notif_msg): "
+                "'<D request id>:<P TP world size>'. D parses msg.rsplit(':', 1) and finishes the request"
+                " after pp_size * max(1, P_tp // D_tp) of them. The f-string below is the release's own line,"
+                " evaluated here (it sits inside the WRITE path, which needs NIXL).",
+                "encoding": "UTF-8 text",
+                "source_line": line,
+                "parse_line": source_line(
+                    f"{NIXL_DIR}/push_worker.py", 'req_id, tp_size = msg.rsplit(":", 1)'
+                ),
+                "expected_notifs_line": source_line(
+                    f"{NIXL_DIR}/push_worker.py", "expected_notifs = meta.pp_size *"
+                ),
+                "decoded": {"request_id": remote_request_id, "tp_size": world_size},
+            },
+        )
     return problems
 
 
 def registration_from_scheduler():
-    """Run the release's NixlPushConnectorScheduler (D side) on a VllmConfig built from an argv."""
-    import torch
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import NixlPushConnectorScheduler
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.kv_cache_utils import KVCacheBlock
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        SlidingWindowSpec,
-    )
-    from vllm.v1.request import Request
+    """Run the release's NixlPushConnectorScheduler on VllmConfigs built from argvs: the P side's
+    request_finished (what the prefill's response carries) and the D side's get_num_new_matched_tokens +
+    update_state_after_alloc (the PUSH_REG registration dict)."""
+    from vllm.v1.request import RequestStatus
 
-    cfg = peer.build_vllm_config(["--model", "google/gemma-3-1b-it", "--tensor-parallel-size", "2",
-                                  "--block-size", "16", "--kv-transfer-config", kvt("kv_consumer", "decode-1b9e44")])
-    full = [L(i) for i in range(26) if (i + 1) % 6 == 0]
-    swa = [L(i) for i in range(26) if (i + 1) % 6 != 0]
-    fs = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=256, dtype=torch.bfloat16)
-    ss = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=256, dtype=torch.bfloat16, sliding_window=512)
-    kcc = KVCacheConfig(num_blocks=1000, kv_cache_tensors=[],
-                        kv_cache_groups=[KVCacheGroupSpec(full, fs), KVCacheGroupSpec(swa, ss)])
-    sched = NixlPushConnectorScheduler(cfg, "decode-1b9e44", kcc)
-    sched.side_channel_host, sched.side_channel_port = "10.0.1.23", 5600  # as VLLM_NIXL_SIDE_CHANNEL_* would
-    rid = "chatcmpl-d41d8cd98f00-0-5b7e9a1c"
-    req = Request(rid, list(range(600)), SamplingParams(max_tokens=16), None)
-    req.kv_transfer_params = {"do_remote_prefill": True, "do_remote_decode": False,
-                              "remote_engine_id": "prefill-7f3c2a", "remote_host": "10.0.0.5", "remote_port": 5600,
-                              "tp_size": 2, "pp_size": 2, "remote_request_id": "chatcmpl-d41d8cd98f00-0-9c0d1e2f"}
-    matched = sched.get_num_new_matched_tokens(req, 0)
+    pcfg = peer.build_vllm_config(
+        [
+            "--model",
+            "google/gemma-3-1b-it",
+            "--tensor-parallel-size",
+            "2",
+            "--pipeline-parallel-size",
+            "2",
+            "--block-size",
+            "16",
+            "--kv-transfer-config",
+            kvt("kv_producer", "prefill-7f3c2a"),
+        ]
+    )
+    psched = peer.push_scheduler(pcfg, host="10.0.0.5", port=5600)
+    prid = "chatcmpl-d41d8cd98f00-0-9c0d1e2f"
+    preq = peer.make_request(prid, 600, {"do_remote_decode": True, "do_remote_prefill": False})
+    preq.num_computed_tokens = 600
+    preq.status = RequestStatus.FINISHED_LENGTH_CAPPED
     nb = -(-600 // 16)
-    blocks = KVCacheBlocks(([KVCacheBlock(100 + i) for i in range(nb)], [KVCacheBlock(500 + i) for i in range(nb)]))
+    delay, p_params = psched.request_finished(preq, (list(range(1, nb + 1)), list(range(201, 201 + nb))))
+
+    cfg = peer.build_vllm_config(
+        [
+            "--model",
+            "google/gemma-3-1b-it",
+            "--tensor-parallel-size",
+            "2",
+            "--block-size",
+            "16",
+            "--kv-transfer-config",
+            kvt("kv_consumer", "decode-1b9e44"),
+        ]
+    )
+    sched = peer.push_scheduler(cfg, host="10.0.1.23", port=5600)
+    rid = "chatcmpl-d41d8cd98f00-0-5b7e9a1c"
+    decode_params = {
+        k: p_params[k]
+        for k in (
+            "do_remote_prefill",
+            "do_remote_decode",
+            "remote_engine_id",
+            "remote_host",
+            "remote_port",
+            "tp_size",
+            "pp_size",
+            "remote_request_id",
+        )
+    }
+    req = peer.make_request(rid, 600, decode_params, max_tokens=16)
+    matched = sched.get_num_new_matched_tokens(req, 0)
+    blocks = peer.make_blocks(list(range(100, 100 + nb)), list(range(500, 500 + nb)))
     sched.update_state_after_alloc(req, blocks, matched[0])
     reg = sched._push_pending_registrations[rid]
-    return rid, reg, dict(req.kv_transfer_params), matched
+    prefill = {
+        "request_finished_returned": [delay, p_params],
+        "decode_request_kv_transfer_params": decode_params,
+        "blocks_per_sw": sched.blocks_per_sw,
+    }
+    return rid, reg, dict(req.kv_transfer_params), matched, prefill
 
 
 if __name__ == "__main__":

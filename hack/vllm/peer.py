@@ -17,8 +17,9 @@ import json
 import os
 import shlex
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -58,9 +59,7 @@ MODEL_CONFIGS: dict[str, dict[str, Any]] = {
         "rope_theta": 1000000,
         "sliding_window": 512,
         "sliding_window_pattern": 6,
-        "layer_types": [
-            "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)
-        ],
+        "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)],
         "torch_dtype": "bfloat16",
         "use_cache": True,
         "vocab_size": 262144,
@@ -152,7 +151,9 @@ MODEL_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def write_hf_cache(repo_id: str, config: dict[str, Any] | None = None, hub_cache: str | os.PathLike | None = None) -> Path:
+def write_hf_cache(
+    repo_id: str, config: dict[str, Any] | None = None, hub_cache: str | os.PathLike | None = None
+) -> Path:
     """Write HF_HOME/hub/models--ORG--NAME/{refs/main,snapshots/<rev>/config.json}; return the snapshot dir.
     hub_cache defaults to the one huggingface_hub uses (HF_HOME/hub as it was when it was imported)."""
     if hub_cache is None:
@@ -227,7 +228,9 @@ def captured_hash_factors() -> Iterator[list[dict[str, Any]]]:
         cu.hash_factors = real
 
 
-def compat_hash(vllm_config, attn_backend_name: str = "FLASH_ATTN", transfer_mode: str = "push") -> tuple[str, dict]:
+def compat_hash(
+    vllm_config, attn_backend_name: str = "FLASH_ATTN", transfer_mode: str = "push"
+) -> tuple[str, dict]:
     """vLLM's compute_nixl_compatibility_hash plus the factor dict it hashed.
 
     The worker calls it in register_kv_caches as
@@ -343,3 +346,72 @@ def known_env_names() -> set[str]:
     import vllm.envs as envs
 
     return set(envs.environment_variables)
+
+
+# --- the connector's scheduler side (P request_finished, D update_state_after_alloc) -----------------------
+
+
+def gemma_kv_cache_config(num_blocks: int = 1000, layers: range = range(26), block_size: int = 16):
+    """A KVCacheConfig like vLLM's for a Gemma-3-1B-like model: group 0 = full-attention layers (every 6th),
+    group 1 = sliding-window (512) layers. No tensors (the scheduler side never touches memory)."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+
+    name = "model.layers.{}.self_attn.attn".format
+    full = [name(i) for i in layers if (i + 1) % 6 == 0]
+    swa = [name(i) for i in layers if (i + 1) % 6 != 0]
+    fs = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=256, dtype=torch.bfloat16)
+    ss = SlidingWindowSpec(
+        block_size=block_size, num_kv_heads=1, head_size=256, dtype=torch.bfloat16, sliding_window=512
+    )
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(full, fs), KVCacheGroupSpec(swa, ss)],
+    )
+
+
+def push_scheduler(
+    vllm_config,
+    engine_id: str | None = None,
+    kv_cache_config=None,
+    *,
+    host: str | None = None,
+    port: int | None = None,
+):
+    """vLLM's real NixlPushConnectorScheduler (what NixlPushConnector(role=SCHEDULER) delegates to). host/port
+    override what it read from VLLM_NIXL_SIDE_CHANNEL_HOST/PORT (+ data_parallel_index)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import NixlPushConnectorScheduler
+
+    engine_id = engine_id or vllm_config.kv_transfer_config.engine_id
+    s = NixlPushConnectorScheduler(vllm_config, engine_id, kv_cache_config or gemma_kv_cache_config())
+    if host is not None:
+        s.side_channel_host = host
+    if port is not None:
+        s.side_channel_port = port
+    return s
+
+
+def make_request(
+    request_id: str, num_prompt_tokens: int, kv_transfer_params: dict[str, Any], max_tokens: int = 1
+):
+    """A vllm.v1.request.Request with prompt token ids 0..n-1 and the given kv_transfer_params."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    r = Request(request_id, list(range(num_prompt_tokens)), SamplingParams(max_tokens=max_tokens), None)
+    r.kv_transfer_params = dict(kv_transfer_params)
+    return r
+
+
+def make_blocks(*groups: list[int]):
+    """KVCacheBlocks (one list of fresh, unhashed blocks per KV-cache group) as the KV cache manager returns."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    return KVCacheBlocks(tuple([KVCacheBlock(i) for i in g] for g in groups))
