@@ -134,6 +134,12 @@ SPEC_RULES: Final[tuple[CelRule, ...]] = (
         "models with Mamba layers need prefill.pipelineParallelSize 1",
     ),
     CelRule(
+        "MambaStateNotSupported",
+        f"self.kvTransfer.connector == 'Pull' || !({_MAMBA})",
+        "models with Mamba layers need kvTransfer.connector Pull: the push transfer sidecar moves attention KV "
+        "only",
+    ),
+    CelRule(
         "BlockSizeMismatch",
         "self.prefill.blockSize == self.decode.blockSize || (self.kvTransfer.connector == 'Pull' && "
         f"!{_HMA} && self.prefill.blockSize < self.decode.blockSize && "

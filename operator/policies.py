@@ -20,11 +20,16 @@ from typing import Any, Final
 
 from disagg.operator.api import ROLES, DisaggDeploymentSpec, KVCacheLayout, Role, RoleSpec
 from disagg.operator.builders import WORKER_IMAGE_ENV, Installation
-from disagg.operator.builders_engine import arg_violations
+from disagg.operator.builders_engine import arg_violations, user_args
 from disagg.operator.plan import model_geometry
 from disagg.worker.kv.errors import LayoutError, Violation
 from disagg.worker.kv.layout import ModelGeometry
-from disagg.worker.kv.rules import RoleTopology, check_topology
+from disagg.worker.kv.rules import (
+    RoleTopology,
+    check_topology,
+    mamba_state_not_transferred,
+    prefill_context_parallel,
+)
 from disagg.worker.kv.wire import differing_factors
 
 # Where each factor comes from in the spec, so a mismatch names the field to change.
@@ -105,6 +110,15 @@ def worker_topology_rules(given: PolicyInput) -> Sequence[Violation]:
     )
 
 
+def transfer_sidecar_moves_the_model(given: PolicyInput) -> Sequence[Violation]:
+    """The push transfer sidecar moves attention KV pages only: a Mamba hybrid is refused before any pod."""
+    geometry = given.geometry
+    if geometry is None:
+        return []
+    violation = mamba_state_not_transferred(given.spec.kv_transfer.connector.transfer_mode, geometry.has_mamba)
+    return [] if violation is None else [violation]
+
+
 def kv_heads_divide_over_tp(given: PolicyInput) -> Sequence[Violation]:
     geometry = given.geometry
     if geometry is None:
@@ -131,6 +145,13 @@ def engine_arguments_agree(given: PolicyInput) -> Sequence[Violation]:
     return arg_violations(given.spec)
 
 
+def prefill_context_is_not_split(given: PolicyInput) -> Sequence[Violation]:
+    """A prefill engine started with prefill context parallelism (`--prefill-context-parallel-size`)."""
+    size = flag_value(user_args(given.spec, "prefill"), PCP_FLAGS)
+    violation = prefill_context_parallel(int(size)) if size is not None and size.isdigit() else None
+    return [] if violation is None else [violation]
+
+
 def worker_image_is_named(given: PolicyInput) -> Sequence[Violation]:
     return worker_image_violations(given.spec, given.installation)
 
@@ -138,6 +159,7 @@ def worker_image_is_named(given: PolicyInput) -> Sequence[Violation]:
 COMPATIBILITY_CHAIN: Final[tuple[Policy, ...]] = (
     model_geometry_is_valid,
     worker_topology_rules,
+    transfer_sidecar_moves_the_model,
     kv_heads_divide_over_tp,
     handshake_factors_match,
     kv_pool_is_valid,
@@ -147,12 +169,30 @@ COMPATIBILITY_CHAIN: Final[tuple[Policy, ...]] = (
 REFUSAL_CHAIN: Final[tuple[Policy, ...]] = (
     *COMPATIBILITY_CHAIN,
     engine_arguments_agree,
+    prefill_context_is_not_split,
     worker_image_is_named,
 )
 """Everything the operator refuses a spec for: reconcile, the webhook, `disagg check` and `disagg plan`."""
 
 
 # ---- the rules the policies apply ----------------------------------------------------------------------
+
+PCP_FLAGS: Final = ("--prefill-context-parallel-size", "-pcp")
+
+
+def flag_value(args: Sequence[str], spellings: Sequence[str]) -> str | None:
+    """The last value an engine argument list gives one flag (`--flag value` or `--flag=value`), if any."""
+    found: str | None = None
+    for index, token in enumerate(args):
+        flag, has_inline, inline = token.partition("=")
+        if flag.replace("_", "-") not in spellings:
+            continue
+        if has_inline:
+            found = inline
+        elif index + 1 < len(args):
+            found = args[index + 1]
+    return found
+
 
 
 def factor_mismatch(prefill: Mapping[str, Any], decode: Mapping[str, Any]) -> Violation | None:

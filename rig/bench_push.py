@@ -231,7 +231,8 @@ def run(shape: Shape, repeats: int, handshakes: int, pool_dir: str) -> int:
             src_layout, transport, src.addr, src.nbytes, _config(shape, PREFILL_ENGINE, 0), layer_routing=True
         )
         [peer] = handshake(HOST, port, [(0, 0)], expected_hash=COMPAT_HASH, expected_engine_id=DECODE_ENGINE)
-        plan, descs = plan_decode_rank(local, peer.metadata, 1)
+        write = plan_decode_rank(local, peer.metadata, 1, peer.tp_rank)
+        plan, descs = write.plan, write.remote_descs
         peer_name = transport.add_peer(peer.metadata.agent_metadata)
         remote = transport.prep(peer_name, descs)
         dst = ShmPool(dst_path)
@@ -366,7 +367,7 @@ def _handshake_latencies(shape: Shape, port: int, runs: int) -> list[float]:
                 [peer] = handshake(
                     HOST, port, [(0, 0)], expected_hash=COMPAT_HASH, expected_engine_id=DECODE_ENGINE
                 )
-                _, descs = plan_decode_rank(local, peer.metadata, 1)
+                descs = plan_decode_rank(local, peer.metadata, 1, peer.tp_rank).remote_descs
                 name = local.transport.add_peer(peer.metadata.agent_metadata)
                 added.append((local.transport, name, local.transport.prep(name, descs)))
             latencies.append(time.perf_counter() - start)

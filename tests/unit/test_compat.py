@@ -20,7 +20,11 @@ BROKEN: dict[str, tuple[dict[str, Any], list[str]]] = {
     "pull-hma-pp": ({"kvTransfer": {"connector": "Pull"}}, ["PullConnectorWithHybridPP"]),
     "mamba-pp": (
         {"model": {"layerPattern": {"fullEvery": 8, "otherKind": "Mamba"}}},
-        ["MambaUnderPipelineParallel"],
+        ["MambaUnderPipelineParallel", "MambaStateNotSupported"],
+    ),
+    "mamba-push-without-pp": (
+        {"model": {"layerPattern": {"fullEvery": 8, "otherKind": "Mamba"}}, "prefill": {"pipelineParallelSize": 1}},
+        ["MambaStateNotSupported"],
     ),
     "block-size": ({"decode": {"blockSize": 16}}, ["BlockSizeMismatch"]),
     "decode-tp-above-prefill": ({"decode": {"tensorParallelSize": 4}}, ["DecodeTPExceedsPrefillTP"]),
@@ -63,7 +67,10 @@ KEPT: dict[str, dict[str, Any]] = {
         "kvTransfer": {"connector": "Pull"},
         "engine": {"hybridKvCacheManager": "Disabled"},
     },
+    # The push transfer sidecar moves attention pages only (MambaStateNotSupported); vLLM's pull connector
+    # moves Mamba state itself.
     "mamba-without-pp": {
+        "kvTransfer": {"connector": "Pull"},
         "model": {"layerPattern": {"fullEvery": 8, "otherKind": "Mamba"}},
         "prefill": {"pipelineParallelSize": 1},
     },
@@ -210,7 +217,7 @@ EXPECTED_EXAMPLES = {
     "bad-pull-hma-pp.yaml": ["PullConnectorWithHybridPP"],
     "bad-block-size.yaml": ["BlockSizeMismatch"],
     "bad-tp-not-divisible.yaml": ["TensorParallelNotDivisible", "KVHeadsNotDivisible"],
-    "bad-mamba-pp.yaml": ["MambaUnderPipelineParallel"],
+    "bad-mamba-pp.yaml": ["MambaUnderPipelineParallel", "MambaStateNotSupported"],
     "bad-layer-partition.yaml": ["InvalidLayerPartition"],
     "bad-version-mismatch.yaml": ["CompatibilityHashMismatch"],
 }

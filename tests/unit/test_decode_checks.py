@@ -13,10 +13,17 @@ import dataclasses
 import pytest
 
 from disagg.worker.kv import rules
-from disagg.worker.kv.decode_checks import LocalRegion, PrefillRank, check_decode_rank
+from disagg.worker.kv.decode_checks import (
+    LocalRegion,
+    PrefillRank,
+    check_agent,
+    check_decode_agent,
+    check_decode_rank,
+)
 from disagg.worker.kv.errors import DisaggError
 from disagg.worker.kv.layout import AttentionKind, ModelGeometry, StageLayout, build_stage_layout
 from disagg.worker.kv.routing import RegionGeometry, TransferLayers
+from disagg.worker.kv.wire import NixlAgentMetadata
 
 GEMMA_30 = ModelGeometry.with_full_every(30, 6, num_kv_heads=8, head_size=128, dtype_bytes=2)
 DENSE_8 = ModelGeometry.with_full_every(8, 1, num_kv_heads=8, head_size=128, dtype_bytes=2)
@@ -232,3 +239,115 @@ def test_a_replicated_region_refuses_a_head_split_length() -> None:
     error = refusal(rank, halved, 2)
     assert error.reason == "RegionGeometryMismatch"
     assert f"needs {rank.regions[0].block_len} with stride >= length" in error.message
+
+
+# ---- what the peer's metadata says beyond its regions (check_decode_agent) -------------------------------
+
+
+def agent(meta: RegionGeometry, **changes: object) -> NixlAgentMetadata:
+    """`meta` as a worker advertises it on the wire, with `changes` to the non-region fields."""
+    fields: dict[str, object] = {
+        "engine_id": "decode",
+        "agent_metadata": b"agent",
+        "kv_caches_base_addr": meta.kv_caches_base_addr,
+        "device_id": meta.device_id,
+        "num_blocks": meta.num_blocks,
+        "block_lens": meta.block_lens,
+        "block_strides": meta.block_strides,
+        "kv_cache_layout": "LBHNC",
+        "block_size": meta.block_size,
+        "ssm_sizes": (0, 0),
+        "attn_backend_name": "FLASH_ATTN",
+        "physical_blocks_per_logical_kv_block": meta.physical_blocks_per_logical_kv_block,
+        "region_num_blocks": meta.region_num_blocks,
+        "region_group_ids": meta.region_group_ids,
+        "region_names": meta.region_names,
+        "region_mem_types": meta.region_mem_types,
+        "region_members": meta.region_members,
+        **changes,
+    }
+    return NixlAgentMetadata(**fields)  # type: ignore[arg-type]
+
+
+def agent_refusal(rank: PrefillRank, remote: NixlAgentMetadata, remote_tp: int = 1) -> DisaggError:
+    with pytest.raises(DisaggError) as caught:
+        check_decode_agent(rank, remote, remote_tp)
+    return caught.value
+
+
+def test_the_same_layout_under_its_old_name_is_accepted() -> None:
+    _, rank = prefill(DENSE_8)
+    _, remote = decoder(DENSE_8)
+    aligned, _ = check_decode_agent(rank, agent(remote, kv_cache_layout="HND"), 1)
+    assert aligned.block_lens == remote.block_lens
+
+
+@pytest.mark.parametrize("layout", ["NHD", "LBNHC"])
+def test_a_decoder_with_tokens_outside_heads_is_refused(layout: str) -> None:
+    _, rank = prefill(DENSE_8)
+    _, remote = decoder(DENSE_8)
+    error = agent_refusal(rank, agent(remote, kv_cache_layout=layout))
+    assert error.reason == "KVCacheLayoutMismatch"
+    assert f"decode layout is {layout}" in error.message and "does not permute" in error.message
+
+
+def test_an_mla_decoder_may_name_another_layout() -> None:
+    _, rank = prefill(MLA_4)
+    _, remote = decoder(MLA_4)
+    check_decode_agent(rank, agent(remote, kv_cache_layout="NHD"), 1)
+
+
+def test_a_decoder_with_mamba_state_is_refused() -> None:
+    _, rank = prefill(DENSE_8)
+    _, remote = decoder(DENSE_8)
+    error = agent_refusal(rank, agent(remote, ssm_sizes=(4096, 65536)))
+    assert error.reason == "MambaStateNotSupported"
+    assert "Mamba" in error.message
+
+
+def test_a_peer_with_prefill_context_parallelism_is_refused_by_either_side() -> None:
+    _, rank = prefill(DENSE_8)
+    _, remote = decoder(DENSE_8)
+    assert agent_refusal(rank, agent(remote, pcp_size=2)).reason == "PrefillContextParallel"
+    with pytest.raises(DisaggError) as caught:
+        check_agent("LBHNC", False, agent(remote, pcp_size=4))
+    assert caught.value.reason == "PrefillContextParallel"
+    assert "prefill context parallel size is 4" in caught.value.message
+
+
+def test_a_packed_vllm_decoder_row_is_refused_with_its_own_reason() -> None:
+    _, rank = prefill(DENSE_8)
+    _, remote = decoder(DENSE_8)
+    # vLLM's packed layout: one region per row, holding every layer's page of the block.
+    row = sum(remote.block_lens)
+    packed = agent(
+        dataclasses.replace(
+            remote,
+            kv_caches_base_addr=remote.kv_caches_base_addr[:1],
+            block_lens=[row],
+            block_strides=[row],
+            region_num_blocks=remote.region_num_blocks[:1] if remote.region_num_blocks else None,
+            region_group_ids=remote.region_group_ids[:1] if remote.region_group_ids else None,
+            region_names=remote.region_names[:1] if remote.region_names else None,
+            region_mem_types=remote.region_mem_types[:1] if remote.region_mem_types else None,
+            region_members=[],
+        ),
+        kv_cache_layout="BLHNC",
+    )
+    _, own_packed = prefill(DENSE_8)
+    own_packed = dataclasses.replace(own_packed, regions=own_packed.regions[:1], kv_cache_layout="BLHNC")
+    error = agent_refusal(own_packed, packed)
+    assert error.reason == "PackedRowsNotSupported"
+    assert f"packed row of {row} bytes" in error.message
+
+
+def test_a_decoder_with_other_cache_groups_is_refused_when_regions_pair_by_index() -> None:
+    _, rank = prefill(GEMMA_30)
+    assert rank.routed_layers is None  # PP 1: regions pair by index
+    layout, remote = decoder(GEMMA_30)
+    rank = dataclasses.replace(rank, region_group_ids=tuple(layout.region_group_ids))
+    check_decode_agent(rank, agent(remote), 1)
+    regrouped = dataclasses.replace(remote, region_group_ids=list(range(len(remote.block_lens))))
+    error = agent_refusal(rank, agent(regrouped))
+    assert error.reason == "RegionGeometryMismatch"
+    assert "region group ids differ" in error.message and "cache-group layout" in error.message

@@ -15,10 +15,12 @@ def test_the_chain_reads_top_to_bottom() -> None:
     assert [policy.__name__ for policy in REFUSAL_CHAIN] == [
         "model_geometry_is_valid",
         "worker_topology_rules",
+        "transfer_sidecar_moves_the_model",
         "kv_heads_divide_over_tp",
         "handshake_factors_match",
         "kv_pool_is_valid",
         "engine_arguments_agree",
+        "prefill_context_is_not_split",
         "worker_image_is_named",
     ]
     assert REFUSAL_CHAIN[: len(COMPATIBILITY_CHAIN)] == COMPATIBILITY_CHAIN
@@ -40,3 +42,21 @@ def test_the_webhook_refuses_with_the_chains_message() -> None:
     message = refusal(spec_dict(spec(patch)))
     assert message is not None and message.startswith("EngineArgumentConflict: ")
     assert refusal(spec_dict(spec())) is None
+
+
+def test_a_mamba_hybrid_is_refused_for_the_push_sidecar_before_any_pod() -> None:
+    mamba = {"model": {"layerPattern": {"fullEvery": 8, "otherKind": "Mamba"}}, "prefill": {"pipelineParallelSize": 1}}
+    report = evaluate(spec(mamba))
+    assert report.reasons == ["MambaStateNotSupported"]
+    assert "Mamba" in report.violations[0].message and "Pull" in report.violations[0].message
+    assert evaluate(spec({**mamba, "kvTransfer": {"connector": "Pull"}})).reasons == []
+
+
+def test_prefill_context_parallelism_is_refused_before_any_pod() -> None:
+    for args in (["--prefill-context-parallel-size", "2"], ["--prefill_context_parallel_size=4"], ["-pcp", "2"]):
+        patch = {"prefill": {"extraArgs": args}}
+        reasons = evaluate(spec(patch), REFUSAL_CHAIN, Installation(worker_image="w:1")).reasons
+        assert reasons == ["PrefillContextParallel"], args
+    for args in (["--prefill-context-parallel-size", "1"], ["--max-model-len", "2"]):
+        patch = {"engine": {"extraArgs": args}}
+        assert evaluate(spec(patch), REFUSAL_CHAIN, Installation(worker_image="w:1")).reasons == [], args

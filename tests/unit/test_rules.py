@@ -157,3 +157,37 @@ def test_a_pp1_push_peer_advertises_layers_but_keeps_region_routing() -> None:
     assert not rules.requires_layer_name_routing("push", True, False, False, 1)
     assert not rules.tracks_region_layers("push", True, False, True)
     assert not rules.tracks_region_layers("pull", True, False, False)
+
+
+def test_mamba_state_is_not_moved_by_the_push_sidecar() -> None:
+    assert rules.mamba_state_not_transferred("pull", True) is None
+    assert rules.mamba_state_not_transferred("push", False) is None
+    violation = rules.mamba_state_not_transferred("push", True)
+    assert violation is not None and violation.reason == "MambaStateNotSupported"
+    assert "Pull" in violation.message
+
+
+def test_prefill_context_parallel() -> None:
+    assert rules.prefill_context_parallel(1) is None
+    violation = rules.prefill_context_parallel(2)
+    assert violation is not None and violation.reason == "PrefillContextParallel"
+    assert "--prefill-context-parallel-size" in violation.message
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "mla", "refused"),
+    [
+        ("LBHNC", "LBHNC", False, False),
+        ("LBHNC", "HND", False, False),
+        ("LBHNC", "NHD", False, True),
+        ("HND", "LBNHC", False, True),
+        ("LBHNC", "BLHNC", False, True),
+        ("LBHNC", "NHD", True, False),
+    ],
+)
+def test_kv_cache_layouts_must_match(prefill: str, decode: str, mla: bool, refused: bool) -> None:
+    violation = rules.kv_cache_layout_mismatch(prefill, decode, mla)
+    assert (violation is not None) is refused
+    if violation is not None:
+        assert violation.reason == "KVCacheLayoutMismatch"
+        assert "enable_permute_local_kv" in violation.message

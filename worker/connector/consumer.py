@@ -25,6 +25,7 @@ from disagg.worker.connector.push import (
 )
 from disagg.worker.connector.side_channel import PeerHandshake, handshake_targets
 from disagg.worker.connector.transport import PreppedList
+from disagg.worker.kv.decode_checks import check_agent
 from disagg.worker.kv import wire
 from disagg.worker.kv.errors import DisaggError, HandshakeError, RegistrationTimeout
 from disagg.worker.kv.routing import BlockIds, group_arrays
@@ -145,7 +146,10 @@ class PushConsumer(PushSide[_PrefillEngine]):
                         events.failed.append(Failure.of(request_id, error))
 
     def _connect(self, remote: RemoteEngine, peers: Sequence[PeerHandshake], now: float) -> list[str]:
-        """Notification-only peers: the decoder only sends PUSH_REG and heartbeats to prefill workers."""
+        """Notification-only peers: the decoder only sends PUSH_REG and heartbeats to prefill workers; what
+        the prefill metadata says it cannot receive (another KV layout, Mamba state, PCP) is refused first."""
+        for peer in peers:
+            check_agent(self.local.layout.kv_cache_layout, self.config.model.is_mla, peer.metadata)
         agents: list[str] = []
         try:
             for peer in peers:

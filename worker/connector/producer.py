@@ -25,9 +25,9 @@ from disagg.worker.connector.push import (
     find_request,
 )
 from disagg.worker.connector.side_channel import PeerHandshake, handshake_targets
-from disagg.worker.connector.transport import PreppedList, Xfer, XferState, merge_runs
+from disagg.worker.connector.transport import LOCAL_AGENT, PreppedList, Xfer, XferState, merge_runs
 from disagg.worker.kv import wire
-from disagg.worker.kv.decode_checks import LocalRegion, PrefillRank, check_decode_rank
+from disagg.worker.kv.decode_checks import DecodeWrite, LocalRegion, PrefillRank, plan_decode_write
 from disagg.worker.kv.errors import (
     DisaggError,
     HandshakeError,
@@ -41,9 +41,6 @@ from disagg.worker.kv.routing import (
     TransferPlan,
     expand_logical_blocks,
     group_arrays,
-    plan_transfer,
-    rank_offset_factor,
-    remote_descs,
 )
 
 log = logging.getLogger(__name__)
@@ -63,6 +60,14 @@ class _DecodeRank:
 
     agent: str
     plan: TransferPlan
+    descs: DescArray
+    prepped: PreppedList
+    source: _Source
+    """This worker's descriptors the WRITEs read: whole blocks, or the decode rank's head slice of each."""
+
+
+@dataclass(frozen=True)
+class _Source:
     descs: DescArray
     prepped: PreppedList
 
@@ -125,6 +130,9 @@ class PushProducer(PushSide[_DecodeEngine]):
         self._registrations: dict[str, tuple[wire.PushRegistration, float]] = {}
         self._waiting: dict[str, list[tuple[str, wire.PushRegistration]]] = {}
         self._sending: list[_Sending] = []
+        # Head slices of the local blocks (vLLM's local split handles), prepared once per slice and kept for
+        # the worker's life like the whole-block list: every decode engine of one TP size reuses them.
+        self._head_slices: dict[tuple[int, int], _Source] = {}
 
     def request_finished(self, request_id: str, block_ids_per_group: BlockIds) -> None:
         """The request's KV is complete in these logical blocks (one list per KV cache group); its lease
@@ -209,14 +217,13 @@ class PushProducer(PushSide[_DecodeEngine]):
         self, engine_id: str, peers: Sequence[PeerHandshake], decode_tp: int, now: float
     ) -> list[str]:
         """Validate and align every decode rank; only when all pass are their NIXL agents added."""
-        planned = [(peer, *plan_decode_rank(self.local, peer.metadata, decode_tp)) for peer in peers]
+        planned = [(peer, plan_decode_rank(self.local, peer.metadata, decode_tp, peer.tp_rank)) for peer in peers]
         ranks = []
         try:
-            for peer, plan, descs in planned:
+            for peer, write in planned:
                 name = self._add_agent(engine_id, peer, "decode")
-                ranks.append(
-                    _DecodeRank(name, plan, descs, self.transport.prep(name, descs, self.config.mem_type))
-                )
+                prepped = self.transport.prep(name, write.remote_descs, self.config.mem_type)
+                ranks.append(_DecodeRank(name, write.plan, write.remote_descs, prepped, self._source(write)))
         except DisaggError:
             for rank in ranks:
                 self.transport.release_prepped(rank.prepped)
@@ -224,6 +231,16 @@ class PushProducer(PushSide[_DecodeEngine]):
             raise
         self._engines[engine_id] = _DecodeEngine(engine_id, ranks, now)
         return [rank.agent for rank in ranks]
+
+    def _source(self, write: DecodeWrite) -> _Source:
+        if write.head_slice == (0, 1):
+            return _Source(self.local.descs, self.local.prepped)
+        source = self._head_slices.get(write.head_slice)
+        if source is None:
+            descs = write.source_descs()
+            source = _Source(descs, self.transport.prep(LOCAL_AGENT, descs, self.config.mem_type))
+            self._head_slices[write.head_slice] = source
+        return source
 
     def _write(
         self, held_id: str, registration: wire.PushRegistration, now: float, events: ProducerEvents
@@ -254,7 +271,7 @@ class PushProducer(PushSide[_DecodeEngine]):
                         f"{len(local_ids)} local blocks against {len(remote_ids)} decode blocks"
                     )
                 xfers.append(self._post(rank, local_ids, remote_ids, notif))
-                nbytes += int(self.local.descs[local_ids, 1].sum())
+                nbytes += int(rank.source.descs[local_ids, 1].sum())
         except DisaggError as exc:
             for xfer in xfers:
                 self.transport.release(xfer)
@@ -267,12 +284,12 @@ class PushProducer(PushSide[_DecodeEngine]):
     def _post(self, rank: _DecodeRank, local_ids: IdArray, remote_ids: IdArray, notif: bytes) -> Xfer:
         """One WRITE: runs contiguous on both sides as single descriptors when there are any, else by index
         into the prepared lists."""
-        local_rows, remote_rows = merge_runs(self.local.descs[local_ids], rank.descs[remote_ids])
+        local_rows, remote_rows = merge_runs(rank.source.descs[local_ids], rank.descs[remote_ids])
         if len(local_rows) < len(local_ids):
             return self.transport.write_descs(
                 local_rows, rank.agent, remote_rows, notif, self.config.mem_type
             )
-        return self.transport.write(self.local.prepped, local_ids, rank.prepped, remote_ids, notif)
+        return self.transport.write(rank.source.prepped, local_ids, rank.prepped, remote_ids, notif)
 
     def _trimmed(
         self, held: list[IdArray], decode_ids: Sequence[Sequence[int]]
@@ -374,27 +391,16 @@ def _prefill_rank(local: LocalKV) -> PrefillRank:
         tp_size=config.tp_size,
         num_kv_heads=config.model.num_kv_heads,
         is_mla=config.model.is_mla,
+        kv_cache_layout=layout.kv_cache_layout,
+        region_group_ids=tuple(layout.region_group_ids),
     )
 
 
 def plan_decode_rank(
-    local: LocalKV, meta: wire.NixlAgentMetadata, remote_tp: int
-) -> tuple[TransferPlan, DescArray]:
-    """Every check that can refuse a decode rank (`decode_checks.check_decode_rank`, then `plan_transfer`'s
-    refusal of differing cache-group layouts without layer-name routing), the plan that pairs its regions
-    with this worker's, and its destination descriptors; no NIXL call."""
-    config = local.config
-    checked, _ = check_decode_rank(_prefill_rank(local), meta, remote_tp)
-    # Aligned (by layer name) or sliced (to this PP stage) already: aligning again changes nothing.
-    plan, aligned = plan_transfer(local.geometry, checked, transfer_layers=local.transfer_layers)
-    offset_factor = rank_offset_factor(
-        config.tp_rank, config.tp_size, remote_tp, config.model.num_kv_heads, config.model.is_mla
+    local: LocalKV, meta: wire.NixlAgentMetadata, remote_tp: int, remote_tp_rank: int
+) -> DecodeWrite:
+    """`decode_checks.plan_decode_write` for this worker's registered KV: every check that can refuse decode
+    rank `remote_tp_rank`, and what to write to it; no NIXL call."""
+    return plan_decode_write(
+        _prefill_rank(local), local.geometry, local.transfer_layers, meta, remote_tp, remote_tp_rank
     )
-    descs = remote_descs(
-        aligned,
-        local.geometry,
-        local_regions=plan.local_regions,
-        replicated=local.layout.region_replicated,
-        rank_offset_factor=offset_factor,
-    )
-    return plan, descs

@@ -2,18 +2,56 @@
 
 Pure: no torch, nixl, I/O or clock. One sequence, shared by the transfer sidecar (`producer`, from a
 registered `LocalKV`) and the watching sidecar (`watch`, from its engine's advertised metadata), so that both
-refuse a decoder for the same reason: block size, decode TP under layer-name routing, alignment (by layer
-name, by PP slice or as-is), region count, memory types and per-region block length and stride.
+refuse a decoder for the same reason: KV cache layout, Mamba state, prefill context parallelism
+(`check_decode_agent`), then block size, decode TP under layer-name routing, alignment (by layer name, by PP
+slice or as-is), region count, cache-group layout without layer-name routing, memory types and per-region
+block length and stride (`check_decode_rank`). `plan_decode_write` is what the producer writes by once a
+decode rank passes: the pairing, the destination descriptors and the head slice of each source block.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from disagg.worker.kv import rules
-from disagg.worker.kv.errors import BlockSizeMismatch, HandshakeError, RegionGeometryMismatch
-from disagg.worker.kv.routing import RegionGeometry, RegionMetadata, align_remote_regions, slice_pp_regions
+from disagg.worker.kv.errors import (
+    BlockSizeMismatch,
+    HandshakeError,
+    KVCacheLayoutMismatch,
+    PackedRowsNotSupported,
+    RegionGeometryMismatch,
+)
+from disagg.worker.kv.routing import (
+    DescArray,
+    RegionGeometry,
+    RegionMetadata,
+    TransferLayers,
+    TransferPlan,
+    align_remote_regions,
+    check_group_layouts,
+    head_split,
+    local_descs,
+    plan_transfer,
+    rank_offset_factor,
+    remote_descs,
+    slice_pp_regions,
+)
+
+BLOCK_OUTERMOST_LAYOUTS = frozenset({"BLHNC", "BHLNC"})
+"""vLLM's packed (block-outermost) layouts: a block holds every layer's page in turn."""
+
+
+class AgentMetadata(RegionMetadata, Protocol):
+    """What a peer's `NixlAgentMetadata` says beyond its regions (the wire struct satisfies it)."""
+
+    @property
+    def kv_cache_layout(self) -> str: ...
+    @property
+    def ssm_sizes(self) -> tuple[int, int]: ...
+    @property
+    def pcp_size(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -45,13 +83,40 @@ class PrefillRank:
     tp_size: int
     num_kv_heads: int
     is_mla: bool
+    kv_cache_layout: str = "LBHNC"
+    region_group_ids: tuple[int, ...] | None = None
+    """The KV cache group of each local region (None when unknown, so the decoder's are not compared)."""
+
+
+def check_agent(local_layout: str, is_mla: bool, remote: AgentMetadata) -> None:
+    """What a peer's metadata must say, whichever side reads it: the same KV cache layout, no Mamba state
+    and no prefill context parallelism. Raises the connector's typed refusal."""
+    checks = (
+        (rules.kv_cache_layout_mismatch(local_layout, remote.kv_cache_layout, is_mla), KVCacheLayoutMismatch),
+        (rules.mamba_state_not_transferred(rules.PUSH, any(remote.ssm_sizes)), HandshakeError),
+        (rules.prefill_context_parallel(remote.pcp_size), HandshakeError),
+    )
+    for violation, error in checks:
+        if violation is not None:
+            raise error(violation.message, reason=violation.reason)
+
+
+def check_decode_agent(
+    rank: PrefillRank, remote: AgentMetadata, remote_tp: int
+) -> tuple[RegionGeometry, list[int]]:
+    """`check_agent`, then `check_decode_rank`; a packed vLLM decoder is refused with its own reason."""
+    check_agent(rank.kv_cache_layout, rank.is_mla, remote)
+    return check_decode_rank(
+        rank, remote, remote_tp, packed_rows=remote.kv_cache_layout in BLOCK_OUTERMOST_LAYOUTS
+    )
 
 
 def check_decode_rank(
-    rank: PrefillRank, remote: RegionMetadata, remote_tp: int
+    rank: PrefillRank, remote: RegionMetadata, remote_tp: int, *, packed_rows: bool = False
 ) -> tuple[RegionGeometry, list[int]]:
     """The decode rank's geometry aligned to `rank`'s transfer order, and the local region of each aligned
-    remote region; raises the connector's typed refusal when `rank` cannot write to it."""
+    remote region; raises the connector's typed refusal when `rank` cannot write to it. `packed_rows`: the
+    decoder's layout is block-outermost, so a block longer than a page is a packed row."""
     layer_routing = rank.routed_layers is not None
     if layer_routing:
         violation = rules.block_size_mismatch(True, rank.block_size, remote.block_size)
@@ -71,6 +136,8 @@ def check_decode_rank(
             f"the decoder has {len(aligned.kv_caches_base_addr)} regions for this stage's "
             f"{len(local_regions)}"
         )
+    if not layer_routing and rank.region_group_ids is not None:
+        check_group_layouts(rank.region_group_ids, aligned.region_group_ids)
     if (
         aligned.region_mem_types is not None
         and rank.mem_types is not None
@@ -80,7 +147,7 @@ def check_decode_rank(
             f"decode regions are {sorted(set(aligned.region_mem_types))}, TP rank {rank.tp_rank} of this "
             f"stage moves {sorted(rank.mem_types)} (mixed-memory caches are not supported by push)"
         )
-    _check_block_lens(rank, aligned, local_regions, remote_tp)
+    _check_block_lens(rank, aligned, local_regions, remote_tp, packed_rows)
     return aligned, local_regions
 
 
@@ -101,7 +168,7 @@ def _align(rank: PrefillRank, remote: RegionGeometry) -> tuple[RegionGeometry, l
 
 
 def _check_block_lens(
-    rank: PrefillRank, aligned: RegionGeometry, local_regions: Sequence[int], remote_tp: int
+    rank: PrefillRank, aligned: RegionGeometry, local_regions: Sequence[int], remote_tp: int, packed_rows: bool
 ) -> None:
     """A head-split region holds this rank's share of the decode rank's heads; a replicated (MLA) one is
     the same bytes on both sides. Either way a block must fit its stride."""
@@ -111,9 +178,67 @@ def _check_block_lens(
         region = rank.regions[r]
         want = region.block_len if region.replicated else region.block_len * remote_heads // local_heads
         got_len, stride = aligned.block_lens[i], aligned.block_strides[i]
+        if packed_rows and got_len > want:
+            raise PackedRowsNotSupported(
+                f"the decoder's layout is block-outermost and its region for {region.name} is a packed row "
+                f"of {got_len} bytes (this rank writes {want}-byte pages); disagg pairs one page per layer "
+                "and does not read vLLM's per-row member layouts: run the decoder with a layer-outermost KV "
+                "cache layout, or behind a disagg sidecar"
+            )
         if got_len != want or stride < got_len:
             raise RegionGeometryMismatch(
                 f"decode region for {region.name} has block length {got_len} (stride {stride}); "
                 f"TP rank {rank.tp_rank} of this stage ({local_heads} of {rank.num_kv_heads} KV heads, "
                 f"block length {region.block_len}) needs {want} with stride >= length"
             )
+
+
+@dataclass(frozen=True)
+class DecodeWrite:
+    """What a prefill rank writes to one decode rank: the plan pairing their regions, the destination
+    descriptors (`routing.remote_descs`) and the head slice of each source block (`routing.head_split`)."""
+
+    plan: TransferPlan
+    remote_descs: DescArray
+    head_slice: tuple[int, int]
+    replicated: tuple[bool, ...]
+    """Per local region: MLA, so the whole block goes to every decode rank."""
+
+    def source_descs(self) -> DescArray:
+        """The local descriptors the plan's local ids index: whole blocks, or this decode rank's head slice
+        of each (vLLM's local split handle)."""
+        return local_descs(
+            self.plan.local,
+            regions=self.plan.local_regions,
+            head_slice=self.head_slice,
+            replicated=self.replicated,
+        )
+
+
+def plan_decode_write(
+    rank: PrefillRank,
+    local: RegionMetadata,
+    transfer_layers: TransferLayers | None,
+    remote: AgentMetadata,
+    remote_tp: int,
+    remote_tp_rank: int,
+) -> DecodeWrite:
+    """Every check that can refuse decode rank `remote_tp_rank` (`check_decode_agent`, then `plan_transfer`),
+    and what this rank writes to it. Pure: the producer, the peer check and the property tests run it."""
+    checked, _ = check_decode_agent(rank, remote, remote_tp)
+    # Aligned (by layer name) or sliced (to this PP stage) already: aligning again changes nothing.
+    plan, aligned = plan_transfer(local, checked, transfer_layers=transfer_layers)
+    replicated = tuple(region.replicated for region in rank.regions)
+    slot, count = head_split(
+        rank.tp_rank, rank.tp_size, remote_tp_rank, remote_tp, rank.num_kv_heads, rank.is_mla
+    )
+    offset_factor = rank_offset_factor(rank.tp_rank, rank.tp_size, remote_tp, rank.num_kv_heads, rank.is_mla)
+    descs = remote_descs(
+        aligned,
+        local,
+        local_regions=plan.local_regions,
+        replicated=replicated,
+        num_reads=count,
+        rank_offset_factor=offset_factor,
+    )
+    return DecodeWrite(plan, descs, (slot, count), replicated)

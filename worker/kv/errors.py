@@ -80,6 +80,18 @@ class RegionGeometryMismatch(HandshakeError):
     reason = "RegionGeometryMismatch"
 
 
+class KVCacheLayoutMismatch(HandshakeError):
+    """The peer orders a block's heads and tokens otherwise (HND against NHD); disagg does not permute."""
+
+    reason = "KVCacheLayoutMismatch"
+
+
+class PackedRowsNotSupported(RegionGeometryMismatch):
+    """The peer describes block-outermost (packed) rows, one region per row of every layer's page."""
+
+    reason = "PackedRowsNotSupported"
+
+
 class PeerUnreachable(HandshakeError):
     reason = "PeerUnreachable"
 

@@ -396,7 +396,12 @@ def _descs(addrs: IdArray, length: IdArray, device: int) -> DescArray:
 
 
 def local_descs(
-    meta: RegionMetadata, *, regions: Sequence[int] | None = None, block_size_ratio: int = 1
+    meta: RegionMetadata,
+    *,
+    regions: Sequence[int] | None = None,
+    block_size_ratio: int = 1,
+    head_slice: tuple[int, int] = (0, 1),
+    replicated: Sequence[bool] | None = None,
 ) -> DescArray:
     """Local source descriptors (vLLM `_build_fa_local`): Nx3 `(addr, len, dev)`.
 
@@ -404,15 +409,25 @@ def local_descs(
     and each kernel block b and sub-block s < `block_size_ratio`:
     `addr = base + b * stride + s * block_len / ratio`, `len = block_len / ratio`. Descriptor id order
     matches `compute_desc_ids` with capacities multiplied by the ratio.
+
+    `head_slice = (slot, count)` is vLLM's local split handle (`_build_local_splits_from_plan`) for a decode
+    rank holding fewer heads than this one: each block is cut into `count` equal head slices and the
+    descriptor is slice `slot`, `addr + slot * block_len / count`. A `replicated` (MLA) region keeps the
+    whole block.
     """
+    slot, count = head_slice
+    if count > 1 and block_size_ratio > 1:
+        raise RegionGeometryMismatch("a head split and a block-size ratio cannot be combined")
     order = range(len(meta.kv_caches_base_addr)) if regions is None else regions
     caps = region_capacities(meta)
     parts: list[DescArray] = []
     for r in order:
-        sub_len = meta.block_lens[r] // block_size_ratio
+        split = 1 if replicated is not None and replicated[r] else count
+        sub_len = meta.block_lens[r] // (block_size_ratio * split)
+        start = meta.kv_caches_base_addr[r] + (slot if split > 1 else 0) * sub_len
         blocks = np.arange(caps[r], dtype=np.int64)[:, None] * meta.block_strides[r]
         subs = np.arange(block_size_ratio, dtype=np.int64)[None, :] * sub_len
-        addrs = (meta.kv_caches_base_addr[r] + blocks + subs).reshape(-1)
+        addrs = (start + blocks + subs).reshape(-1)
         parts.append(_descs(addrs, np.full(len(addrs), sub_len, dtype=np.int64), meta.device_id))
     return np.concatenate(parts) if parts else np.zeros((0, 3), dtype=np.uint64)
 
@@ -472,6 +487,39 @@ def rank_offset_factor(tp_rank: int, local_tp: int, remote_tp: int, total_kv_hea
     return tp_rank % (local_tp // remote_tp)
 
 
+def first_kv_head(tp_rank: int, tp_size: int, total_kv_heads: int) -> int:
+    """The first KV head a TP rank holds; above `total_kv_heads` ranks each hold one (replicated) head."""
+    return tp_rank * total_kv_heads // tp_size
+
+
+def head_split(
+    tp_rank: int, local_tp: int, remote_rank: int, remote_tp: int, total_kv_heads: int, is_mla: bool
+) -> tuple[int, int]:
+    """`(slot, count)`: the slice of this rank's block that decode rank `remote_rank` holds, when it holds
+    fewer heads (vLLM `compute_tp_mapping` with `local_tp < remote_tp`, non-MLA).
+
+    Heads are outermost in a block (LBHNC), so this rank's block is `count` equal runs of the remote rank's
+    head count, and `remote_rank`'s heads are run `slot`. vLLM's split is `slot = remote_rank % k` over
+    `k = remote_tp / local_tp` ranks; when the decoder replicates heads (`remote_tp > total_kv_heads`) the
+    runs are its distinct heads and every replica gets its head's run (vLLM writes only the first replica).
+    `(0, 1)` when the remote rank holds this rank's whole block (MLA, or `local_tp >= remote_tp`).
+    """
+    if is_mla or local_tp >= remote_tp:
+        return 0, 1
+    local_heads = max(1, total_kv_heads // local_tp)
+    remote_heads = max(1, total_kv_heads // remote_tp)
+    offset = first_kv_head(remote_rank, remote_tp, total_kv_heads) - first_kv_head(
+        tp_rank, local_tp, total_kv_heads
+    )
+    count = local_heads // remote_heads
+    if not 0 <= offset < local_heads or count < 1:
+        raise RegionGeometryMismatch(
+            f"decode TP rank {remote_rank} of {remote_tp} holds none of the {local_heads} KV heads of "
+            f"prefill TP rank {tp_rank} of {local_tp}"
+        )
+    return offset // remote_heads, count
+
+
 # ---- one peer's transfer plan ----------------------------------------------------------------------------
 
 
@@ -526,6 +574,17 @@ class TransferPlan:
         return local, remote
 
 
+def check_group_layouts(local: Sequence[int] | None, remote: Sequence[int] | None) -> None:
+    """Regions paired by index must lay out the same KV cache groups (vLLM `_xfer_blocks_for_req` refuses
+    other group layouts unless layer-name routing is on); None on either side is not compared."""
+    if local is not None and remote is not None and list(local) != list(remote):
+        raise RegionGeometryMismatch(
+            f"region group ids differ (local {list(local)}, remote {list(remote)}) and layer-name routing "
+            "is off: the decoder's cache-group layout differs from this stage's; run the same model, KV "
+            "cache layout and hybrid KV cache manager setting on both sides"
+        )
+
+
 def plan_transfer(
     local: RegionMetadata, remote: M, *, transfer_layers: TransferLayers | None
 ) -> tuple[TransferPlan, M]:
@@ -541,13 +600,5 @@ def plan_transfer(
     local_count, remote_count = len(local.kv_caches_base_addr), len(remote.kv_caches_base_addr)
     if local_count != remote_count:
         raise RegionGeometryMismatch(f"{local_count} local regions against {remote_count} remote regions")
-    if (
-        local.region_group_ids is not None
-        and remote.region_group_ids is not None
-        and list(local.region_group_ids) != list(remote.region_group_ids)
-    ):
-        raise RegionGeometryMismatch(
-            f"region group ids differ (local {list(local.region_group_ids)}, remote "
-            f"{list(remote.region_group_ids)}) and layer-name routing is off"
-        )
+    check_group_layouts(local.region_group_ids, remote.region_group_ids)
     return TransferPlan(local, remote, tuple(range(local_count)), None), remote

@@ -152,6 +152,50 @@ def invalid_layer_partition(
     return None
 
 
+def mamba_state_not_transferred(transfer_mode: str, has_mamba: bool) -> Violation | None:
+    """disagg's transfer sidecar has no Mamba semantics: vLLM passes a Mamba group's block ids through
+    unexpanded and describes conv and temporal-state sub-regions, which the sidecar would instead expand
+    and copy as attention pages."""
+    if transfer_mode != PUSH or not has_mamba:
+        return None
+    return Violation(
+        "MambaStateNotSupported",
+        "the model has Mamba/SSM layers, and disagg's push transfer sidecar moves only attention KV pages "
+        "(it does not describe Mamba conv and temporal state, or keep Mamba block ids unexpanded as vLLM "
+        "does): serve this model with the Pull connector, or without disaggregation",
+    )
+
+
+def prefill_context_parallel(pcp_size: int) -> Violation | None:
+    """vLLM's push connector has no PCP gate; disagg refuses a prefill that splits a request's context."""
+    if pcp_size <= 1:
+        return None
+    return Violation(
+        "PrefillContextParallel",
+        f"prefill context parallel size is {pcp_size}; the push connector writes each request's KV from one "
+        "prefill rank per head slice and cannot gather a context split over PCP ranks: remove "
+        "--prefill-context-parallel-size (or set it to 1)",
+    )
+
+
+_LAYOUT_ALIASES = {"HND": "LBHNC", "NHD": "LBNHC"}
+
+
+def kv_cache_layout_mismatch(prefill_layout: str, decode_layout: str, is_mla: bool) -> Violation | None:
+    """vLLM refuses a peer whose `kv_cache_layout` differs unless the model is MLA (one latent "head") or
+    `enable_permute_local_kv` permutes it; disagg does not implement the permute, so it always refuses."""
+    prefill = _LAYOUT_ALIASES.get(prefill_layout, prefill_layout)
+    decode = _LAYOUT_ALIASES.get(decode_layout, decode_layout)
+    if is_mla or prefill == decode:
+        return None
+    return Violation(
+        "KVCacheLayoutMismatch",
+        f"the prefill KV cache layout is {prefill_layout} and the decode layout is {decode_layout}; copying "
+        "between them would scramble heads and tokens, and disagg does not permute KV (vLLM's "
+        "enable_permute_local_kv): run both engines with the same kv_cache_layout (HND, that is LBHNC)",
+    )
+
+
 def tracks_region_layers(transfer_mode: str, hma: bool, packed: bool, has_mamba: bool) -> bool:
     """vLLM's `_tracks_region_layers`: whether a worker advertises `region_members` (any PP size).
 

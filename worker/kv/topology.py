@@ -49,7 +49,7 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
-from disagg.worker.kv import wire
+from disagg.worker.kv import rules, wire
 from disagg.worker.kv.errors import DisaggError, WorkerConfigError
 from disagg.worker.kv.layout import DEFAULT_LAYER_NAME_TEMPLATE, AttentionKind, ModelGeometry, pp_partition
 
@@ -201,6 +201,9 @@ def topology_of(document: TopologyDocument) -> Topology:
         )
     except DisaggError as exc:
         raise WorkerConfigError(f"topology: model: {exc.message}") from None
+    mamba = rules.mamba_state_not_transferred(document.transfer_mode, model.has_mamba)
+    if mamba is not None:
+        raise WorkerConfigError(f"topology: {mamba.message}", reason=mamba.reason)
     if not document.stages:
         raise WorkerConfigError("topology: stages is empty; a prefill engine has at least one stage")
     for index, stage in enumerate(document.stages):

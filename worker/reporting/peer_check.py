@@ -188,7 +188,7 @@ def check_peer(
         if local is not None and config.role == "prefill":
             targets = handshake_targets(config.tp_size, config.tp_rank, topology.decode_tp, 1)
             for rank in handshake_peer(config, peer, host, targets, timeout_s=timeout_s):
-                plan_decode_rank(local, rank.metadata, topology.decode_tp)
+                plan_decode_rank(local, rank.metadata, topology.decode_tp, rank.tp_rank)
         else:
             tp_ranks = handshake_target_tp_ranks(config.tp_size, config.tp_rank, topology.prefill_tp)
             handshake_peer(config, peer, host, [(peer.stage, tp) for tp in tp_ranks], timeout_s=timeout_s)

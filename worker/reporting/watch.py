@@ -32,7 +32,7 @@ from disagg.worker.connector.side_channel import (
     handshake_targets,
 )
 from disagg.worker.kv import rules, wire
-from disagg.worker.kv.decode_checks import LocalRegion, PrefillRank, check_decode_rank
+from disagg.worker.kv.decode_checks import LocalRegion, PrefillRank, check_decode_agent
 from disagg.worker.kv.errors import DisaggError, WorkerConfigError
 from disagg.worker.kv.layout import AttentionKind
 from disagg.worker.kv.pod_contract import LOG_LEVEL_ENV, POD_NAME_ENV
@@ -119,6 +119,8 @@ def _own_prefill_rank(config: SidecarConfig, own: wire.NixlAgentMetadata, tp_ran
         tp_size=config.tp_size,
         num_kv_heads=model.num_kv_heads,
         is_mla=model.is_mla,
+        kv_cache_layout=own.kv_cache_layout,
+        region_group_ids=None if own.region_group_ids is None else tuple(own.region_group_ids),
     )
 
 
@@ -126,9 +128,9 @@ def check_decode_metadata(
     config: SidecarConfig, own: wire.NixlAgentMetadata, remote: wire.NixlAgentMetadata, tp_rank: int
 ) -> None:
     """Would TP rank `tp_rank` of this prefill stage, advertising `own`, accept a decode rank advertising
-    `remote`? `producer.plan_decode_rank`'s checks (`decode_checks.check_decode_rank`), with the
+    `remote`? `producer.plan_decode_rank`'s checks (`decode_checks.check_decode_agent`), with the
     engine's advertised metadata in place of a registered `LocalKV`. Pure; raises the connector's refusal."""
-    check_decode_rank(_own_prefill_rank(config, own, tp_rank), remote, config.topology.decode_tp)
+    check_decode_agent(_own_prefill_rank(config, own, tp_rank), remote, config.topology.decode_tp)
 
 
 def check_decode_peer(
