@@ -205,31 +205,44 @@ def cluster(tmp: Path) -> Iterator[Cluster]:
         c.close()
 
 
+def _heads(spec: dict[str, Any]) -> range:
+    """The KV heads a worker's TP rank holds: its share, or one replicated head above the head count."""
+    total, tp = spec["model"]["num_kv_heads"], spec["tp_size"]
+    first = spec["tp_rank"] * total // tp
+    return range(first, first + max(1, total // tp))
+
+
 def written_bytes(
     producer: dict[str, Any], decoder: dict[str, Any], p_blocks: list[list[int]], d_blocks: list[list[int]]
 ) -> list[tuple[int, int, int]]:
     """(decoder offset, producer offset, length) of every byte range a push must copy, per layer and block.
 
-    Independent of the connector's routing: it walks layer names through both layouts.
+    Independent of the connector's routing: it walks layer names through both layouts, and heads through
+    both ranks (heads are outermost in a block, so the heads two ranks share are one run on each side).
     """
     p_layout, d_layout = layout_of(producer), layout_of(decoder)
     p_region = {name: r for r, reg in enumerate(p_layout.regions) for name in reg.members}
     d_region = {name: r for r, reg in enumerate(d_layout.regions) for name in reg.members}
-    ratio = max(1, producer["tp_size"] // decoder["tp_size"])
-    out = []
+    p_heads, d_heads = _heads(producer), _heads(decoder)
+    shared = range(max(p_heads.start, d_heads.start), min(p_heads.stop, d_heads.stop))
+    out: list[tuple[int, int, int]] = []
     for name, g in p_layout.group_index_by_layer.items():
         pr, dr = p_layout.regions[p_region[name]], d_layout.regions[d_region[name]]
-        # A replicated (MLA) block is the same bytes on every TP rank: written whole, never as a head slice.
-        split = 1 if pr.replicated else ratio
-        slice_index = producer["tp_rank"] % split
-        assert dr.block_len == pr.block_len * split
+        if pr.replicated:
+            # A replicated (MLA) block is the same bytes on every TP rank: written whole, never as a head slice.
+            assert dr.block_len == pr.block_len
+            p_start, d_start, length = 0, 0, pr.block_len
+        else:
+            head_bytes = pr.block_len // len(p_heads)
+            assert dr.block_len == head_bytes * len(d_heads)
+            if not shared:
+                continue  # this prefill rank holds none of the decode rank's heads: it writes nothing there
+            p_start = (shared.start - p_heads.start) * head_bytes
+            d_start = (shared.start - d_heads.start) * head_bytes
+            length = len(shared) * head_bytes
         for pb, db in zip(p_blocks[g], d_blocks[g], strict=True):
             out.append(
-                (
-                    dr.offset + db * dr.block_stride + slice_index * pr.block_len,
-                    pr.offset + pb * pr.block_stride,
-                    pr.block_len,
-                )
+                (dr.offset + db * dr.block_stride + d_start, pr.offset + pb * pr.block_stride + p_start, length)
             )
     return out
 

@@ -1,4 +1,5 @@
-"""Byte-exact KV pushes between processes: PP2 + HMA layer-name routing, legacy paths, TP 2->1, MLA 1->2."""
+"""Byte-exact KV pushes between processes: PP2 + HMA layer-name routing, legacy paths, TP 2->1, the head
+split of TP 1->2 and 1->4, MLA 1->2."""
 
 from __future__ import annotations
 
@@ -102,6 +103,59 @@ def test_tp2_prefill_into_tp1_decoder_per_head_slice(procs: Cluster, model: dict
     p_blocks = [[2 * g + 1, 2 * g + 2] for g in range(groups)]
     d_blocks = [[60 - 2 * g, 30 - g] for g in range(groups)]
     push_once(procs, prefill, decode, p_blocks, d_blocks)
+
+
+def push_to_decode_ranks(
+    procs: Cluster,
+    prefill: list[dict[str, Any]],
+    decode: list[dict[str, Any]],
+    p_blocks: list[list[int]],
+    d_blocks: list[list[int]],
+) -> list[int]:
+    """One request from every prefill rank to every decode rank; the bytes each decode rank received."""
+    peers = procs.start_all([*prefill, *decode])
+    producers, consumers = peers[: len(prefill)], peers[len(prefill) :]
+    # The scheduler names the same blocks on every decode TP rank; each rank registers with its prefill rank.
+    for consumer in consumers:
+        consumer.send(cmd="expect", req="req-1", blocks=d_blocks, remote=remote(prefill[0]))
+    for producer in producers:
+        producer.wait("registered", "req-1")
+        producer.send(cmd="finish", req="req-1", blocks=p_blocks)
+    for producer in producers:
+        producer.wait("sent", "req-1")
+    for consumer in consumers:
+        consumer.wait("finished", "req-1")
+    return [
+        check_push(spec, read_pool(spec), [(stage, p_blocks, d_blocks) for stage in prefill]) for spec in decode
+    ]
+
+
+@pytest.mark.parametrize(
+    ("p_tp", "d_tp", "heads"),
+    [(1, 2, 4), (2, 4, 4), (1, 4, 2)],
+    ids=["tp1-to-tp2", "tp2-to-tp4", "tp1-to-tp4-replicated-heads"],
+)
+def test_decoder_with_more_tp_ranks_gets_each_ranks_head_slice(
+    procs: Cluster, p_tp: int, d_tp: int, heads: int
+) -> None:
+    """vLLM's head split: prefill rank p writes heads [h, h + n) of each block to the decode rank holding
+    them, at offset 0 of that rank's (smaller) block; a decoder replicating heads gets its head on every
+    replica. Every other decoder byte keeps its seed."""
+    model = {**DENSE, "num_kv_heads": heads}
+    prefill = prefill_specs(procs, model, tp=p_tp)
+    port = free_port()
+    decode = [
+        procs.spec(
+            "decode", role="consumer", serve_port=port, model=model, tp_rank=t, tp_size=d_tp, num_blocks=40
+        )
+        for t in range(d_tp)
+    ]
+    p_layout, d_layout = layout_of(prefill[0]), layout_of(decode[0])
+    assert d_layout.regions[0].block_len < p_layout.regions[0].block_len
+    p_blocks, d_blocks = [[1, 2, 3, 9]], [[39, 20, 4, 5]]
+    received = push_to_decode_ranks(procs, prefill, decode, p_blocks, d_blocks)
+    # Each decode rank's blocks were written whole (all its heads), and nothing else.
+    assert received == [len(d_layout.regions) * d_layout.regions[0].block_len * 4] * d_tp
 
 
 # All layers MLA: a period longer than the model leaves no full-attention layer. One latent "head", so the
