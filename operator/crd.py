@@ -136,8 +136,8 @@ SPEC_RULES: Final[tuple[CelRule, ...]] = (
     CelRule(
         "MambaStateNotSupported",
         f"self.kvTransfer.connector == 'Pull' || !({_MAMBA})",
-        "models with Mamba layers need kvTransfer.connector Pull: the push transfer sidecar moves attention KV "
-        "only",
+        "models with Mamba layers need kvTransfer.connector Pull: the push transfer sidecar moves "
+        "attention KV only",
     ),
     CelRule(
         "BlockSizeMismatch",

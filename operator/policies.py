@@ -115,7 +115,9 @@ def transfer_sidecar_moves_the_model(given: PolicyInput) -> Sequence[Violation]:
     geometry = given.geometry
     if geometry is None:
         return []
-    violation = mamba_state_not_transferred(given.spec.kv_transfer.connector.transfer_mode, geometry.has_mamba)
+    violation = mamba_state_not_transferred(
+        given.spec.kv_transfer.connector.transfer_mode, geometry.has_mamba
+    )
     return [] if violation is None else [violation]
 
 
@@ -192,7 +194,6 @@ def flag_value(args: Sequence[str], spellings: Sequence[str]) -> str | None:
         elif index + 1 < len(args):
             found = args[index + 1]
     return found
-
 
 
 def factor_mismatch(prefill: Mapping[str, Any], decode: Mapping[str, Any]) -> Violation | None:

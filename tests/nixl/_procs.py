@@ -229,7 +229,7 @@ def written_bytes(
     for name, g in p_layout.group_index_by_layer.items():
         pr, dr = p_layout.regions[p_region[name]], d_layout.regions[d_region[name]]
         if pr.replicated:
-            # A replicated (MLA) block is the same bytes on every TP rank: written whole, never as a head slice.
+            # A replicated (MLA) block is the same bytes on every TP rank: written whole, never head-sliced.
             assert dr.block_len == pr.block_len
             p_start, d_start, length = 0, 0, pr.block_len
         else:
@@ -242,7 +242,11 @@ def written_bytes(
             length = len(shared) * head_bytes
         for pb, db in zip(p_blocks[g], d_blocks[g], strict=True):
             out.append(
-                (dr.offset + db * dr.block_stride + d_start, pr.offset + pb * pr.block_stride + p_start, length)
+                (
+                    dr.offset + db * dr.block_stride + d_start,
+                    pr.offset + pb * pr.block_stride + p_start,
+                    length,
+                )
             )
     return out
 

@@ -126,7 +126,8 @@ def push_to_decode_ranks(
     for consumer in consumers:
         consumer.wait("finished", "req-1")
     return [
-        check_push(spec, read_pool(spec), [(stage, p_blocks, d_blocks) for stage in prefill]) for spec in decode
+        check_push(spec, read_pool(spec), [(stage, p_blocks, d_blocks) for stage in prefill])
+        for spec in decode
     ]
 
 

@@ -23,7 +23,10 @@ BROKEN: dict[str, tuple[dict[str, Any], list[str]]] = {
         ["MambaUnderPipelineParallel", "MambaStateNotSupported"],
     ),
     "mamba-push-without-pp": (
-        {"model": {"layerPattern": {"fullEvery": 8, "otherKind": "Mamba"}}, "prefill": {"pipelineParallelSize": 1}},
+        {
+            "model": {"layerPattern": {"fullEvery": 8, "otherKind": "Mamba"}},
+            "prefill": {"pipelineParallelSize": 1},
+        },
         ["MambaStateNotSupported"],
     ),
     "block-size": ({"decode": {"blockSize": 16}}, ["BlockSizeMismatch"]),

@@ -316,7 +316,6 @@ def test_a_peer_with_prefill_context_parallelism_is_refused_by_either_side() -> 
 
 
 def test_a_packed_vllm_decoder_row_is_refused_with_its_own_reason() -> None:
-    _, rank = prefill(DENSE_8)
     _, remote = decoder(DENSE_8)
     # vLLM's packed layout: one region per row, holding every layer's page of the block.
     row = sum(remote.block_lens)

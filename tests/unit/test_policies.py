@@ -45,7 +45,10 @@ def test_the_webhook_refuses_with_the_chains_message() -> None:
 
 
 def test_a_mamba_hybrid_is_refused_for_the_push_sidecar_before_any_pod() -> None:
-    mamba = {"model": {"layerPattern": {"fullEvery": 8, "otherKind": "Mamba"}}, "prefill": {"pipelineParallelSize": 1}}
+    mamba = {
+        "model": {"layerPattern": {"fullEvery": 8, "otherKind": "Mamba"}},
+        "prefill": {"pipelineParallelSize": 1},
+    }
     report = evaluate(spec(mamba))
     assert report.reasons == ["MambaStateNotSupported"]
     assert "Mamba" in report.violations[0].message and "Pull" in report.violations[0].message
@@ -53,7 +56,11 @@ def test_a_mamba_hybrid_is_refused_for_the_push_sidecar_before_any_pod() -> None
 
 
 def test_prefill_context_parallelism_is_refused_before_any_pod() -> None:
-    for args in (["--prefill-context-parallel-size", "2"], ["--prefill_context_parallel_size=4"], ["-pcp", "2"]):
+    for args in (
+        ["--prefill-context-parallel-size", "2"],
+        ["--prefill_context_parallel_size=4"],
+        ["-pcp", "2"],
+    ):
         patch = {"prefill": {"extraArgs": args}}
         reasons = evaluate(spec(patch), REFUSAL_CHAIN, Installation(worker_image="w:1")).reasons
         assert reasons == ["PrefillContextParallel"], args

@@ -25,8 +25,8 @@ from disagg.worker.connector.push import (
 )
 from disagg.worker.connector.side_channel import PeerHandshake, handshake_targets
 from disagg.worker.connector.transport import PreppedList
-from disagg.worker.kv.decode_checks import check_agent
 from disagg.worker.kv import wire
+from disagg.worker.kv.decode_checks import check_agent
 from disagg.worker.kv.errors import DisaggError, HandshakeError, RegistrationTimeout
 from disagg.worker.kv.routing import BlockIds, group_arrays
 

@@ -217,7 +217,9 @@ class PushProducer(PushSide[_DecodeEngine]):
         self, engine_id: str, peers: Sequence[PeerHandshake], decode_tp: int, now: float
     ) -> list[str]:
         """Validate and align every decode rank; only when all pass are their NIXL agents added."""
-        planned = [(peer, plan_decode_rank(self.local, peer.metadata, decode_tp, peer.tp_rank)) for peer in peers]
+        planned = [
+            (peer, plan_decode_rank(self.local, peer.metadata, decode_tp, peer.tp_rank)) for peer in peers
+        ]
         ranks = []
         try:
             for peer, write in planned:

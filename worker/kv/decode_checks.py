@@ -168,7 +168,11 @@ def _align(rank: PrefillRank, remote: RegionGeometry) -> tuple[RegionGeometry, l
 
 
 def _check_block_lens(
-    rank: PrefillRank, aligned: RegionGeometry, local_regions: Sequence[int], remote_tp: int, packed_rows: bool
+    rank: PrefillRank,
+    aligned: RegionGeometry,
+    local_regions: Sequence[int],
+    remote_tp: int,
+    packed_rows: bool,
 ) -> None:
     """A head-split region holds this rank's share of the decode rank's heads; a replicated (MLA) one is
     the same bytes on both sides. Either way a block must fit its stride."""
