@@ -91,14 +91,15 @@ class PrefillRank:
 def check_agent(local_layout: str, is_mla: bool, remote: AgentMetadata) -> None:
     """What a peer's metadata must say, whichever side reads it: the same KV cache layout, no Mamba state
     and no prefill context parallelism. Raises the connector's typed refusal."""
-    checks = (
-        (rules.kv_cache_layout_mismatch(local_layout, remote.kv_cache_layout, is_mla), KVCacheLayoutMismatch),
-        (rules.mamba_state_not_transferred(rules.PUSH, any(remote.ssm_sizes)), HandshakeError),
-        (rules.prefill_context_parallel(remote.pcp_size), HandshakeError),
-    )
-    for violation, error in checks:
+    layout = rules.kv_cache_layout_mismatch(local_layout, remote.kv_cache_layout, is_mla)
+    if layout is not None:
+        raise KVCacheLayoutMismatch(layout.message)
+    for violation in (
+        rules.mamba_state_not_transferred(rules.PUSH, any(remote.ssm_sizes)),
+        rules.prefill_context_parallel(remote.pcp_size),
+    ):
         if violation is not None:
-            raise error(violation.message, reason=violation.reason)
+            raise HandshakeError(violation.message, reason=violation.reason)
 
 
 def check_decode_agent(
