@@ -29,24 +29,23 @@ FACTORS = wire.compat_factors(
 HASH = wire.compat_hash(FACTORS)
 
 
-def fake_metadata(engine_id: str) -> bytes:
+def fake_metadata(engine_id: str, **changes: Any) -> bytes:
     """A well-formed v12 metadata whose agent blob is not NIXL's: it must never reach add_remote_agent."""
-    return wire.encode_agent_metadata(
-        wire.NixlAgentMetadata(
-            engine_id=engine_id,
-            agent_metadata=b"\x00not-a-nixl-agent",
-            kv_caches_base_addr=[4096],
-            device_id=0,
-            num_blocks=8,
-            block_lens=[4096],
-            block_strides=[4096],
-            kv_cache_layout="LBHNC",
-            block_size=16,
-            ssm_sizes=(0, 0),
-            attn_backend_name="FLASH_ATTN",
-            physical_blocks_per_logical_kv_block=1,
-        )
+    meta = wire.NixlAgentMetadata(
+        engine_id=engine_id,
+        agent_metadata=b"\x00not-a-nixl-agent",
+        kv_caches_base_addr=[4096],
+        device_id=0,
+        num_blocks=8,
+        block_lens=[4096],
+        block_strides=[4096],
+        kv_cache_layout="LBHNC",
+        block_size=16,
+        ssm_sizes=(0, 0),
+        attn_backend_name="FLASH_ATTN",
+        physical_blocks_per_logical_kv_block=1,
     )
+    return wire.encode_agent_metadata(msgspec.structs.replace(meta, **changes))
 
 
 @pytest.fixture
@@ -59,6 +58,11 @@ def fake_engines() -> Iterator[dict[str, SideChannelServer]]:
         "v11": wire.encode_handshake_payload(fake_metadata("v11"), v11),
         "other-model": wire.encode_handshake_payload(fake_metadata("other-model"), other_model),
         "wrong-engine": wire.encode_handshake_payload(fake_metadata("someone-else"), HASH),
+        # What the decoder cannot receive, whatever the hash says: heads and tokens in the other order,
+        # Mamba state, a context split over prefill context-parallel ranks.
+        "nhd": wire.encode_handshake_payload(fake_metadata("nhd", kv_cache_layout="NHD"), HASH),
+        "mamba": wire.encode_handshake_payload(fake_metadata("mamba", ssm_sizes=(4096, 65536)), HASH),
+        "pcp": wire.encode_handshake_payload(fake_metadata("pcp", pcp_size=2), HASH),
     }
     servers = {
         name: SideChannelServer(HOST, free_port(), {(0, 0): p}).start() for name, p in payloads.items()
@@ -89,6 +93,9 @@ def test_decoder_refuses_bad_prefill_peers_then_pushes(
         "v11": "ConnectorVersionMismatch",
         "other-model": "CompatibilityHashMismatch",
         "wrong-engine": "EngineIdMismatch",
+        "nhd": "KVCacheLayoutMismatch",
+        "mamba": "MambaStateNotSupported",
+        "pcp": "PrefillContextParallel",
     }
     for name, server in fake_engines.items():
         engine = {"engine_id": name, "host": HOST, "port": server.port, "tp_size": 1, "pp_size": 1}

@@ -9,6 +9,8 @@ the code under test.
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
@@ -350,3 +352,23 @@ def test_a_decoder_with_other_cache_groups_is_refused_when_regions_pair_by_index
     error = agent_refusal(rank, agent(regrouped))
     assert error.reason == "RegionGeometryMismatch"
     assert "region group ids differ" in error.message and "cache-group layout" in error.message
+
+
+@pytest.mark.parametrize("pp_size", [1, 2])
+def test_vllm_s_own_packed_mla_decoder_is_refused_as_packed_rows(pp_size: int) -> None:
+    """vLLM 0.33's encoding of a packed (BLHNC) DeepSeek-V2-Lite decoder: one region, one row of 27 pages."""
+    golden = (
+        Path(__file__).resolve().parents[1] / "golden" / "vllm" / "0.33.0" / "agent_metadata_packed_mla.json"
+    )
+    decoded = json.loads(golden.read_text())["decoded"]
+    v12 = {name: decoded[name] for name in NixlAgentMetadata.__struct_fields__ if name in decoded}
+    v12["agent_metadata"] = bytes.fromhex(decoded["agent_metadata"]["$bytes_hex"])
+    v12["ssm_sizes"] = tuple(decoded["ssm_sizes"])
+    remote = NixlAgentMetadata(**v12)
+    dsv2 = ModelGeometry((AttentionKind.MLA,) * 27, num_kv_heads=1, head_size=576, dtype_bytes=2)
+    layout, rank = prefill(dsv2, pp_rank=pp_size - 1, pp_size=pp_size)
+    rank = dataclasses.replace(rank, kv_cache_layout="BLHNC")
+    assert remote.block_lens == [27 * layout.regions[0].block_len]
+    error = agent_refusal(rank, remote)
+    assert error.reason == "PackedRowsNotSupported"
+    assert f"packed row of {remote.block_lens[0]} bytes (27 layers)" in error.message

@@ -99,3 +99,12 @@ def test_malformed_documents_name_the_key(change: dict[str, Any], message: str) 
     with pytest.raises(WorkerConfigError) as caught:
         decode_topology(raw)
     assert caught.value.message == message
+
+
+def test_the_push_sidecar_refuses_a_mamba_hybrid_at_start() -> None:
+    raw = json.loads(encode_topology(document()))
+    raw["model"]["layerKinds"] = ["mamba", "mamba", "full"]
+    with pytest.raises(WorkerConfigError) as caught:
+        decode_topology(raw)
+    assert caught.value.reason == "MambaStateNotSupported"
+    assert caught.value.message.startswith("topology: the model has Mamba/SSM layers")

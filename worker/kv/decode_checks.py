@@ -105,19 +105,17 @@ def check_agent(local_layout: str, is_mla: bool, remote: AgentMetadata) -> None:
 def check_decode_agent(
     rank: PrefillRank, remote: AgentMetadata, remote_tp: int
 ) -> tuple[RegionGeometry, list[int]]:
-    """`check_agent`, then `check_decode_rank`; a packed vLLM decoder is refused with its own reason."""
+    """`check_agent`, the refusal of a packed vLLM decoder, then `check_decode_rank`."""
     check_agent(rank.kv_cache_layout, rank.is_mla, remote)
-    return check_decode_rank(
-        rank, remote, remote_tp, packed_rows=remote.kv_cache_layout in BLOCK_OUTERMOST_LAYOUTS
-    )
+    _refuse_packed_rows(rank, remote, remote_tp)
+    return check_decode_rank(rank, remote, remote_tp)
 
 
 def check_decode_rank(
-    rank: PrefillRank, remote: RegionMetadata, remote_tp: int, *, packed_rows: bool = False
+    rank: PrefillRank, remote: RegionMetadata, remote_tp: int
 ) -> tuple[RegionGeometry, list[int]]:
     """The decode rank's geometry aligned to `rank`'s transfer order, and the local region of each aligned
-    remote region; raises the connector's typed refusal when `rank` cannot write to it. `packed_rows`: the
-    decoder's layout is block-outermost, so a block longer than a page is a packed row."""
+    remote region; raises the connector's typed refusal when `rank` cannot write to it."""
     layer_routing = rank.routed_layers is not None
     if layer_routing:
         violation = rules.block_size_mismatch(True, rank.block_size, remote.block_size)
@@ -148,7 +146,7 @@ def check_decode_rank(
             f"decode regions are {sorted(set(aligned.region_mem_types))}, TP rank {rank.tp_rank} of this "
             f"stage moves {sorted(rank.mem_types)} (mixed-memory caches are not supported by push)"
         )
-    _check_block_lens(rank, aligned, local_regions, remote_tp, packed_rows)
+    _check_block_lens(rank, aligned, local_regions, remote_tp)
     return aligned, local_regions
 
 
@@ -169,33 +167,50 @@ def _align(rank: PrefillRank, remote: RegionGeometry) -> tuple[RegionGeometry, l
 
 
 def _check_block_lens(
-    rank: PrefillRank,
-    aligned: RegionGeometry,
-    local_regions: Sequence[int],
-    remote_tp: int,
-    packed_rows: bool,
+    rank: PrefillRank, aligned: RegionGeometry, local_regions: Sequence[int], remote_tp: int
 ) -> None:
     """A head-split region holds this rank's share of the decode rank's heads; a replicated (MLA) one is
     the same bytes on both sides. Either way a block must fit its stride."""
     local_heads = max(1, rank.num_kv_heads // rank.tp_size)
-    remote_heads = max(1, rank.num_kv_heads // remote_tp)
     for i, r in enumerate(local_regions):
         region = rank.regions[r]
-        want = region.block_len if region.replicated else region.block_len * remote_heads // local_heads
+        want = _decode_page(rank, region, remote_tp)
         got_len, stride = aligned.block_lens[i], aligned.block_strides[i]
-        if packed_rows and got_len > want:
-            raise PackedRowsNotSupported(
-                f"the decoder's layout is block-outermost and its region for {region.name} is a packed row "
-                f"of {got_len} bytes (this rank writes {want}-byte pages); disagg pairs one page per layer "
-                "and does not read vLLM's per-row member layouts: run the decoder with a layer-outermost KV "
-                "cache layout, or behind a disagg sidecar"
-            )
         if got_len != want or stride < got_len:
             raise RegionGeometryMismatch(
                 f"decode region for {region.name} has block length {got_len} (stride {stride}); "
                 f"TP rank {rank.tp_rank} of this stage ({local_heads} of {rank.num_kv_heads} KV heads, "
                 f"block length {region.block_len}) needs {want} with stride >= length"
             )
+
+
+def _decode_page(rank: PrefillRank, region: LocalRegion, remote_tp: int) -> int:
+    """The bytes of one block of `region` on a decode rank of `remote_tp`: this rank's block (replicated,
+    MLA), or the decode rank's share of this rank's heads."""
+    if region.replicated:
+        return region.block_len
+    local_heads = max(1, rank.num_kv_heads // rank.tp_size)
+    remote_heads = max(1, rank.num_kv_heads // remote_tp)
+    return region.block_len * remote_heads // local_heads
+
+
+def _refuse_packed_rows(rank: PrefillRank, remote: AgentMetadata, remote_tp: int) -> None:
+    """vLLM describes a block-outermost cache with one region per row, every layer's page of a block in
+    turn (the pages in `packed_member_layouts`, wire v13+); disagg pairs one page per layer. Such a row is
+    a region of a block-outermost layout longer than any page this rank writes to that decode rank."""
+    if remote.kv_cache_layout not in BLOCK_OUTERMOST_LAYOUTS or not rank.regions:
+        return
+    page = max(_decode_page(rank, region, remote_tp) for region in rank.regions)
+    rows = [(r, length) for r, length in enumerate(remote.block_lens) if length > page]
+    if rows:
+        region, length = rows[0]
+        members = remote.region_members[region] if region < len(remote.region_members) else []
+        raise PackedRowsNotSupported(
+            f"the decoder's KV cache is block-outermost ({remote.kv_cache_layout}) and its region {region} "
+            f"is a packed row of {length} bytes ({len(members)} layers) where this rank writes {page}-byte "
+            "pages; disagg pairs one page per layer and does not read vLLM's per-row member layouts: run "
+            "the decoder with a layer-outermost KV cache layout, or behind a disagg sidecar"
+        )
 
 
 @dataclass(frozen=True)
