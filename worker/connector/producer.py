@@ -62,14 +62,8 @@ class _DecodeRank:
     plan: TransferPlan
     descs: DescArray
     prepped: PreppedList
-    source: _Source
+    source: tuple[DescArray, PreppedList]
     """This worker's descriptors the WRITEs read: whole blocks, or the decode rank's head slice of each."""
-
-
-@dataclass(frozen=True)
-class _Source:
-    descs: DescArray
-    prepped: PreppedList
 
 
 @dataclass
@@ -132,7 +126,7 @@ class PushProducer(PushSide[_DecodeEngine]):
         self._sending: list[_Sending] = []
         # Head slices of the local blocks (vLLM's local split handles), prepared once per slice and kept for
         # the worker's life like the whole-block list: every decode engine of one TP size reuses them.
-        self._head_slices: dict[tuple[int, int], _Source] = {}
+        self._head_slices: dict[tuple[int, int], tuple[DescArray, PreppedList]] = {}
 
     def request_finished(self, request_id: str, block_ids_per_group: BlockIds) -> None:
         """The request's KV is complete in these logical blocks (one list per KV cache group); its lease
@@ -217,9 +211,7 @@ class PushProducer(PushSide[_DecodeEngine]):
         self, engine_id: str, peers: Sequence[PeerHandshake], decode_tp: int, now: float
     ) -> list[str]:
         """Validate and align every decode rank; only when all pass are their NIXL agents added."""
-        planned = [
-            (peer, plan_decode_rank(self.local, peer.metadata, decode_tp, peer.tp_rank)) for peer in peers
-        ]
+        planned = [(p, plan_decode_rank(self.local, p.metadata, decode_tp, p.tp_rank)) for p in peers]
         ranks = []
         try:
             for peer, write in planned:
@@ -234,15 +226,14 @@ class PushProducer(PushSide[_DecodeEngine]):
         self._engines[engine_id] = _DecodeEngine(engine_id, ranks, now)
         return [rank.agent for rank in ranks]
 
-    def _source(self, write: DecodeWrite) -> _Source:
+    def _source(self, write: DecodeWrite) -> tuple[DescArray, PreppedList]:
         if write.head_slice == (0, 1):
-            return _Source(self.local.descs, self.local.prepped)
-        source = self._head_slices.get(write.head_slice)
-        if source is None:
+            return self.local.descs, self.local.prepped
+        if write.head_slice not in self._head_slices:
             descs = write.source_descs()
-            source = _Source(descs, self.transport.prep(LOCAL_AGENT, descs, self.config.mem_type))
-            self._head_slices[write.head_slice] = source
-        return source
+            prepped = self.transport.prep(LOCAL_AGENT, descs, self.config.mem_type)
+            self._head_slices[write.head_slice] = (descs, prepped)
+        return self._head_slices[write.head_slice]
 
     def _write(
         self, held_id: str, registration: wire.PushRegistration, now: float, events: ProducerEvents
@@ -273,7 +264,7 @@ class PushProducer(PushSide[_DecodeEngine]):
                         f"{len(local_ids)} local blocks against {len(remote_ids)} decode blocks"
                     )
                 xfers.append(self._post(rank, local_ids, remote_ids, notif))
-                nbytes += int(rank.source.descs[local_ids, 1].sum())
+                nbytes += int(rank.source[0][local_ids, 1].sum())
         except DisaggError as exc:
             for xfer in xfers:
                 self.transport.release(xfer)
@@ -286,12 +277,13 @@ class PushProducer(PushSide[_DecodeEngine]):
     def _post(self, rank: _DecodeRank, local_ids: IdArray, remote_ids: IdArray, notif: bytes) -> Xfer:
         """One WRITE: runs contiguous on both sides as single descriptors when there are any, else by index
         into the prepared lists."""
-        local_rows, remote_rows = merge_runs(rank.source.descs[local_ids], rank.descs[remote_ids])
+        source_descs, source_prepped = rank.source
+        local_rows, remote_rows = merge_runs(source_descs[local_ids], rank.descs[remote_ids])
         if len(local_rows) < len(local_ids):
             return self.transport.write_descs(
                 local_rows, rank.agent, remote_rows, notif, self.config.mem_type
             )
-        return self.transport.write(rank.source.prepped, local_ids, rank.prepped, remote_ids, notif)
+        return self.transport.write(source_prepped, local_ids, rank.prepped, remote_ids, notif)
 
     def _trimmed(
         self, held: list[IdArray], decode_ids: Sequence[Sequence[int]]
