@@ -9,10 +9,13 @@ adds its NIXL agent only then, and WRITEs every layer's blocks with the completi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+
+import msgspec
 
 from disagg.worker.connector.push import (
     Clock,
@@ -31,6 +34,7 @@ from disagg.worker.kv.decode_checks import DecodeWrite, LocalRegion, PrefillRank
 from disagg.worker.kv.errors import (
     DisaggError,
     HandshakeError,
+    InvalidRegistration,
     RegionGeometryMismatch,
     TransferFailed,
 )
@@ -41,9 +45,18 @@ from disagg.worker.kv.routing import (
     TransferPlan,
     expand_logical_blocks,
     group_arrays,
+    region_capacities,
 )
 
 log = logging.getLogger(__name__)
+
+MAX_REGISTRATIONS = 4096
+"""Unmatched registrations held at once; more are refused until some match or age out."""
+MAX_REGISTRATION_BYTES = 64 * 1024 * 1024
+"""Bytes of unmatched registrations (their notif sizes) held at once."""
+MIN_REMOTE_DESCS = 1 << 22
+"""A decoder may advertise this many destination descriptors, or 16 times this worker's, whichever is more:
+sizes beyond that are refused before the plan allocates for them."""
 
 
 @dataclass
@@ -51,6 +64,20 @@ class _Held:
     block_ids: list[IdArray]
     deadline: float
     writing: bool = False
+    failed: bool = False
+    """A push of it failed and the engine was told: it is never written again, the lease frees it."""
+
+
+@dataclass
+class _Registration:
+    """A decoder's registration as kept until it matches: decoded once, its block ids as arrays (a Python list
+    of ints takes some five times the memory)."""
+
+    registration: wire.PushRegistration
+    """Without its block ids (`block_ids` holds them)."""
+    block_ids: list[IdArray]
+    deadline: float
+    nbytes: int
 
 
 @dataclass
@@ -81,6 +108,7 @@ class _Sending:
     request_id: str
     registration: wire.PushRegistration
     xfers: list[Xfer]
+    """The WRITEs not yet DONE: each is released as soon as it completes (as vLLM's `_pop_done_transfers`)."""
     nbytes: int
     posted_at: float
 
@@ -116,13 +144,25 @@ class ProducerEvents:
 
 
 class PushProducer(PushSide[_DecodeEngine]):
-    def __init__(self, local: LocalKV, *, clock: Clock = time.monotonic) -> None:
+    def __init__(
+        self,
+        local: LocalKV,
+        *,
+        clock: Clock = time.monotonic,
+        max_registrations: int = MAX_REGISTRATIONS,
+        max_registration_bytes: int = MAX_REGISTRATION_BYTES,
+    ) -> None:
         super().__init__(local, clock)
         self._held: dict[str, _Held] = {}
-        # Registration and the time after which it is dropped unmatched: by then the decoder's own watchdog
-        # (the same push_registration_timeout_s) has failed the request, and keeping it would pin the decoder.
-        self._registrations: dict[str, tuple[wire.PushRegistration, float]] = {}
-        self._waiting: dict[str, list[tuple[str, wire.PushRegistration]]] = {}
+        # Unmatched registrations, each dropped at its deadline: by then the decoder's own watchdog (the same
+        # push_registration_timeout_s) has failed the request, and keeping it would pin the decoder. Capped
+        # by count and bytes, so a flood of them cannot grow the process.
+        self._registrations: dict[str, _Registration] = {}
+        self._max_registrations = max_registrations
+        self._max_registration_bytes = max_registration_bytes
+        self.registration_bytes = 0
+        self.refused_registrations = 0
+        self._waiting: dict[str, list[tuple[str, _Registration]]] = {}
         self._sending: list[_Sending] = []
         # Head slices of the local blocks (vLLM's local split handles), prepared once per slice and kept for
         # the worker's life like the whole-block list: every decode engine of one TP size reuses them.
@@ -144,7 +184,7 @@ class PushProducer(PushSide[_DecodeEngine]):
         self._expire(now, events)
         # A decoder whose registration waits for this worker's KV is not idle: it is about to be written to.
         busy = {s.registration.decode_engine_id for s in self._sending}
-        busy.update(r.decode_engine_id for r, _ in self._registrations.values())
+        busy.update(r.registration.decode_engine_id for r in self._registrations.values())
         self._evict_idle(now, busy)
         return events
 
@@ -156,39 +196,117 @@ class PushProducer(PushSide[_DecodeEngine]):
 
     def _read_notifs(self, now: float, events: ProducerEvents) -> None:
         for sender, message, notif in self._notifs():
-            if isinstance(notif, wire.PushRegistration):
-                deadline = now + self.config.push_registration_timeout_s
-                self._registrations[notif.request_id] = (notif, deadline)
-                events.registered.append(notif.request_id)
-            elif isinstance(notif, wire.HeartbeatNotif):
-                for request_id in notif.req_ids:
-                    held = self._find_held(request_id)
-                    if held is not None:
-                        held.deadline = max(held.deadline, now + self.config.heartbeat_extension_s)
-            else:
-                log.warning("unexpected completion notif %r from %s on a producer", message[:80], sender)
+            try:
+                if isinstance(notif, wire.PushRegistration):
+                    self._registered(notif, len(message), now, events)
+                elif isinstance(notif, InvalidRegistration):
+                    self._refuse_registration(notif, events)
+                elif isinstance(notif, wire.HeartbeatNotif):
+                    for request_id in notif.req_ids:
+                        held = self._find_held(request_id)
+                        if held is not None:
+                            held.deadline = max(held.deadline, now + self.config.heartbeat_extension_s)
+                else:
+                    self.ignored_notifs += 1
+                    log.warning(
+                        "unexpected completion notif %s from %s on a producer",
+                        wire.quote(message),
+                        wire.quote(sender),
+                    )
+            except Exception as exc:
+                # One message must never take the loop down; what it names fails, nothing else.
+                self.ignored_notifs += 1
+                log.warning("notif from %s refused: %s", wire.quote(sender), as_disagg_error(exc, "notif"))
+
+    def _registered(
+        self, registration: wire.PushRegistration, nbytes: int, now: float, events: ProducerEvents
+    ) -> None:
+        """Check a registration against this worker's layout and the caps, then keep it until it matches."""
+        try:
+            block_ids = self._checked_block_ids(registration)
+            old = self._registrations.get(registration.request_id)
+            held_bytes = self.registration_bytes - (old.nbytes if old else 0)
+            count = len(self._registrations) - (1 if old else 0)
+            if count >= self._max_registrations or held_bytes + nbytes > self._max_registration_bytes:
+                raise InvalidRegistration(
+                    f"{count} registrations of {held_bytes} bytes are held unmatched already (caps "
+                    f"{self._max_registrations} and {self._max_registration_bytes} bytes)",
+                    request_id=registration.request_id,
+                )
+        except InvalidRegistration as exc:
+            self._refuse_registration(exc, events)
+            return
+        if old is not None:
+            self.registration_bytes -= old.nbytes
+        deadline = now + self.config.push_registration_timeout_s
+        kept = msgspec.structs.replace(registration, local_block_ids=[])
+        self._registrations[registration.request_id] = _Registration(kept, block_ids, deadline, nbytes)
+        self.registration_bytes += nbytes
+        events.registered.append(registration.request_id)
+
+    def _checked_block_ids(self, registration: wire.PushRegistration) -> list[IdArray]:
+        """The registration's block ids, once its TP and block lists are known to fit this worker's layout."""
+
+        def refuse(what: str) -> InvalidRegistration:
+            return InvalidRegistration(
+                f"decode request {wire.quote(registration.request_id)}: {what}",
+                request_id=registration.request_id,
+            )
+
+        local_tp, decode_tp = self.config.tp_size, registration.decode_tp_size
+        if max(local_tp, decode_tp) % min(local_tp, decode_tp):
+            raise refuse(f"decode TP {decode_tp} and this worker's TP {local_tp} do not divide one another")
+        layout = self.local.layout
+        if len(registration.local_block_ids) != len(layout.groups):
+            raise refuse(
+                f"names blocks for {len(registration.local_block_ids)} KV cache groups, this worker has "
+                f"{len(layout.groups)}"
+            )
+        capacity = layout.num_blocks // layout.physical_blocks_per_logical
+        for g, ids in enumerate(registration.local_block_ids):
+            if len(ids) > capacity:
+                raise refuse(f"group {g}: names {len(ids)} blocks, a request here has at most {capacity}")
+        return group_arrays(registration.local_block_ids)
+
+    def _refuse_registration(self, error: InvalidRegistration, events: ProducerEvents) -> None:
+        self.refused_registrations += 1
+        held_id = None if error.request_id is None else find_request(error.request_id, self._held)
+        if held_id is not None and not self._held[held_id].writing and not self._held[held_id].failed:
+            self._fail(held_id, error.request_id or "", error, events)
+        else:
+            log.warning("refused a registration: %s", error)
 
     def _find_held(self, request_id: str) -> _Held | None:
         held_id = find_request(request_id, self._held)
         return None if held_id is None else self._held[held_id]
 
     def _match(self, now: float, events: ProducerEvents) -> None:
-        for decode_request_id, (registration, _) in list(self._registrations.items()):
+        for decode_request_id, kept in list(self._registrations.items()):
             held_id = find_request(decode_request_id, self._held)
-            if held_id is None or self._held[held_id].writing:
+            if held_id is None or self._held[held_id].writing or self._held[held_id].failed:
                 continue
-            del self._registrations[decode_request_id]
+            self._drop_registration(decode_request_id)
             self._held[held_id].writing = True
+            registration = kept.registration
             engine_id = registration.decode_engine_id
-            if engine_id in self._engines:
-                self._write(held_id, registration, now, events)
-                continue
-            self._waiting.setdefault(engine_id, []).append((held_id, registration))
-            remote = RemoteEngine(
-                engine_id, registration.decode_host, registration.decode_port, registration.decode_tp_size
-            )
-            targets = handshake_targets(self.config.tp_size, self.config.tp_rank, remote.tp_size, 1)
-            self._handshakes.start(remote, targets)
+            try:
+                if engine_id in self._engines:
+                    self._write(held_id, kept, now, events)
+                    continue
+                remote = RemoteEngine(
+                    engine_id, registration.decode_host, registration.decode_port, registration.decode_tp_size
+                )
+                targets = handshake_targets(self.config.tp_size, self.config.tp_rank, remote.tp_size, 1)
+                self._waiting.setdefault(engine_id, []).append((held_id, kept))
+                self._handshakes.start(remote, targets)
+            except Exception as exc:
+                self._fail(
+                    held_id, decode_request_id, as_disagg_error(exc, "push", reason="InternalError"), events
+                )
+
+    def _drop_registration(self, decode_request_id: str) -> None:
+        kept = self._registrations.pop(decode_request_id)
+        self.registration_bytes -= kept.nbytes
 
     def _apply_handshakes(self, now: float, events: ProducerEvents) -> None:
         for engine_id, started_at, result in self._handshakes.collect():
@@ -196,16 +314,17 @@ class PushProducer(PushSide[_DecodeEngine]):
             try:
                 if isinstance(result, BaseException):
                     raise as_disagg_error(result, f"handshake with decode engine {engine_id!r}")
-                decode_tp = waiting[0][1].decode_tp_size if waiting else 1
+                decode_tp = waiting[0][1].registration.decode_tp_size if waiting else 1
                 agents = self._connect(engine_id, result, decode_tp, now)
-            except DisaggError as exc:
-                log.warning("decode engine %r refused: %s", engine_id, exc)
-                for held_id, registration in waiting:
-                    self._fail(held_id, registration.request_id, exc, events)
+            except Exception as exc:
+                error = as_disagg_error(exc, f"connecting decode engine {wire.quote(engine_id)}")
+                log.warning("decode engine %s refused: %s", wire.quote(engine_id), error)
+                for held_id, kept in waiting:
+                    self._fail(held_id, kept.registration.request_id, error, events)
                 continue
             events.handshakes.append(Handshake(engine_id, tuple(agents), started_at, now))
-            for held_id, registration in waiting:
-                self._write(held_id, registration, now, events)
+            for held_id, kept in waiting:
+                self._write(held_id, kept, now, events)
 
     def _connect(
         self, engine_id: str, peers: Sequence[PeerHandshake], decode_tp: int, now: float
@@ -235,9 +354,8 @@ class PushProducer(PushSide[_DecodeEngine]):
             self._head_slices[write.head_slice] = (descs, prepped)
         return self._head_slices[write.head_slice]
 
-    def _write(
-        self, held_id: str, registration: wire.PushRegistration, now: float, events: ProducerEvents
-    ) -> None:
+    def _write(self, held_id: str, kept: _Registration, now: float, events: ProducerEvents) -> None:
+        registration = kept.registration
         engine = self._engines.get(registration.decode_engine_id)
         if engine is None:
             self._fail(
@@ -250,7 +368,7 @@ class PushProducer(PushSide[_DecodeEngine]):
         xfers: list[Xfer] = []
         nbytes = 0
         try:
-            local_blocks, decode_blocks = self._trimmed(held.block_ids, registration.local_block_ids)
+            local_blocks, decode_blocks = self._trimmed(held.block_ids, kept.block_ids)
             local_kernel = expand_logical_blocks(
                 local_blocks, self.local.geometry.physical_blocks_per_logical_kv_block
             )
@@ -265,12 +383,12 @@ class PushProducer(PushSide[_DecodeEngine]):
                     )
                 xfers.append(self._post(rank, local_ids, remote_ids, notif))
                 nbytes += int(rank.source[0][local_ids, 1].sum())
-        except DisaggError as exc:
-            for xfer in xfers:
-                self.transport.release(xfer)
-            if isinstance(exc, TransferFailed):
+        except Exception as exc:
+            self._release_all(xfers)
+            error = as_disagg_error(exc, "preparing the WRITE", reason="InternalError")
+            if isinstance(error, TransferFailed):
                 self._evict(engine.engine_id)
-            self._fail(held_id, registration.request_id, exc, events)
+            self._fail(held_id, registration.request_id, error, events)
             return
         self._sending.append(_Sending(held_id, registration, xfers, nbytes, now))
 
@@ -285,15 +403,12 @@ class PushProducer(PushSide[_DecodeEngine]):
             )
         return self.transport.write(source_prepped, local_ids, rank.prepped, remote_ids, notif)
 
-    def _trimmed(
-        self, held: list[IdArray], decode_ids: Sequence[Sequence[int]]
-    ) -> tuple[list[IdArray], list[IdArray]]:
+    def _trimmed(self, held: list[IdArray], decode: list[IdArray]) -> tuple[list[IdArray], list[IdArray]]:
         """This request's blocks and the decoder's, per group, paired block by block."""
-        if len(decode_ids) != len(held):
+        if len(decode) != len(held):
             raise RegionGeometryMismatch(
-                f"the decoder named blocks for {len(decode_ids)} KV cache groups, this worker has {len(held)}"
+                f"the decoder named blocks for {len(decode)} KV cache groups, this worker has {len(held)}"
             )
-        decode = group_arrays(decode_ids)
         trimmed = []
         for g, (mine, theirs) in enumerate(zip(held, decode, strict=True)):
             if len(theirs) > len(mine):
@@ -308,18 +423,25 @@ class PushProducer(PushSide[_DecodeEngine]):
         still = []
         for sending in self._sending:
             try:
-                states = [self.transport.state(xfer) for xfer in sending.xfers]
-            except TransferFailed as exc:
+                pending = []
                 for xfer in sending.xfers:
-                    self.transport.release(xfer)
+                    if self.transport.state(xfer) is XferState.DONE:
+                        self.transport.release(xfer)
+                    else:
+                        pending.append(xfer)
+                sending.xfers = pending
+            except Exception as exc:
+                self._release_all(sending.xfers)
                 self._evict(sending.registration.decode_engine_id)
-                # The blocks stay held: the lease frees them, as the decoder may still be reading garbage.
-                self._held[sending.request_id].writing = False
-                events.failed.append(Failure.of(sending.request_id, exc))
+                # The blocks stay held until the lease ends, but are never written again: the engine is told
+                # the push failed, once.
+                held = self._held[sending.request_id]
+                held.writing, held.failed = False, True
+                events.failed.append(
+                    Failure.of(sending.request_id, as_disagg_error(exc, "WRITE", reason="TransferFailed"))
+                )
                 continue
-            if all(state is XferState.DONE for state in states):
-                for xfer in sending.xfers:
-                    self.transport.release(xfer)
+            if not sending.xfers:
                 del self._held[sending.request_id]
                 registration = sending.registration
                 events.sent.append(
@@ -339,23 +461,32 @@ class PushProducer(PushSide[_DecodeEngine]):
                 still.append(sending)
         self._sending = still
 
+    def _release_all(self, xfers: Sequence[Xfer]) -> None:
+        for xfer in xfers:
+            # A handle NIXL cannot release (one still in flight to a dead peer) must not end the loop.
+            with contextlib.suppress(DisaggError):
+                self.transport.release(xfer)
+
     def _fail(self, held_id: str, decode_request_id: str, error: DisaggError, events: ProducerEvents) -> None:
-        log.warning("push of %s to decode request %s failed: %s", held_id, decode_request_id, error)
+        log.warning(
+            "push of %s to decode request %s failed: %s", held_id, wire.quote(decode_request_id), error
+        )
         held = self._held.get(held_id)
         if held is not None:
-            held.writing = False
+            # Reported once: a later registration naming it is not written (the engine may reuse the blocks).
+            held.writing, held.failed = False, True
         events.failed.append(Failure.of(held_id, error))
 
     def _expire(self, now: float, events: ProducerEvents) -> None:
-        for decode_request_id, (registration, deadline) in list(self._registrations.items()):
-            if deadline <= now:
+        for decode_request_id, kept in list(self._registrations.items()):
+            if kept.deadline <= now:
                 log.warning(
                     "Dropping the registration of decode request %s from engine %s: this worker never "
                     "finished a matching request within push_registration_timeout_s",
-                    decode_request_id,
-                    registration.decode_engine_id,
+                    wire.quote(decode_request_id),
+                    wire.quote(kept.registration.decode_engine_id),
                 )
-                del self._registrations[decode_request_id]
+                self._drop_registration(decode_request_id)
         sending = {s.request_id for s in self._sending}
         for request_id, held in list(self._held.items()):
             if held.deadline <= now and request_id not in sending:
@@ -395,6 +526,25 @@ def plan_decode_rank(
 ) -> DecodeWrite:
     """`decode_checks.plan_decode_write` for this worker's registered KV: every check that can refuse decode
     rank `remote_tp_rank`, and what to write to it; no NIXL call."""
+    _check_advertised_size(local, meta)
     return plan_decode_write(
         _prefill_rank(local), local.geometry, local.transfer_layers, meta, remote_tp, remote_tp_rank
     )
+
+
+def _check_advertised_size(local: LocalKV, meta: wire.NixlAgentMetadata) -> None:
+    """A decoder's advertised block counts, bounded before the plan allocates a descriptor per block."""
+    counts = [meta.num_blocks, meta.physical_blocks_per_logical_kv_block, *(meta.region_num_blocks or [])]
+    if min(counts) < 0 or max(counts) > wire.MAX_BLOCK_ID:
+        raise RegionGeometryMismatch(
+            f"decode engine {wire.quote(meta.engine_id)} advertises block counts {wire.quote(counts)} "
+            f"outside 0..{wire.MAX_BLOCK_ID}"
+        )
+    limit = max(MIN_REMOTE_DESCS, 16 * len(local.descs))
+    total = sum(region_capacities(meta))
+    if total > limit:
+        raise RegionGeometryMismatch(
+            f"decode engine {wire.quote(meta.engine_id)} advertises {total} destination descriptors, over "
+            f"the {limit} this worker accepts (16 times its own {len(local.descs)}, at least "
+            f"{MIN_REMOTE_DESCS})"
+        )
