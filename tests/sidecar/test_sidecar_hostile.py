@@ -4,26 +4,30 @@ leaves the sidecar serving with flat memory and descriptors."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import socket
 import struct
+import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
-from sidecar_procs import SidecarProcess
+from sidecar_procs import SidecarProcess, http_get
 from test_sidecar_engine_socket import ENGINE_ID, NUM_BLOCKS, registration, stage_layout, topology
 
+from disagg.rig.local import free_port
 from disagg.worker.connector.kv_pool import ShmPool
-from disagg.worker.kv.errors import DisaggError
+from disagg.worker.kv.errors import DisaggError, EngineProtocolError
+from disagg.worker.sidecar.config import from_env
 from disagg.worker.sidecar.engine_link import (
     MAX_FRAME_BYTES,
     EngineLink,
     Error,
-    ExpectRequest,
     KVFailed,
     KVReady,
     KVSent,
@@ -35,6 +39,7 @@ from disagg.worker.sidecar.engine_link import (
     encode_frame,
     read_frame,
 )
+from disagg.worker.sidecar.transfer import Sidecar
 
 FUZZ_MESSAGES = 5_000
 SEED = 15
@@ -98,6 +103,81 @@ def test_an_expect_request_with_impossible_prefill_sizes_is_refused_and_the_side
     pool.close()
 
 
+def test_a_killed_decoder_gives_the_prefill_engine_exactly_one_terminal_event(
+    workdir: Path, sidecars: list[SidecarProcess]
+) -> None:
+    short_lease = {**topology(), "kvLeaseDurationSeconds": 3}
+    groups = len(stage_layout().groups)
+    prefill = SidecarProcess(
+        workdir, "p", short_lease, DISAGG_ROLE="prefill", DISAGG_ENGINE_ID=ENGINE_ID, DISAGG_PP_RANK="0"
+    )
+    decode = SidecarProcess(workdir, "d", short_lease, DISAGG_ROLE="decode", DISAGG_ENGINE_ID="hostile-d")
+    sidecars += [prefill, decode]
+    prefill.wait_listening()
+    decode.wait_listening()
+    p_pool = ShmPool.create(workdir / "p.kv", stage_layout().total_bytes)
+    d_pool = ShmPool.create(workdir / "d.kv", stage_layout().total_bytes)
+    source = PrefillEngine(ENGINE_ID, "127.0.0.1", prefill.side_channel_port)
+    with EngineLink(prefill.socket_path) as p_link, EngineLink(decode.socket_path) as d_link:
+        p_link.register_layout(registration(p_pool))
+        d_link.register_layout(
+            msgspec.structs.replace(registration(d_pool), engine_id="hostile-d", role="decode")
+        )
+        # A first request connects the two, so the next registration reaches a prefill that knows the decoder.
+        d_link.expect_request("r0", [[g + 1] for g in range(groups)], source)
+        p_link.request_finished("r0", [[g + 2] for g in range(groups)])
+        assert isinstance(p_link.wait("r0", timeout_s=60), KVSent)
+        assert isinstance(d_link.wait("r0", timeout_s=60), KVReady)
+        d_link.expect_request("r1", [[g + 3] for g in range(groups)], source)
+        # The decoder's registration travels over loopback in milliseconds; then the decoder dies.
+        time.sleep(2)
+        decode.kill()
+        p_link.request_finished("r1", [[g + 4] for g in range(groups)])
+        first = p_link.next_event(timeout_s=60)
+        assert isinstance(first, KVFailed) and first.request_id == "r1", first
+        # Past the lease that frees r1's blocks: nothing more is told about r1.
+        assert p_link.next_event(timeout_s=8) is None
+        status = p_link.query("r1")
+        assert (status.state, status.reason) == ("failed", first.reason)
+    assert prefill.terminate() == 0
+    p_pool.close()
+    d_pool.close()
+
+
+def test_readyz_reports_a_stopped_serving_thread(workdir: Path) -> None:
+    topology_file = workdir / "topology.json"
+    topology_file.write_text(json.dumps(topology()))
+    env = {
+        "DISAGG_ROLE": "prefill",
+        "DISAGG_ENGINE_ID": ENGINE_ID,
+        "DISAGG_PP_RANK": "0",
+        "DISAGG_TOPOLOGY_FILE": str(topology_file),
+        "DISAGG_ENGINE_SOCKET": str(workdir / "ready.sock"),
+        "DISAGG_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "DISAGG_SIDE_CHANNEL_PORT": str(free_port()),
+        "DISAGG_METRICS_HOST": "127.0.0.1",
+        "DISAGG_METRICS_PORT": "0",
+    }
+    sidecar = Sidecar(from_env(env))
+    loop = threading.Thread(target=sidecar.run, name="sidecar-main")
+    loop.start()
+    pool = ShmPool.create(workdir / "ready.kv", stage_layout().total_bytes)
+    try:
+        with EngineLink(env["DISAGG_ENGINE_SOCKET"]) as link:
+            link.register_layout(registration(pool))
+        assert http_get(sidecar.http.port, "/readyz") == (200, "ready\n")
+        sidecar.side_channel.stop()  # as if its thread had died
+        deadline = time.monotonic() + 30
+        while http_get(sidecar.http.port, "/readyz")[0] != 503:
+            assert time.monotonic() < deadline, "readiness never noticed the stopped side channel"
+            time.sleep(0.02)
+        assert http_get(sidecar.http.port, "/readyz") == (503, "the side channel serving thread stopped\n")
+    finally:
+        sidecar.stop()
+        loop.join(timeout=30)
+        pool.close()
+
+
 def test_pipelined_replies_come_in_order_even_for_undecodable_frames(
     workdir: Path, sidecars: list[SidecarProcess]
 ) -> None:
@@ -140,8 +220,8 @@ def hostile_message(rng: random.Random, groups: int) -> bytes:
             {"type": "request_finished", "request_id": f"f{rng.random()}", "block_ids": ids}
         )
     if kind == 3:
-        prefill = {"engine_id": "p", "host": "127.0.0.1", "port": hostile_int(rng), "tp_size": hostile_int(rng),
-                   "pp_size": hostile_int(rng)}  # fmt: skip
+        prefill = {"engine_id": "p", "host": "127.0.0.1", "port": hostile_int(rng)}
+        prefill.update(tp_size=hostile_int(rng), pp_size=hostile_int(rng))
         return msgspec.msgpack.encode(
             {"type": "expect_request", "request_id": "e", "block_ids": [[1]] * groups, "prefill": prefill}
         )
@@ -202,3 +282,21 @@ def test_engine_socket_fuzz_5000_messages_no_crash_flat_memory_every_refusal_wit
     assert fds1 - fds0 < 16
     assert sidecar.terminate() == 0
     pool.close()
+
+
+def test_a_half_sent_frame_times_out_instead_of_pinning_the_reader() -> None:
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.sendall(struct.pack(">I", 1 << 20) + b"x" * 1000)  # a 1 MiB frame, 1,000 bytes of it sent
+        with pytest.raises(EngineProtocolError, match="stalled after 1000 of 1048576 bytes"):
+            read_frame(ours, frame_timeout_s=0.2)
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.sendall(b"\x00\x00")  # half a header
+        with pytest.raises(EngineProtocolError, match="stalled after 1 of 3 bytes"):
+            read_frame(ours, frame_timeout_s=0.2)
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        frame = encode_frame(QueryRequest("q"))
+        theirs.sendall(frame)
+        assert read_frame(ours, frame_timeout_s=5) == frame[4:]
