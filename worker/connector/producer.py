@@ -363,7 +363,10 @@ class PushProducer(PushSide[_DecodeEngine]):
             )
             return
         engine.last_active = now
-        held = self._held[held_id]
+        held = self._held.get(held_id)
+        if held is None:
+            # Its lease ended while the decoder's handshake ran: the engine was told it expired.
+            return
         notif = wire.encode_completion_notif(registration.request_id, self.config.tp_size)
         xfers: list[Xfer] = []
         nbytes = 0

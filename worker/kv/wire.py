@@ -48,6 +48,8 @@ MAX_BLOCK_ID: Final = 2**31 - 1
 MAX_KV_CACHE_GROUPS: Final = 64
 MAX_ID_CHARS: Final = 1024
 MAX_HOST_CHARS: Final = 255
+MAX_HEARTBEAT_IDS: Final = 16_384
+"""Request ids read from one heartbeat (vLLM sends one per request in flight to that prefill worker)."""
 # What an error message quotes of a peer's bytes or values.
 QUOTE_CHARS: Final = 120
 
@@ -497,7 +499,9 @@ def parse_heartbeat_notif(msg: bytes) -> HeartbeatNotif:
     if not msg.startswith(HB_NOTIF_PREFIX):
         raise WireFormatError(f"heartbeat notif must start with {HB_NOTIF_PREFIX!r}, got {msg[:16]!r}")
     body = _text(msg[len(HB_NOTIF_PREFIX) :], "heartbeat notif")
-    return HeartbeatNotif(tuple(body.split(",")) if body else ())
+    # Split at most MAX_HEARTBEAT_IDS times: 16 MiB of commas must not become millions of strings.
+    ids = body.split(",", MAX_HEARTBEAT_IDS)[:MAX_HEARTBEAT_IDS] if body else []
+    return HeartbeatNotif(tuple(ids))
 
 
 def encode_completion_notif(req_id: str, tp_size: int) -> bytes:
