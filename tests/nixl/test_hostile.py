@@ -204,13 +204,13 @@ def test_registrations_are_capped_by_count_and_bytes(make_worker: Callable[..., 
             decoder.transport.send_notif(peer, wire.encode_push_reg_notif(reg))
         registered: list[str] = []
         deadline = time.monotonic() + 30
-        while len(registered) + producer.refused_registrations < 100 and time.monotonic() < deadline:
+        while len(registered) + producer.registrations.refused < 100 and time.monotonic() < deadline:
             decoder.transport.notifs()
             registered += producer.poll().registered
             time.sleep(0.005)
         assert 0 < len(registered) < 50
-        assert producer.registration_bytes <= 64 * 1024
-        assert producer.refused_registrations == 100 - len(registered)
+        assert producer.registrations.nbytes <= 64 * 1024
+        assert producer.registrations.refused == 100 - len(registered)
     finally:
         producer.close()
 

@@ -5,6 +5,13 @@ held under a lease; the decoder's `PUSH_REG:` registration names its blocks; the
 decoder's side channel if needed, validates and aligns its metadata (layer-name routing under PP + HMA),
 adds its NIXL agent only then, and WRITEs every layer's blocks with the completion notif
 `f"{D_request_id}:{P_tp_size}"`. Heartbeats extend a lease; an expired lease frees the blocks with a warning.
+
+A send is finished when all its WRITE handles are DONE, each released as it completes (vLLM's push worker:
+the decoder sends nothing back in push mode). A push that fails is reported once and never written again;
+the lease still frees its blocks. No exception from one notif or request ends `poll()`.
+
+It runs to some 470 lines: the registration store and the bounds on what a decoder may make it allocate are
+in `registrations.py`; what stays is one state machine whose steps share the held requests.
 """
 
 from __future__ import annotations
@@ -15,8 +22,6 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-import msgspec
-
 from disagg.worker.connector.push import (
     Clock,
     Failure,
@@ -26,6 +31,13 @@ from disagg.worker.connector.push import (
     RemoteEngine,
     as_disagg_error,
     find_request,
+)
+from disagg.worker.connector.registrations import (
+    MAX_REGISTRATION_BYTES,
+    MAX_REGISTRATIONS,
+    Registration,
+    Registrations,
+    check_advertised_size,
 )
 from disagg.worker.connector.side_channel import PeerHandshake, handshake_targets
 from disagg.worker.connector.transport import LOCAL_AGENT, PreppedList, Xfer, XferState, merge_runs
@@ -45,18 +57,9 @@ from disagg.worker.kv.routing import (
     TransferPlan,
     expand_logical_blocks,
     group_arrays,
-    region_capacities,
 )
 
 log = logging.getLogger(__name__)
-
-MAX_REGISTRATIONS = 4096
-"""Unmatched registrations held at once; more are refused until some match or age out."""
-MAX_REGISTRATION_BYTES = 64 * 1024 * 1024
-"""Bytes of unmatched registrations (their notif sizes) held at once."""
-MIN_REMOTE_DESCS = 1 << 22
-"""A decoder may advertise this many destination descriptors, or 16 times this worker's, whichever is more:
-sizes beyond that are refused before the plan allocates for them."""
 
 
 @dataclass
@@ -66,18 +69,6 @@ class _Held:
     writing: bool = False
     failed: bool = False
     """A push of it failed and the engine was told: it is never written again, the lease frees it."""
-
-
-@dataclass
-class _Registration:
-    """A decoder's registration as kept until it matches: decoded once, its block ids as arrays (a Python list
-    of ints takes some five times the memory)."""
-
-    registration: wire.PushRegistration
-    """Without its block ids (`block_ids` holds them)."""
-    block_ids: list[IdArray]
-    deadline: float
-    nbytes: int
 
 
 @dataclass
@@ -157,12 +148,10 @@ class PushProducer(PushSide[_DecodeEngine]):
         # Unmatched registrations, each dropped at its deadline: by then the decoder's own watchdog (the same
         # push_registration_timeout_s) has failed the request, and keeping it would pin the decoder. Capped
         # by count and bytes, so a flood of them cannot grow the process.
-        self._registrations: dict[str, _Registration] = {}
-        self._max_registrations = max_registrations
-        self._max_registration_bytes = max_registration_bytes
-        self.registration_bytes = 0
-        self.refused_registrations = 0
-        self._waiting: dict[str, list[tuple[str, _Registration]]] = {}
+        self.registrations = Registrations(
+            local.layout, self.config.tp_size, max_count=max_registrations, max_bytes=max_registration_bytes
+        )
+        self._waiting: dict[str, list[tuple[str, Registration]]] = {}
         self._sending: list[_Sending] = []
         # Head slices of the local blocks (vLLM's local split handles), prepared once per slice and kept for
         # the worker's life like the whole-block list: every decode engine of one TP size reuses them.
@@ -184,7 +173,7 @@ class PushProducer(PushSide[_DecodeEngine]):
         self._expire(now, events)
         # A decoder whose registration waits for this worker's KV is not idle: it is about to be written to.
         busy = {s.registration.decode_engine_id for s in self._sending}
-        busy.update(r.registration.decode_engine_id for r in self._registrations.values())
+        busy.update(r.registration.decode_engine_id for r in self.registrations)
         self._evict_idle(now, busy)
         return events
 
@@ -200,6 +189,7 @@ class PushProducer(PushSide[_DecodeEngine]):
                 if isinstance(notif, wire.PushRegistration):
                     self._registered(notif, len(message), now, events)
                 elif isinstance(notif, InvalidRegistration):
+                    self.registrations.refused += 1
                     self._refuse_registration(notif, events)
                 elif isinstance(notif, wire.HeartbeatNotif):
                     for request_id in notif.req_ids:
@@ -221,55 +211,14 @@ class PushProducer(PushSide[_DecodeEngine]):
     def _registered(
         self, registration: wire.PushRegistration, nbytes: int, now: float, events: ProducerEvents
     ) -> None:
-        """Check a registration against this worker's layout and the caps, then keep it until it matches."""
         try:
-            block_ids = self._checked_block_ids(registration)
-            old = self._registrations.get(registration.request_id)
-            held_bytes = self.registration_bytes - (old.nbytes if old else 0)
-            count = len(self._registrations) - (1 if old else 0)
-            if count >= self._max_registrations or held_bytes + nbytes > self._max_registration_bytes:
-                raise InvalidRegistration(
-                    f"{count} registrations of {held_bytes} bytes are held unmatched already (caps "
-                    f"{self._max_registrations} and {self._max_registration_bytes} bytes)",
-                    request_id=registration.request_id,
-                )
+            self.registrations.add(registration, nbytes, now + self.config.push_registration_timeout_s)
         except InvalidRegistration as exc:
             self._refuse_registration(exc, events)
             return
-        if old is not None:
-            self.registration_bytes -= old.nbytes
-        deadline = now + self.config.push_registration_timeout_s
-        kept = msgspec.structs.replace(registration, local_block_ids=[])
-        self._registrations[registration.request_id] = _Registration(kept, block_ids, deadline, nbytes)
-        self.registration_bytes += nbytes
         events.registered.append(registration.request_id)
 
-    def _checked_block_ids(self, registration: wire.PushRegistration) -> list[IdArray]:
-        """The registration's block ids, once its TP and block lists are known to fit this worker's layout."""
-
-        def refuse(what: str) -> InvalidRegistration:
-            return InvalidRegistration(
-                f"decode request {wire.quote(registration.request_id)}: {what}",
-                request_id=registration.request_id,
-            )
-
-        local_tp, decode_tp = self.config.tp_size, registration.decode_tp_size
-        if max(local_tp, decode_tp) % min(local_tp, decode_tp):
-            raise refuse(f"decode TP {decode_tp} and this worker's TP {local_tp} do not divide one another")
-        layout = self.local.layout
-        if len(registration.local_block_ids) != len(layout.groups):
-            raise refuse(
-                f"names blocks for {len(registration.local_block_ids)} KV cache groups, this worker has "
-                f"{len(layout.groups)}"
-            )
-        capacity = layout.num_blocks // layout.physical_blocks_per_logical
-        for g, ids in enumerate(registration.local_block_ids):
-            if len(ids) > capacity:
-                raise refuse(f"group {g}: names {len(ids)} blocks, a request here has at most {capacity}")
-        return group_arrays(registration.local_block_ids)
-
     def _refuse_registration(self, error: InvalidRegistration, events: ProducerEvents) -> None:
-        self.refused_registrations += 1
         held_id = None if error.request_id is None else find_request(error.request_id, self._held)
         if held_id is not None and not self._held[held_id].writing and not self._held[held_id].failed:
             self._fail(held_id, error.request_id or "", error, events)
@@ -281,11 +230,12 @@ class PushProducer(PushSide[_DecodeEngine]):
         return None if held_id is None else self._held[held_id]
 
     def _match(self, now: float, events: ProducerEvents) -> None:
-        for decode_request_id, kept in list(self._registrations.items()):
+        for kept in self.registrations:
+            decode_request_id = kept.registration.request_id
             held_id = find_request(decode_request_id, self._held)
             if held_id is None or self._held[held_id].writing or self._held[held_id].failed:
                 continue
-            self._drop_registration(decode_request_id)
+            self.registrations.pop(decode_request_id)
             self._held[held_id].writing = True
             registration = kept.registration
             engine_id = registration.decode_engine_id
@@ -303,10 +253,6 @@ class PushProducer(PushSide[_DecodeEngine]):
                 self._fail(
                     held_id, decode_request_id, as_disagg_error(exc, "push", reason="InternalError"), events
                 )
-
-    def _drop_registration(self, decode_request_id: str) -> None:
-        kept = self._registrations.pop(decode_request_id)
-        self.registration_bytes -= kept.nbytes
 
     def _apply_handshakes(self, now: float, events: ProducerEvents) -> None:
         for engine_id, started_at, result in self._handshakes.collect():
@@ -354,7 +300,7 @@ class PushProducer(PushSide[_DecodeEngine]):
             self._head_slices[write.head_slice] = (descs, prepped)
         return self._head_slices[write.head_slice]
 
-    def _write(self, held_id: str, kept: _Registration, now: float, events: ProducerEvents) -> None:
+    def _write(self, held_id: str, kept: Registration, now: float, events: ProducerEvents) -> None:
         registration = kept.registration
         engine = self._engines.get(registration.decode_engine_id)
         if engine is None:
@@ -481,15 +427,7 @@ class PushProducer(PushSide[_DecodeEngine]):
         events.failed.append(Failure.of(held_id, error))
 
     def _expire(self, now: float, events: ProducerEvents) -> None:
-        for decode_request_id, kept in list(self._registrations.items()):
-            if kept.deadline <= now:
-                log.warning(
-                    "Dropping the registration of decode request %s from engine %s: this worker never "
-                    "finished a matching request within push_registration_timeout_s",
-                    wire.quote(decode_request_id),
-                    wire.quote(kept.registration.decode_engine_id),
-                )
-                self._drop_registration(decode_request_id)
+        self.registrations.expire(now)
         sending = {s.request_id for s in self._sending}
         for request_id, held in list(self._held.items()):
             if held.deadline <= now and request_id not in sending:
@@ -529,25 +467,7 @@ def plan_decode_rank(
 ) -> DecodeWrite:
     """`decode_checks.plan_decode_write` for this worker's registered KV: every check that can refuse decode
     rank `remote_tp_rank`, and what to write to it; no NIXL call."""
-    _check_advertised_size(local, meta)
+    check_advertised_size(len(local.descs), meta)
     return plan_decode_write(
         _prefill_rank(local), local.geometry, local.transfer_layers, meta, remote_tp, remote_tp_rank
     )
-
-
-def _check_advertised_size(local: LocalKV, meta: wire.NixlAgentMetadata) -> None:
-    """A decoder's advertised block counts, bounded before the plan allocates a descriptor per block."""
-    counts = [meta.num_blocks, meta.physical_blocks_per_logical_kv_block, *(meta.region_num_blocks or [])]
-    if min(counts) < 0 or max(counts) > wire.MAX_BLOCK_ID:
-        raise RegionGeometryMismatch(
-            f"decode engine {wire.quote(meta.engine_id)} advertises block counts {wire.quote(counts)} "
-            f"outside 0..{wire.MAX_BLOCK_ID}"
-        )
-    limit = max(MIN_REMOTE_DESCS, 16 * len(local.descs))
-    total = sum(region_capacities(meta))
-    if total > limit:
-        raise RegionGeometryMismatch(
-            f"decode engine {wire.quote(meta.engine_id)} advertises {total} destination descriptors, over "
-            f"the {limit} this worker accepts (16 times its own {len(local.descs)}, at least "
-            f"{MIN_REMOTE_DESCS})"
-        )
