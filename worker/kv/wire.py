@@ -9,8 +9,9 @@ Everything read from the network goes through a size check and a typed (or expli
 msgpack decode; nothing is ever unpickled. Refusals are typed (`disagg.worker.kv.errors`) and name the
 difference. This module is pure: no I/O, no clock.
 
-It runs to some 450 lines because it mirrors vLLM's structs and notif formats field for field; split, it would
-part what the golden vectors pin together.
+It runs to some 530 lines because it mirrors vLLM's structs and notif formats field for field, with the
+bounds every decode entry point checks on what a peer names; split, it would part what the golden vectors pin
+together.
 """
 
 from __future__ import annotations

@@ -16,9 +16,10 @@ Engine -> sidecar (every one gets exactly one reply, in order):
 - `QueryRequest`: the state of a request this sidecar was told about. Reply `RequestStatus` or `Error`.
 
 Sidecar -> engine: replies `Ack`, `Error(reason, message)`, `RequestStatus`; events `KVReady`, `KVSent`,
-`KVFailed(reason, message)`, pushed whenever they happen (the client sorts events from replies).
+`KVFailed(reason, message)`, pushed whenever they happen (the client sorts events from replies). An
+acknowledged request gets exactly one of them; a frame that is no message gets an `Error` in its turn.
 
-Both ends of the protocol (messages, framing, the engine's client) stay in this one module of some 420 lines,
+Both ends of the protocol (messages, framing, the engine's client) stay in this one module of some 450 lines,
 so that they change together; an engine needs this module and nothing else of the sidecar package.
 """
 
@@ -231,7 +232,7 @@ def _recv_exact(sock: socket.socket, size: int, deadline: float | None = None) -
     chunks, got = [], 0
     while got < size:
         if deadline is not None:
-            # select, not a socket timeout: the socket stays blocking for the thread that writes to it.
+            # poll, not a socket timeout: the socket stays blocking for the thread that writes to it.
             left = deadline - time.monotonic()
             if left <= 0 or not _readable(sock, left):
                 raise EngineProtocolError(f"a frame stalled after {got} of {size} bytes")

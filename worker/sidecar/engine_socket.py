@@ -27,7 +27,6 @@ from disagg.worker.sidecar.engine_link import (
     read_frame,
 )
 from disagg.worker.sidecar.logs import event
-from disagg.worker.sidecar.metrics import SidecarMetrics
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +73,9 @@ Inbound = tuple[EngineConnection, EngineMessage | Refusal]
 class EngineSocketServer:
     """Accepts engine connections on a Unix socket; decoded messages go to `inbox`, garbage gets an error."""
 
-    def __init__(self, path: str, inbox: queue.Queue[Inbound], metrics: SidecarMetrics) -> None:
+    def __init__(self, path: str, inbox: queue.Queue[Inbound]) -> None:
         self.path = path
         self._inbox = inbox
-        self._metrics = metrics
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
