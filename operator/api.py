@@ -14,7 +14,17 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Annotated, Any, Final, Literal, TypeVar, cast
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StringConstraints,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 from disagg.worker.kv import layout
@@ -42,15 +52,73 @@ _QUANTITY_SUFFIXES: Final[dict[str, int]] = {
     **{suffix: 1000 ** (i + 1) for i, suffix in enumerate(("k", "M", "G", "T", "P", "E"))},
 }
 
+# The builders write one StatefulSet and one Service per prefill replica, and reconcile applies each: the
+# bound keeps what one spec asks of the API server bounded (and a build of 2**32 replicas from hanging).
+MAX_REPLICAS: Final = 256
+MAX_TENSOR_PARALLEL: Final = 1024
+MAX_BLOCK_SIZE: Final = 4096
+MAX_EXTRA_ARGS: Final = 256
+MAX_ARG_LENGTH: Final = 4096
+# Real Affinity and Toleration objects are under ten levels deep; a bound keeps a hostile one from recursing.
+MAX_FREE_FORM_DEPTH: Final = 32
+
 # metav1.Condition's reason: CamelCase, for machines.
 REASON_PATTERN: Final = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
 
-# Kubernetes objects the operator passes through untouched (ResourceRequirements, Affinity, Toleration):
-# typing them here would copy the core API into this CRD and drift from it.
+# A resource quantity as Kubernetes parses it (resource.Quantity), unsigned because a container's request or
+# limit is never negative, with a bounded exponent; and a resource name (a qualified name, `nvidia.com/gpu`).
+KUBE_QUANTITY_PATTERN: Final = (
+    r"^([0-9]+(\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?[0-9]{1,2})?$"
+)
+RESOURCE_NAME_PATTERN: Final = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
+_INT64_MAX: Final = 2**63 - 1
+
+
+def _bounded_depth(value: Any) -> Any:
+    """Refuses a value nested deeper than MAX_FREE_FORM_DEPTH (iteratively: a deep one must not recurse)."""
+    pending: list[tuple[Any, int]] = [(value, 1)]
+    while pending:
+        node, depth = pending.pop()
+        if depth > MAX_FREE_FORM_DEPTH:
+            raise ValueError(f"is nested more than {MAX_FREE_FORM_DEPTH} levels deep")
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        pending.extend((child, depth + 1) for child in children)
+    return value
+
+
+# Kubernetes objects the operator passes through untouched (Affinity, Toleration): typing them here would copy
+# the core API into this CRD and drift from it.
 FreeForm = Annotated[
     dict[str, Any],
+    AfterValidator(_bounded_depth),
     WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True}),
 ]
+
+
+def _quantity(value: int | str) -> int | str:
+    if isinstance(value, int) and not 0 <= value <= _INT64_MAX:
+        raise ValueError(f"{value} is not a quantity: a whole number must be between 0 and 2**63 - 1")
+    if isinstance(value, str) and (len(value) > 64 or not re.fullmatch(KUBE_QUANTITY_PATTERN, value)):
+        raise ValueError(f"{value[:64]!r} is not a Kubernetes quantity such as 2, 500m or 16Gi")
+    return value
+
+
+_QUANTITY_SCHEMA: Final = {
+    "anyOf": [{"type": "integer"}, {"type": "string"}],
+    "x-kubernetes-int-or-string": True,
+    "pattern": KUBE_QUANTITY_PATTERN,
+}
+Quantity = Annotated[StrictInt | str, AfterValidator(_quantity)]
+ResourceName = Annotated[str, StringConstraints(max_length=253, pattern=RESOURCE_NAME_PATTERN)]
+# A structural schema cannot constrain map keys (no patternProperties): the names are checked in Python.
+ResourceList = Annotated[
+    dict[ResourceName, Quantity],
+    WithJsonSchema({"type": "object", "additionalProperties": _QUANTITY_SCHEMA, "maxProperties": 64}),
+]
+ExtraArg = Annotated[str, StringConstraints(max_length=MAX_ARG_LENGTH)]
 
 
 class ApiModel(BaseModel):
@@ -190,9 +258,20 @@ class ModelSpec(ApiModel):
     )
     layer_name_template: str = Field(
         default=layout.DEFAULT_LAYER_NAME_TEMPLATE,
-        pattern=r".*\{i\}.*",
-        description="Engine layer name with {i} for the layer index; names route KV between PP stages.",
+        max_length=layout.MAX_LAYER_NAME_TEMPLATE,
+        json_schema_extra={"pattern": layout.LAYER_NAME_TEMPLATE_PATTERN},
+        description="Engine layer name with {i} for the layer index; names route KV between PP stages. "
+        "{i} is the only field (no format spec or conversion); write a literal brace as {{ or }}.",
     )
+
+    @field_validator("layer_name_template")
+    @classmethod
+    def _a_template_of_i(cls, template: str) -> str:
+        # The pattern is in the CRD too; here it gets a message that says what to write.
+        problem = layout.layer_name_template_problem(template)
+        if problem is not None:
+            raise ValueError(f"layerNameTemplate {problem}")
+        return template
 
     @model_validator(mode="after")
     def _one_layer_description(self) -> ModelSpec:
@@ -236,7 +315,9 @@ class EngineSpec(ApiModel):
     kv_cache_layout: KVCacheLayout = Field(
         default=KVCacheLayout.LAYER_OUTERMOST, description="Physical KV cache layout."
     )
-    extra_args: list[str] = Field(default_factory=list, description="Extra engine arguments for both roles.")
+    extra_args: list[ExtraArg] = Field(
+        default_factory=list, max_length=MAX_EXTRA_ARGS, description="Extra engine arguments for both roles."
+    )
 
 
 class RDMASpec(ApiModel):
@@ -347,6 +428,22 @@ class SchedulingSpec(ApiModel):
     affinity: FreeForm | None = Field(default=None, description="Pod affinity (core/v1 Affinity).")
 
 
+class Resources(ApiModel):
+    """A container's requests and limits (core/v1 ResourceRequirements): resource names to quantities."""
+
+    requests: ResourceList | None = Field(
+        default=None, max_length=64, description="Minimum resources, e.g. {cpu: 2, memory: 8Gi}."
+    )
+    limits: ResourceList | None = Field(
+        default=None, max_length=64, description="Maximum resources, e.g. {nvidia.com/gpu: 2}."
+    )
+
+    def sections(self) -> dict[str, dict[str, int | str]]:
+        """The given sections as the pod spec spells them."""
+        given = {"requests": self.requests, "limits": self.limits}
+        return {key: dict(value) for key, value in given.items() if value is not None}
+
+
 class RoleOverrides(ApiModel):
     """Per-role replacements for shared engine and model settings. Any compatibility factor that then differs
     between prefill and decode makes the deployment incompatible; overrides exist for the fields that may
@@ -374,23 +471,28 @@ class RoleSpec(ApiModel):
     """One role (prefill or decode): its parallel layout, size and placement."""
 
     replicas: int = Field(
-        default=1, ge=0, description="Engine instances; a prefill instance is one pod per PP stage."
+        default=1,
+        ge=0,
+        le=MAX_REPLICAS,
+        description="Engine instances; a prefill instance is one pod per PP stage.",
     )
     pipeline_parallel_size: int = Field(
         default=1, ge=1, le=MAX_STAGES, description="Pipeline stages per instance (decode: must be 1)."
     )
     tensor_parallel_size: int = Field(
-        default=1, ge=1, description="Tensor-parallel ranks per stage (GPUs per pod)."
+        default=1, ge=1, le=MAX_TENSOR_PARALLEL, description="Tensor-parallel ranks per stage (GPUs per pod)."
     )
-    block_size: int = Field(default=16, ge=1, description="KV cache block size in tokens.")
+    block_size: int = Field(default=16, ge=1, le=MAX_BLOCK_SIZE, description="KV cache block size in tokens.")
     layer_partition: list[int] | None = Field(
         default=None,
         max_length=MAX_STAGES,
         description="Layers per pipeline stage (VLLM_PP_LAYER_PARTITION); omitted: vLLM's even split.",
     )
-    extra_args: list[str] = Field(default_factory=list, description="Extra engine arguments for this role.")
+    extra_args: list[ExtraArg] = Field(
+        default_factory=list, max_length=MAX_EXTRA_ARGS, description="Extra engine arguments for this role."
+    )
     overrides: RoleOverrides | None = Field(default=None, description="Per-role engine and model settings.")
-    resources: FreeForm | None = Field(default=None, description="Engine container resources (core/v1).")
+    resources: Resources | None = Field(default=None, description="Engine container resources (core/v1).")
     scheduling: SchedulingSpec | None = Field(default=None, description="Node selection for this role.")
 
 
@@ -403,7 +505,7 @@ class WorkerSpec(ApiModel):
         description="Sidecar container image. Default: the operator's DISAGG_WORKER_IMAGE (the Helm chart's "
         "worker.image); the spec is refused if neither is set.",
     )
-    resources: FreeForm | None = Field(default=None, description="Sidecar container resources (core/v1).")
+    resources: Resources | None = Field(default=None, description="Sidecar container resources (core/v1).")
     metrics_port: int = Field(
         default=9400, ge=1, le=65535, description="Port of the sidecar's Prometheus metrics."
     )

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from disagg.operator.api import API_VERSION, KIND, DisaggDeploymentSpec, KVPoolMedium, Role
+from disagg.operator.api import API_VERSION, KIND, DisaggDeploymentSpec, KVPoolMedium, Resources, Role
 from disagg.operator.builders_engine import (
     HTTP_PORT,
     engine_container,
@@ -393,11 +393,12 @@ def _identity_env(spec: DisaggDeploymentSpec, owner: Owner, role: Role) -> list[
 
 
 def _resources(
-    base: Mapping[str, Any] | None, rdma: tuple[str, int] | None, huge_pages: tuple[str, str] | None
+    base: Resources | None, rdma: tuple[str, int] | None, huge_pages: tuple[str, str] | None
 ) -> dict[str, Any]:
     # Quantities are strings in the API's typed schema: server-side apply refuses a bare number.
+    sections = base.sections() if base is not None else {}
     resources = {
-        key: {name: str(amount) for name, amount in value.items()} for key, value in (base or {}).items()
+        key: {name: str(amount) for name, amount in value.items()} for key, value in sections.items()
     }
     if rdma is not None:
         # Extended resources cannot be overcommitted: a limit alone also sets the request.

@@ -6,12 +6,20 @@ partition and the side channel (`VLLM_NIXL_SIDE_CHANNEL_HOST` is the pod IP, bec
 advertises it to peers, vLLM #27083). A user's extra arguments are kept; one that repeats an owned flag with
 the spec's own value is dropped as redundant, and one that contradicts the spec is refused with a violation,
 never silently overridden. Other engines receive the user's arguments and the `DISAGG_*` environment only.
+
+Arguments are judged as vLLM's `FlexibleArgumentParser` reads them (vllm/utils/argparse_utils.py, 0.33):
+underscores are dashes; argparse's `allow_abbrev` is left on, so a prefix of one option is that option
+(`--block 8` is `--block-size 8`, `-t 4` is `-tp 4`) and a prefix of several is an error, so any prefix of an
+owned spelling is judged as that flag (no vLLM option is itself a strict prefix of an owned one); a dotted
+key (`--kv-transfer-config.kv_role x`) becomes a whole new value of its base flag, appended after every other
+argument, so it replaces what the operator wrote; and `--config FILE` inserts arguments from a file the
+operator cannot read, so it is refused.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -49,6 +57,24 @@ class _Owned:
     value: str | None
     spec_field: str
     switch_on: bool = False
+    # The spellings that turn a switch off (vLLM's EnableDisableAction pairs --disable-x with --enable-x).
+    negations: tuple[str, ...] = ()
+    why: str = "the operator decides it"
+
+
+# Flags no spec value may be given by: the model is the operator's positional argument (vLLM moves a `--model`
+# in front of it), and a config file can set any argument.
+_REFUSED: Final = (
+    _Owned(
+        ("--model",), None, "spec.model.name", why="the operator passes the model as vLLM's first argument"
+    ),
+    _Owned(
+        ("--config",),
+        None,
+        "the spec",
+        why="vLLM would read engine arguments from that file, which the operator cannot see to check",
+    ),
+)
 
 
 def is_vllm_image(image: str) -> bool:
@@ -109,19 +135,20 @@ def _owned_flags(spec: DisaggDeploymentSpec, role: Role, stage_service: str | No
             None,
             "spec.engine.hybridKvCacheManager",
             switch_on=spec.engine.hybrid_kv_cache_manager is HybridKVCacheManager.DISABLED,
+            negations=("--enable-hybrid-kv-cache-manager", "--no-disable-hybrid-kv-cache-manager"),
         ),
     ]
     if revision is not None:
         owned.append(_Owned(("--revision",), str(revision), "spec.model.revision"))
     if stage_service is not None:
         owned += [
-            _Owned(("--nnodes",), str(this.pipeline_parallel_size), f"{path}.pipelineParallelSize"),
+            _Owned(("--nnodes", "-n"), str(this.pipeline_parallel_size), f"{path}.pipelineParallelSize"),
             _Owned(("--master-addr",), stage_service, "the prefill instance's stage-0 pod"),
             _Owned(("--master-port",), str(MASTER_PORT), "the operator's rendezvous port"),
-            _Owned(("--node-rank",), "", "the pod's StatefulSet ordinal"),
+            _Owned(("--node-rank", "-r"), "", "the pod's StatefulSet ordinal"),
             _Owned(("--headless",), None, "the pod's StatefulSet ordinal"),
         ]
-    return owned
+    return [*owned, *_REFUSED]
 
 
 def _normalise(flag: str) -> str:
@@ -129,25 +156,57 @@ def _normalise(flag: str) -> str:
     return flag.replace("_", "-") if flag.startswith("--") else flag
 
 
+def _read_as(flag: str, by_spelling: Mapping[str, _Owned]) -> list[str]:
+    """The owned spellings vLLM's parser could read `flag` as: itself, or every one it abbreviates."""
+    if flag in by_spelling:
+        return [flag]
+    if flag in ("-", "--") or not flag.startswith("-"):
+        return []
+    return sorted(spelling for spelling in by_spelling if spelling.startswith(flag))
+
+
 def _split_user_args(
     args: Sequence[str], owned: Sequence[_Owned], role: Role
 ) -> tuple[list[str], list[Violation]]:
     """(kept user arguments, violations): an owned flag is dropped if redundant, refused if contradictory."""
-    by_spelling = {spelling: item for item in owned for spelling in item.spellings}
+    by_spelling = {spelling: item for item in owned for spelling in (*item.spellings, *item.negations)}
     kept: list[str] = []
     violations: list[Violation] = []
     index = 0
     while index < len(args):
         token = args[index]
-        flag, has_inline, inline = _normalise(token.split("=", 1)[0]), "=" in token, token.partition("=")[2]
-        item = by_spelling.get(flag) if token.startswith("-") else None
         index += 1
-        if item is None:
+        name, has_inline, inline = token.partition("=")[0], "=" in token, token.partition("=")[2]
+        if token.startswith("-") and "." in name:
+            # A dotted key: vLLM takes the next argument as its value even if it starts with a dash.
+            value = inline if has_inline else (args[index] if index < len(args) else "")
+            index += 0 if has_inline else 1
+            base = _normalise(name.split(".", 1)[0])
+            matches = _read_as(base, by_spelling)
+            if matches:
+                item = by_spelling[matches[0]]
+                why = f"vLLM turns dotted keys into a new {matches[0]} that replaces the operator's"
+                violations.append(_conflict(role, f"{token} {value}".strip(), item, why))
+            else:
+                kept.append(token)
+                if not has_inline and index - 1 < len(args):
+                    kept.append(args[index - 1])
+            continue
+        flag = _normalise(name)
+        matches = _read_as(flag, by_spelling) if token.startswith("-") else []
+        if not matches:
             kept.append(token)
             continue
+        spelling = matches[0]
+        item = by_spelling[spelling]
+        read_as = "" if flag == spelling else f" (vLLM reads {flag} as {' or '.join(matches)})"
+        if len({id(by_spelling[match]) for match in matches}) > 1:
+            violations.append(_conflict(role, token + read_as, item, "it is ambiguous"))
+            continue
         if item.value is None:
-            if not item.switch_on:
-                violations.append(_conflict(role, token, item, "the operator decides it"))
+            on = spelling not in item.negations
+            if on != item.switch_on or (not item.negations and not item.switch_on):
+                violations.append(_conflict(role, token + read_as, item, item.why))
             continue
         if has_inline:
             given = inline
@@ -156,8 +215,8 @@ def _split_user_args(
             index += 1
         else:
             given = ""
-        if not _same_value(flag, given, item.value):
-            shown = f"{flag} {given}".strip()
+        if not _same_value(spelling, given, item.value):
+            shown = f"{token} {given}".strip() + read_as
             violations.append(_conflict(role, shown, item, f"the spec gives {item.value!r}"))
     return kept, violations
 

@@ -51,19 +51,29 @@ def _field_path(loc: tuple[int | str, ...]) -> str:
 
 def load_deployment(path: Path) -> DisaggDeployment:
     """Read and validate one DisaggDeployment document; raises SpecFileError naming each bad field."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise SpecFileError(f"cannot read {path}: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise SpecFileError(f"{path} is not UTF-8 text: {error.reason} at byte {error.start}") from None
+    return parse_deployment(text, str(path))
+
+
+def parse_deployment(text: str, path: str) -> DisaggDeployment:
+    """Validate one DisaggDeployment document given as YAML text; `path` names it in the errors."""
     import yaml
     from pydantic import ValidationError
 
     from disagg.operator.api import DisaggDeployment
 
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as error:
-        raise SpecFileError(f"cannot read {path}: {error.strerror}") from None
-    try:
         documents = [doc for doc in yaml.safe_load_all(text) if doc is not None]
     except yaml.YAMLError as error:
         raise SpecFileError(f"{path} is not valid YAML: {error}") from None
+    except RecursionError:
+        # PyYAML composes nested collections recursively; a document this deep is no DisaggDeployment.
+        raise SpecFileError(f"{path} is nested too deeply to be a DisaggDeployment") from None
     if len(documents) != 1:
         raise SpecFileError(f"{path} must hold exactly one DisaggDeployment document, found {len(documents)}")
     if not isinstance(documents[0], dict):
@@ -147,7 +157,7 @@ def run_check(args: argparse.Namespace) -> int:
         dd = load_deployment(path)
     except SpecFileError as error:
         return _print_invalid(error, path, args.output, out)
-    report = _judge(dd)
+    report = judge(dd)
     code = EXIT_OK if report.compatible else EXIT_INCOMPATIBLE
     if args.output == "json":
         json.dump(_report_json(path, dd, report), out, indent=2)
@@ -165,7 +175,7 @@ def run_check(args: argparse.Namespace) -> int:
     return code
 
 
-def _judge(dd: DisaggDeployment) -> CompatReport:
+def judge(dd: DisaggDeployment) -> CompatReport:
     """The operator's verdict (`policies.REFUSAL_CHAIN`), with this environment as the installation: its
     DISAGG_WORKER_IMAGE is the sidecar image of a spec that names none."""
     from disagg.operator.builders import Installation
@@ -207,7 +217,7 @@ def run_plan(args: argparse.Namespace) -> int:
         dd = load_deployment(path)
     except SpecFileError as error:
         return _print_invalid(error, path, "json" if args.output == "json" else "text", out)
-    report = _judge(dd)
+    report = judge(dd)
     manifests = plan_manifests(dd, report)
     if args.output in ("json", "yaml"):
         document = {

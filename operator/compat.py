@@ -15,9 +15,9 @@ from typing import Any
 
 from disagg.operator.api import ROLES, DisaggDeploymentSpec, HybridKVCacheManager, Role
 from disagg.operator.builders import Installation
-from disagg.operator.plan import TopologyPlan, plan_topology
+from disagg.operator.plan import TopologyPlan
 from disagg.operator.policies import COMPATIBILITY_CHAIN, Policy, PolicyInput, evaluate_chain
-from disagg.worker.kv.errors import LayoutError, Violation
+from disagg.worker.kv.errors import Violation
 from disagg.worker.kv.wire import compat_factors, compat_hash
 
 
@@ -76,17 +76,11 @@ def evaluate(
     (default: one that sets no defaults) matters only to the policies that read it."""
     factors: dict[Role, dict[str, Any]] = {role: role_factors(spec, role) for role in ROLES}
     compared = {role: {**factors[role], **deployment_factors(spec, role)} for role in ROLES}
-    given = PolicyInput.of(spec, compared, installation or Installation())
-    plan: TopologyPlan | None = None
-    if given.geometry is not None:
-        try:
-            plan = plan_topology(spec, given.geometry)
-        except LayoutError:
-            # The partition is invalid; the worker's topology rules report it as InvalidLayerPartition.
-            plan = None
+    hashes = MappingProxyType({role: compat_hash(f) for role, f in factors.items()})
+    given = PolicyInput.of(spec, compared, installation or Installation(), hashes)
     return CompatReport(
         violations=evaluate_chain(chain, given),
-        plan=plan,
+        plan=given.plan,
         factors=MappingProxyType({role: MappingProxyType(f) for role, f in factors.items()}),
-        hashes=MappingProxyType({role: compat_hash(f) for role, f in factors.items()}),
+        hashes=hashes,
     )

@@ -218,7 +218,8 @@ def _structural(node: Any) -> Any:
         return node
     node = dict(node)
     any_of = node.get("anyOf")
-    if isinstance(any_of, list):
+    # int-or-string (a quantity) is the one non-Optional union a structural schema allows, spelled so.
+    if isinstance(any_of, list) and not node.get("x-kubernetes-int-or-string"):
         non_null = [option for option in any_of if option != {"type": "null"}]
         if len(non_null) != 1:
             raise ValueError(f"only Optional[T] unions map to a structural schema, got anyOf {any_of}")

@@ -13,15 +13,16 @@ engine arguments are judged by `builders_engine.arg_violations` beside the table
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Final
 
 from disagg.operator.api import ROLES, DisaggDeploymentSpec, KVCacheLayout, Role, RoleSpec
-from disagg.operator.builders import WORKER_IMAGE_ENV, Installation
+from disagg.operator.builders import WORKER_IMAGE_ENV, Installation, Owner, build
 from disagg.operator.builders_engine import arg_violations, user_args
-from disagg.operator.plan import model_geometry
+from disagg.operator.plan import TopologyPlan, model_geometry, plan_topology
 from disagg.worker.kv.errors import LayoutError, Violation
 from disagg.worker.kv.layout import ModelGeometry
 from disagg.worker.kv.rules import (
@@ -31,6 +32,14 @@ from disagg.worker.kv.rules import (
     prefill_context_parallel,
 )
 from disagg.worker.kv.wire import differing_factors
+
+# Kubernetes refuses a ConfigMap whose data exceeds 1 MiB; etcd's default request limit (1.5 MiB) bounds any
+# other object, so 1 MiB is the size no built object may exceed.
+MAX_OBJECT_BYTES: Final = 1 << 20
+# Who owns the objects does not change what can be built; a name of the longest kind exercises child_name.
+_CHECK_OWNER: Final = Owner(
+    name="d" * 253, namespace="n" * 63, uid="00000000-0000-0000-0000-000000000000", generation=1
+)
 
 # Where each factor comes from in the spec, so a mismatch names the field to change.
 _FACTOR_FIELDS: Final = MappingProxyType(
@@ -57,6 +66,9 @@ class PolicyInput:
     # requires equal (`compat.deployment_factors`).
     factors: Mapping[Role, Mapping[str, Any]]
     installation: Installation
+    # The compatibility hash each role advertises, and the topology (None when the layers cannot be split).
+    hashes: Mapping[Role, str]
+    plan: TopologyPlan | None
 
     @classmethod
     def of(
@@ -64,11 +76,18 @@ class PolicyInput:
         spec: DisaggDeploymentSpec,
         factors: Mapping[Role, Mapping[str, Any]],
         installation: Installation,
+        hashes: Mapping[Role, str],
     ) -> PolicyInput:
         try:
-            return cls(spec, model_geometry(spec), None, factors, installation)
+            geometry = model_geometry(spec)
         except LayoutError as error:
-            return cls(spec, None, error.violation, factors, installation)
+            return cls(spec, None, error.violation, factors, installation, hashes, None)
+        try:
+            plan: TopologyPlan | None = plan_topology(spec, geometry)
+        except LayoutError:
+            # The partition is invalid; the worker's topology rules report it as InvalidLayerPartition.
+            plan = None
+        return cls(spec, geometry, None, factors, installation, hashes, plan)
 
 
 Policy = Callable[[PolicyInput], Sequence[Violation]]
@@ -158,6 +177,36 @@ def worker_image_is_named(given: PolicyInput) -> Sequence[Violation]:
     return worker_image_violations(given.spec, given.installation)
 
 
+def objects_build(given: PolicyInput) -> Sequence[Violation]:
+    """The builders' own run on the spec, so that what the chain accepts always reconciles. Judged only when
+    every earlier policy passes: what they refuse is what the builders cannot build, said better."""
+    if given.plan is None or evaluate_chain(_BEFORE_BUILD, given):
+        return []
+    try:
+        objects = build(given.spec, _CHECK_OWNER, given.plan, given.hashes, given.installation)
+    except Exception as error:  # every failure of the builders is a reason to refuse, not a crash
+        return [
+            Violation(
+                "BuildFailed",
+                f"the operator cannot build this spec's objects ({type(error).__name__}: "
+                f"{str(error)[:500]}); this is a gap in the operator's validation: report it with the spec",
+            )
+        ]
+    found = []
+    for obj in objects:
+        size = len(json.dumps(obj, separators=(",", ":")))
+        if size > MAX_OBJECT_BYTES:
+            found.append(
+                Violation(
+                    "ManifestTooLarge",
+                    f"the {obj['kind']} {obj['metadata']['name']} the operator builds for this spec is "
+                    f"{size} bytes, over the {MAX_OBJECT_BYTES} Kubernetes stores: shorten "
+                    "spec.model.layerNameTemplate or spec.*.extraArgs, or serve fewer layers",
+                )
+            )
+    return found
+
+
 COMPATIBILITY_CHAIN: Final[tuple[Policy, ...]] = (
     model_geometry_is_valid,
     worker_topology_rules,
@@ -168,11 +217,16 @@ COMPATIBILITY_CHAIN: Final[tuple[Policy, ...]] = (
 )
 """What the spec alone decides: `compat.evaluate(spec)` and the CRD's CEL rules."""
 
-REFUSAL_CHAIN: Final[tuple[Policy, ...]] = (
+_BEFORE_BUILD: Final[tuple[Policy, ...]] = (
     *COMPATIBILITY_CHAIN,
     engine_arguments_agree,
     prefill_context_is_not_split,
     worker_image_is_named,
+)
+
+REFUSAL_CHAIN: Final[tuple[Policy, ...]] = (
+    *_BEFORE_BUILD,
+    objects_build,
 )
 """Everything the operator refuses a spec for: reconcile, the webhook, `disagg check` and `disagg plan`."""
 
@@ -251,7 +305,8 @@ def kv_pool_violations(spec: DisaggDeploymentSpec) -> list[Violation]:
         "spec.worker.resources": spec.worker.resources,
     }
     for path, resources in containers.items():
-        sections = [(resources or {}).get(key) or {} for key in ("requests", "limits")]
+        declared = resources.sections() if resources is not None else {}
+        sections = [declared.get(key) or {} for key in ("requests", "limits")]
         if not any(name in section for section in sections for name in ("cpu", "memory")):
             found.append(
                 Violation(

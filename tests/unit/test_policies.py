@@ -22,6 +22,7 @@ def test_the_chain_reads_top_to_bottom() -> None:
         "engine_arguments_agree",
         "prefill_context_is_not_split",
         "worker_image_is_named",
+        "objects_build",
     ]
     assert REFUSAL_CHAIN[: len(COMPATIBILITY_CHAIN)] == COMPATIBILITY_CHAIN
 

@@ -38,6 +38,12 @@ from disagg.worker.kv.errors import LayoutError
 from disagg.worker.kv.rules import invalid_layer_partition
 
 DEFAULT_LAYER_NAME_TEMPLATE = "model.layers.{i}.self_attn.attn"
+MAX_LAYER_NAME_TEMPLATE = 256
+# A `str.format` template whose only field is `{i}`: no other name, position, format spec or conversion, and
+# braces otherwise only doubled. Python's format parser reads left to right, and so does this language: at a
+# `{` only `{{` or `{i}` can follow, at a `}` only `}}`, so the pattern (also the CRD's) accepts exactly the
+# templates `template.format(i=n)` renders without error to a name at most a few digits longer.
+LAYER_NAME_TEMPLATE_PATTERN = r"^(?:[^{}]|\{\{|\}\})*\{i\}(?:[^{}]|\{\{|\}\}|\{i\})*$"
 SHARED_REGION_GROUP_ID = -1
 """`region_group_ids` value of a region that layers of several KV cache groups share (vLLM's constant)."""
 
@@ -47,6 +53,19 @@ class AttentionKind(enum.StrEnum):
     SLIDING_WINDOW = "sliding_window"
     MLA = "mla"
     MAMBA = "mamba"
+
+
+def layer_name_template_problem(template: str) -> str | None:
+    """Why `template` is not a layer-name template (`{i}` the only field, at most 256 characters), or None."""
+    if len(template) > MAX_LAYER_NAME_TEMPLATE:
+        return f"is {len(template)} characters long; at most {MAX_LAYER_NAME_TEMPLATE} are allowed"
+    if re.fullmatch(LAYER_NAME_TEMPLATE_PATTERN, template) is None:
+        return (
+            f"{template[:80]!r} does not match the pattern of a layer name with {{i}} for the layer index: "
+            "it must contain {i} and no other field, format spec or conversion (such as {j}, {0} or {i:>4}), "
+            "and a literal brace is written {{ or }}"
+        )
+    return None
 
 
 _NATURAL_SPLIT = re.compile(r"(\d+)")
@@ -87,8 +106,9 @@ class ModelGeometry:
                 f"num_kv_heads, head_size and dtype_bytes must be positive, got {self.num_kv_heads}, "
                 f"{self.head_size}, {self.dtype_bytes}"
             )
-        if "{i}" not in self.layer_name_template:
-            raise LayoutError(f"layer_name_template {self.layer_name_template!r} has no '{{i}}' placeholder")
+        problem = layer_name_template_problem(self.layer_name_template)
+        if problem is not None:
+            raise LayoutError(f"layer_name_template {problem}")
         if all(kind is AttentionKind.MAMBA for kind in self.kinds):
             raise LayoutError("a model made only of Mamba layers has no attention page to size its regions")
 
