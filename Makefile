@@ -9,7 +9,7 @@ TORCH_PIN := torch==2.13.0
 # it would shadow the standard library's `operator`. PYTHONSAFEPATH keeps it off.
 export PYTHONSAFEPATH := 1
 
-.PHONY: all venv test test-unit demo bench lint crds check-crds control-plane-up control-plane-down clean
+.PHONY: all venv test test-unit fuzz demo bench lint crds check-crds control-plane-up control-plane-down clean
 
 all: test
 
@@ -28,6 +28,10 @@ test: $(STAMP)
 
 test-unit: $(STAMP)
 	$(PY) -m pytest tests -m "not nixl and not cluster and not helm"
+
+# The seeded, bounded generated-input tests alone (test and test-unit run them too); each prints its counts.
+fuzz: $(STAMP)
+	$(PY) -m pytest tests -m fuzz
 
 # The data path first (2 PP prefill stages + 1 decoder over NIXL, compared with the monolithic run), then the
 # control plane (operator, conditions, admission) on a private local Kubernetes control plane.

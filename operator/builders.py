@@ -76,6 +76,28 @@ ENGINE_CONTAINER: Final = "engine"
 WORKER_IMAGE_ENV: Final = "DISAGG_WORKER_IMAGE"
 WORKER_CLUSTER_ROLE_ENV: Final = "DISAGG_WORKER_CLUSTERROLE"
 DEFAULT_WORKER_CLUSTER_ROLE: Final = "disagg-worker"
+# The API server credentials the sidecar's in-cluster client reads (token, ca.crt, namespace), projected as
+# the kubelet would: the pod mounts no token of its own (automountServiceAccountToken: false) and only the
+# sidecar, which patches its Pod's condition, reads its peers and posts Events, gets this one.
+API_ACCESS_VOLUME: Final = "kube-api-access"
+API_ACCESS_DIR: Final = "/var/run/secrets/kubernetes.io/serviceaccount"
+# The uid the watch sidecar runs as, the one the chart's operator runs the same image as.
+SIDECAR_UID: Final = 65532
+# A container that may not gain privileges, with every capability dropped; the ones that need more add it.
+_UNPRIVILEGED: Final = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+# RDMA memory registration pins pages (ibv_reg_mr, and NIXL/UCX through it) beyond RLIMIT_MEMLOCK, which
+# needs CAP_IPC_LOCK; Kubernetes grants a capability effectively only to a root process (it sets no ambient
+# capabilities), so the container that moves the KV runs as its image's user with IPC_LOCK alone.
+_MOVES_KV: Final = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}}
+# The watch sidecar moves nothing and writes nothing outside its mounts.
+_WATCHES: Final = {
+    **_UNPRIVILEGED,
+    "runAsNonRoot": True,
+    "runAsUser": SIDECAR_UID,
+    "runAsGroup": SIDECAR_UID,
+    "readOnlyRootFilesystem": True,
+}
+
 # A StatefulSet's pods carry `controller-revision-hash: <name>-<10 chars>`, a label value capped at 63.
 MAX_CHILD_NAME: Final = 52
 
@@ -473,7 +495,6 @@ def _pod_template(
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "topology", "mountPath": TOPOLOGY_DIR, "readOnly": True},
     ] + ([{"name": KV_POOL_VOLUME, "mountPath": KV_POOL_DIR}] if huge_pages else [])
-    ipc_lock = {"capabilities": {"add": ["IPC_LOCK"]}}
     engine_container_spec: dict[str, Any] = {
         "name": ENGINE_CONTAINER,
         "image": role_image(spec, role),
@@ -487,8 +508,8 @@ def _pod_template(
         engine_container_spec["command"] = list(engine.command)
     if engine.args:
         engine_container_spec["args"] = list(engine.args)
-    if engine_moves_kv:
-        engine_container_spec["securityContext"] = ipc_lock
+    # The engine writes its caches (torch.compile, Triton, model downloads) under its root filesystem.
+    engine_container_spec["securityContext"] = _copy(_MOVES_KV if engine_moves_kv else _UNPRIVILEGED)
     sidecar = {
         "name": SIDECAR_CONTAINER,
         "image": sidecar_image,
@@ -502,11 +523,16 @@ def _pod_template(
         "ports": [{"name": "metrics", "containerPort": spec.worker.metrics_port, "protocol": "TCP"}]
         + ([] if engine_moves_kv else [side_channel]),
         "resources": _resources(spec.worker.resources, None if engine_moves_kv else rdma, huge_pages),
-        "securityContext": ipc_lock,
-        "volumeMounts": mounts,
+        # The transfer sidecar maps the engine's pool and registers it with NIXL: it runs as the engine does.
+        "securityContext": _copy(
+            _WATCHES if engine_moves_kv else {**_MOVES_KV, "readOnlyRootFilesystem": True}
+        ),
+        "volumeMounts": [*mounts, {"name": API_ACCESS_VOLUME, "mountPath": API_ACCESS_DIR, "readOnly": True}],
     }
     pod_spec: dict[str, Any] = {
         "serviceAccountName": worker_account_name(owner.name),
+        "automountServiceAccountToken": False,
+        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [engine_container_spec, sidecar],
         "readinessGates": [{"conditionType": POD_CONDITION}],
         "enableServiceLinks": False,
@@ -514,6 +540,7 @@ def _pod_template(
             # The engine's KV pool is a shared-memory file the sidecar maps and registers with NIXL.
             *_pool_volumes(spec),
             {"name": "topology", "configMap": {"name": topology_name(owner.name)}},
+            _api_access_volume(),
         ],
     }
     scheduling = this.scheduling
@@ -536,6 +563,36 @@ def _pod_template(
             },
         },
         "spec": pod_spec,
+    }
+
+
+def _copy(value: Mapping[str, Any]) -> dict[str, Any]:
+    copied: dict[str, Any] = json.loads(json.dumps(value))
+    return copied
+
+
+def _api_access_volume() -> dict[str, Any]:
+    """The projected volume the kubelet mounts for a ServiceAccount (a bound, expiring token, the cluster's
+    CA from the kube-root-ca.crt ConfigMap, and the namespace), as one volume only the sidecar mounts."""
+    return {
+        "name": API_ACCESS_VOLUME,
+        "projected": {
+            "defaultMode": 0o444,
+            "sources": [
+                {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
+                {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+                {
+                    "downwardAPI": {
+                        "items": [
+                            {
+                                "path": "namespace",
+                                "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"},
+                            }
+                        ]
+                    }
+                },
+            ],
+        },
     }
 
 

@@ -54,7 +54,7 @@ def judge(raw_spec: Mapping[str, Any], installation: Installation | None = None)
     """Every reason to refuse a spec: schema errors, then `policies.REFUSAL_CHAIN`. `installation` defaults
     to this process's environment, which is the operator's (the admission webhook runs inside it)."""
     try:
-        spec = DisaggDeploymentSpec.model_validate(dict(raw_spec))
+        spec = DisaggDeploymentSpec.model_validate(raw_spec)
     except ValidationError as error:
         problems = "; ".join(
             f"spec.{'.'.join(str(part) for part in item['loc'])}: {item['msg']}" for item in error.errors()

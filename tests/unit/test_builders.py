@@ -11,6 +11,7 @@ import pytest
 from dd_specs import DELETE, spec, spec_dict
 from hypothesis import given
 from hypothesis import strategies as st
+from kubernetes.config import incluster_config
 
 from disagg.operator.api import DisaggDeploymentSpec
 from disagg.operator.builders import (
@@ -29,6 +30,7 @@ from disagg.operator.policies import worker_image_violations
 from disagg.operator.reconcile import judge
 from disagg.worker.kv.pod_contract import POD_CONDITION, SIDECAR_CONTAINER
 from disagg.worker.kv.topology import decode_topology
+from disagg.worker.reporting.status_loop import SERVICE_ACCOUNT_TOKEN
 from disagg.worker.sidecar.config import from_env
 
 OWNER = Owner(name="gemma-pp2", namespace="ns1", uid="0f0e-uid", generation=7)
@@ -260,7 +262,8 @@ class TestSidecar:
         assert variables["POD_NAME"] == {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}}
         assert variables["DISAGG_ROLE"] == workload["metadata"]["labels"]["app.kubernetes.io/component"]
         assert variables["DISAGG_COMPATIBILITY_HASH"] == evaluate(spec()).hashes[variables["DISAGG_ROLE"]]
-        assert sidecar["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+        # The vLLM engine moves the KV, so the sidecar only watches: non-root, nothing added.
+        assert sidecar["securityContext"]["capabilities"] == {"drop": ["ALL"]}
         assert sidecar["image"] == "ghcr.io/disagg/disagg:0.1.0"
         assert pod_spec(workload)["readinessGates"] == [{"conditionType": POD_CONDITION}]
         volumes = {v["name"]: v for v in pod_spec(workload)["volumes"]}
@@ -386,7 +389,11 @@ class TestKVPool:
         sized = objects(self.pool_spec({"medium": "Memory", "sizeLimit": "8Gi"}))
         for key in (("StatefulSet", "gemma-pp2-prefill-0"), ("Deployment", "gemma-pp2-decode")):
             for workload in (plain[key], same[key]):
-                assert [v["name"] for v in pod_spec(workload)["volumes"]] == ["dshm", "topology"]
+                assert [v["name"] for v in pod_spec(workload)["volumes"]] == [
+                    "dshm",
+                    "topology",
+                    "kube-api-access",
+                ]
                 assert all("DISAGG_KV_POOL" not in env(c) for c in pod_spec(workload)["containers"])
                 assert all(
                     not any(name.startswith("hugepages") for name in c["resources"].get("limits", {}))
@@ -535,3 +542,70 @@ def test_child_names_are_dns_labels_short_enough_for_statefulset_pods(owner: str
     ):
         assert len(name) <= MAX_CHILD_NAME
         assert DNS_LABEL.match(name), name
+
+
+class TestPodSecurity:
+    """Each container gets the tightest securityContext it can run with, and only the sidecar a token."""
+
+    WORKLOADS = (("StatefulSet", "gemma-pp2-prefill-0"), ("Deployment", "gemma-pp2-decode"))
+
+    @pytest.mark.parametrize("key", WORKLOADS)
+    def test_a_vllm_pod(self, key: tuple[str, str]) -> None:
+        workload = objects(spec())[key]
+        pod = pod_spec(workload)
+        assert pod["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+        assert pod["automountServiceAccountToken"] is False
+        engine, sidecar = container(workload, ENGINE_CONTAINER), container(workload, SIDECAR_CONTAINER)
+        assert engine["securityContext"] == {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]},
+        }
+        assert sidecar["securityContext"] == {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True,
+            "runAsUser": 65532,
+            "runAsGroup": 65532,
+            "readOnlyRootFilesystem": True,
+        }
+
+    @pytest.mark.parametrize("key", WORKLOADS)
+    def test_a_pod_whose_sidecar_moves_the_kv(self, key: tuple[str, str]) -> None:
+        workload = objects(spec({"engine": {"image": "ghcr.io/disagg/reference-engine:0.1.0"}}))[key]
+        engine, sidecar = container(workload, ENGINE_CONTAINER), container(workload, SIDECAR_CONTAINER)
+        assert engine["securityContext"] == {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+        }
+        assert sidecar["securityContext"] == {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]},
+            "readOnlyRootFilesystem": True,
+        }
+
+    @pytest.mark.parametrize("key", WORKLOADS)
+    def test_only_the_sidecar_mounts_the_api_credentials_its_client_reads(self, key: tuple[str, str]) -> None:
+        workload = objects(spec())[key]
+        volumes = {v["name"]: v for v in pod_spec(workload)["volumes"]}
+        sources = volumes["kube-api-access"]["projected"]["sources"]
+        paths = [
+            item["path"]
+            for source in sources
+            for item in (
+                [source["serviceAccountToken"]]
+                if "serviceAccountToken" in source
+                else source.get("configMap", source.get("downwardAPI", {})).get("items", [])
+            )
+        ]
+        assert paths == ["token", "ca.crt", "namespace"]
+        mounted = {
+            c["name"]: [m["mountPath"] for m in c["volumeMounts"] if m["name"] == "kube-api-access"]
+            for c in pod_spec(workload)["containers"]
+        }
+        assert mounted == {ENGINE_CONTAINER: [], SIDECAR_CONTAINER: [str(SERVICE_ACCOUNT_TOKEN.parent)]}
+        # What the sidecar's pod_api_client looks for, and the files kubernetes' load_incluster_config reads.
+        directory = SERVICE_ACCOUNT_TOKEN.parent
+        assert {str(directory / "token"), str(directory / "ca.crt")} == {
+            incluster_config.SERVICE_TOKEN_FILENAME,
+            incluster_config.SERVICE_CERT_FILENAME,
+        }
