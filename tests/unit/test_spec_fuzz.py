@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 import yaml
-from pydantic import ValidationError
 from dd_specs import valid_document
+from pydantic import ValidationError
 
 from disagg.operator import cli_check
 from disagg.operator.api import MAX_REPLICAS, DisaggDeployment
@@ -123,7 +123,7 @@ def hostile(rng: random.Random, depth: int = 0) -> Any:
         for _ in range(rng.choice([5, 33, 200])):
             deep = {"a": deep} if rng.random() < 0.5 else [deep]
         return deep
-    return rng.choice(INTS + ["x", None])
+    return rng.choice([*INTS, "x", None])
 
 
 def quantity(rng: random.Random) -> Any:
