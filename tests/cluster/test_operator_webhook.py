@@ -5,8 +5,12 @@ whose name is unique to this module and removed afterwards (one left behind woul
 
 from __future__ import annotations
 
+import json
 import secrets
+import ssl
 import subprocess
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -29,7 +33,14 @@ def cluster(control_plane: ControlPlane) -> Cluster:
 
 
 @pytest.fixture(scope="module")
-def webhook_operator(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def webhook_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def webhook_operator(
+    cluster: Cluster, tmp_path_factory: pytest.TempPathFactory, webhook_port: int
+) -> Iterator[str]:
     """The operator with its webhook; yields the namespace it serves."""
     token = secrets.token_hex(3)
     configuration = f"w{token}.dev.validate.disagg.io"
@@ -39,7 +50,7 @@ def webhook_operator(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory)
         [namespace],
         tmp_path_factory.mktemp("webhook") / "operator.log",
         "--webhook-port",
-        str(free_port()),
+        str(webhook_port),
         "--webhook-dev",
         "--webhook-configuration",
         configuration,
@@ -116,3 +127,38 @@ def test_engine_argument_conflicts_are_refused(cluster: Cluster, webhook_operato
         "denied the request: EngineArgumentConflict: spec.engine.extraArgs or spec.prefill.extraArgs sets "
         in (result.stderr)
     )
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"{}", b'{"request": {"uid": "u1"}}', b"\xff\xfe not utf-8", b"[" * 50000 + b"]" * 50000],
+    ids=["no-request", "no-resource", "not-utf8", "deep"],
+)
+def test_a_malformed_review_is_answered_with_a_reason_never_a_500(
+    webhook_operator: str, webhook_port: int, body: bytes
+) -> None:
+    """The operator's real webhook server, over HTTPS, as the API server would call it."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE  # kopf's self-signed certificate; what is checked here is the answer
+    request = urllib.request.Request(
+        f"https://127.0.0.1:{webhook_port}/{HANDLER_ID}",
+        data=body,
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(request, context=context, timeout=30) as response:
+            status, text = response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        status, text = error.code, error.read().decode()
+    assert status in (200, 400), (status, text)
+    assert "MalformedAdmissionReview" in text
+    if status == 200:
+        review = json.loads(text)
+        assert review["kind"] == "AdmissionReview"
+        assert review["response"] == {
+            "uid": "u1",
+            "allowed": False,
+            "status": {"code": 400, "message": review["response"]["status"]["message"]},
+        }
