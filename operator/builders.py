@@ -3,9 +3,10 @@
 Per prefill replica: a StatefulSet with one pod per pipeline stage (pod ordinal = PP rank, started in
 parallel) and the headless Service that governs it. Decode: a Deployment and a headless Service. A ConfigMap
 carries the topology plan every sidecar reads. Every engine pod gets the KV worker sidecar (downward-API
-identity, side channel, `IPC_LOCK`, RDMA, shared memory) and a readiness gate on the condition the sidecar
-writes, and runs as the deployment's own ServiceAccount, which a RoleBinding gives the installation's worker
-ClusterRole (the sidecar patches its Pod's condition, reads its peers and posts Events). A huge page KV pool
+identity, shared memory; the side channel, RDMA and `IPC_LOCK` go to whichever container moves the KV) and a
+readiness gate on the condition the sidecar writes, and runs as the deployment's own ServiceAccount, which a
+RoleBinding gives the installation's worker ClusterRole (the sidecar patches its Pod's condition, reads its
+peers and posts Events); only the sidecar mounts its token. Every container drops all capabilities. A huge page KV pool
 (`spec.kvTransfer.kvPool`) is a hugetlbfs volume of its own beside `/dev/shm`, which stays tmpfs because the
 engine's other shared-memory files (sockets, NCCL, torch) have sizes hugetlbfs refuses. Everything carries an
 owner reference to the DisaggDeployment, so deletion is garbage collection, and only fields that exist in

@@ -9,6 +9,7 @@ top to bottom, evaluated in order, every violation kept. Reconcile, the admissio
 kind is a function here and one line in that tuple. The worker's own rules are not copied here: the topology
 rules are `disagg.worker.kv.rules.check_topology` (the sidecar and its handshake use the same functions), and
 engine arguments are judged by `builders_engine.arg_violations` beside the table of flags the builders own.
+The chain ends with `objects_build`, the builders' own run, so whatever the chain accepts reconciles.
 """
 
 from __future__ import annotations
