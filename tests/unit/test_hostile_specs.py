@@ -157,7 +157,7 @@ def test_disabling_hma_is_refused_both_ways() -> None:
         ["--config-format", "hf"],
         ["--tensor-parallel", "2"],
         ["--gpu-memory-utilization=0.9"],
-        ["--compilation-config.level", "3"],
+        ["--compilation-config.mode", "3"],
     ],
 )
 def test_other_and_agreeing_arguments_pass(extra: list[str]) -> None:
