@@ -6,12 +6,12 @@ carries the topology plan every sidecar reads. Every engine pod gets the KV work
 identity, shared memory; the side channel, RDMA and `IPC_LOCK` go to whichever container moves the KV) and a
 readiness gate on the condition the sidecar writes, and runs as the deployment's own ServiceAccount, which a
 RoleBinding gives the installation's worker ClusterRole (the sidecar patches its Pod's condition, reads its
-peers and posts Events); only the sidecar mounts its token. Every container drops all capabilities. A huge page KV pool
-(`spec.kvTransfer.kvPool`) is a hugetlbfs volume of its own beside `/dev/shm`, which stays tmpfs because the
-engine's other shared-memory files (sockets, NCCL, torch) have sizes hugetlbfs refuses. Everything carries an
-owner reference to the DisaggDeployment, so deletion is garbage collection, and only fields that exist in
-Kubernetes 1.20 (apps/v1, core/v1, rbac.authorization.k8s.io/v1). `disagg plan` builds the same objects from a
-file, which has no uid yet: then the owner reference is left out (the operator adds it).
+peers and posts Events); only the sidecar mounts its token. Every container drops all capabilities. A huge
+page KV pool (`spec.kvTransfer.kvPool`) is a hugetlbfs volume of its own beside `/dev/shm`, which stays tmpfs
+because the engine's other shared-memory files (sockets, NCCL, torch) have sizes hugetlbfs refuses. Everything
+carries an owner reference to the DisaggDeployment, so deletion is garbage collection, and only fields that
+exist in Kubernetes 1.20 (apps/v1, core/v1, rbac.authorization.k8s.io/v1). `disagg plan` builds the same
+objects from a file, which has no uid yet: then the owner reference is left out (the operator adds it).
 """
 
 from __future__ import annotations

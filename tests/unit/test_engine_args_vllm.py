@@ -43,8 +43,8 @@ AGREEING = {"--enable-hybrid-kv-cache-manager", "--no-disable-hybrid-kv-cache-ma
 
 
 def argparse_reads(token: str) -> set[str]:
-    """The dests vLLM's parser (argparse, Python 3.11, allow_abbrev on) could read `token` as: an exact option,
-    else every option it is a prefix of (more than one is argparse's "ambiguous option" error)."""
+    """The dests vLLM's parser (argparse, Python 3.11, allow_abbrev on) could read `token` as: an exact
+    option, else every option it is a prefix of (more than one is argparse's "ambiguous option" error)."""
     if token in ACTIONS:
         return {ACTIONS[token]["dest"]}
     if token.startswith("--"):
