@@ -178,22 +178,18 @@ def _split_user_args(
         index += 1
         name, has_inline, inline = token.partition("=")[0], "=" in token, token.partition("=")[2]
         if token.startswith("-") and "." in name:
-            # A dotted key: vLLM takes the next argument as its value even if it starts with a dash.
-            value = inline if has_inline else (args[index] if index < len(args) else "")
-            index += 0 if has_inline else 1
-            base = _normalise(name.split(".", 1)[0])
-            matches = _read_as(base, by_spelling)
-            if matches:
-                item = by_spelling[matches[0]]
-                why = f"vLLM turns dotted keys into a new {matches[0]} that replaces the operator's"
-                violations.append(_conflict(role, f"{token} {value}".strip(), item, why))
-            else:
-                kept.append(token)
-                if not has_inline and index - 1 < len(args):
-                    kept.append(args[index - 1])
+            # A dotted key: vLLM takes the next argument as its value even when it starts with a dash.
+            value = [] if has_inline else list(args[index : index + 1])
+            index += len(value)
+            matches = _read_as(_normalise(name.split(".", 1)[0]), by_spelling)
+            if not matches:
+                kept += [token, *value]
+                continue
+            why = f"vLLM turns dotted keys into a new {matches[0]} that replaces the operator's"
+            violations.append(_conflict(role, " ".join([token, *value]), by_spelling[matches[0]], why))
             continue
         flag = _normalise(name)
-        matches = _read_as(flag, by_spelling) if token.startswith("-") else []
+        matches = _read_as(flag, by_spelling)
         if not matches:
             kept.append(token)
             continue
@@ -204,8 +200,10 @@ def _split_user_args(
             violations.append(_conflict(role, token + read_as, item, "it is ambiguous"))
             continue
         if item.value is None:
-            on = spelling not in item.negations
-            if on != item.switch_on or (not item.negations and not item.switch_on):
+            # A switch agrees only when it sets what the operator writes; one with no negation that the
+            # operator does not write (`--headless`, `--config`) never does.
+            sets_on = spelling not in item.negations
+            if sets_on != item.switch_on or not (item.switch_on or item.negations):
                 violations.append(_conflict(role, token + read_as, item, item.why))
             continue
         if has_inline:
