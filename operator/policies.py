@@ -170,7 +170,8 @@ def engine_arguments_agree(given: PolicyInput) -> Sequence[Violation]:
 def prefill_context_is_not_split(given: PolicyInput) -> Sequence[Violation]:
     """A prefill engine started with prefill context parallelism (`--prefill-context-parallel-size`)."""
     size = flag_value(user_args(given.spec, "prefill"), PCP_FLAGS)
-    violation = prefill_context_parallel(int(size)) if size is not None and size.isdigit() else None
+    # isdecimal, not isdigit: int() refuses digits such as "²" that isdigit accepts.
+    violation = prefill_context_parallel(int(size)) if size is not None and size.isdecimal() else None
     return [] if violation is None else [violation]
 
 

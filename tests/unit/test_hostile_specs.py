@@ -220,3 +220,9 @@ def test_a_spec_the_verdict_cannot_judge_is_denied_not_a_500(monkeypatch: pytest
     with pytest.raises(kopf.AdmissionError) as raised:
         webhook.validate(spec=spec_dict(spec()))
     assert raised.value.code == 422 and "VerdictFailed" in str(raised.value)
+
+
+@pytest.mark.parametrize("size", ["²", "٣", "9" * 4096])
+def test_a_context_parallel_size_that_is_no_ascii_number_does_not_crash_the_verdict(size: str) -> None:
+    found = reasons({"prefill": {"extraArgs": ["--prefill-context-parallel-size", size]}})
+    assert "PrefillContextParallel" in found or found == []

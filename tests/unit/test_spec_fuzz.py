@@ -75,6 +75,8 @@ FLAGS = [
     "--",
     "-",
     "-O3",
+    "--prefill-context-parallel-size",
+    "-pcp",
 ]
 VALUES = [
     "1",
