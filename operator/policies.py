@@ -239,11 +239,16 @@ PCP_FLAGS: Final = ("--prefill-context-parallel-size", "-pcp")
 
 
 def flag_value(args: Sequence[str], spellings: Sequence[str]) -> str | None:
-    """The last value an engine argument list gives one flag (`--flag value` or `--flag=value`), if any."""
+    """The last value an engine argument list gives one flag (`--flag value` or `--flag=value`), if any, read
+    as vLLM's parser reads it: underscores for dashes, and a prefix of a spelling for it (argparse's
+    abbreviations, `builders_engine`)."""
     found: str | None = None
     for index, token in enumerate(args):
-        flag, has_inline, inline = token.partition("=")
-        if flag.replace("_", "-") not in spellings:
+        name, has_inline, inline = token.partition("=")
+        flag = name.replace("_", "-") if name.startswith("--") else name
+        if flag in ("-", "--") or not flag.startswith("-"):
+            continue
+        if not any(spelling.startswith(flag) for spelling in spellings):
             continue
         if has_inline:
             found = inline

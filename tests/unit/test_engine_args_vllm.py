@@ -10,9 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dd_specs import spec
+from dd_specs import spec, valid_document
 
+from disagg.operator.builders import Installation
 from disagg.operator.builders_engine import ARG_CONFLICT_REASON, arg_violations
+from disagg.operator.reconcile import judge
 
 OPTIONS = json.loads(
     (Path(__file__).resolve().parents[1] / "golden" / "vllm" / "serve_options.json").read_text("utf-8")
@@ -104,3 +106,19 @@ def test_every_abbreviation_vllm_reads_as_an_owned_flag_is_refused_and_no_other_
 def test_a_dotted_key_of_an_owned_flag_is_refused(option: str) -> None:
     assert refused(f"{option}.kv_role", "kv_producer")
     assert refused(f"{option}.kv_role=kv_producer")
+
+
+def test_every_spelling_vllm_reads_as_the_prefill_context_parallel_size_is_refused() -> None:
+    judged = 0
+    for option, action in ACTIONS.items():
+        if action["dest"] != "prefill_context_parallel_size":
+            continue
+        for length in range(2, len(option) + 1):
+            prefix = option[:length]
+            if argparse_reads(prefix) != {action["dest"]}:
+                continue
+            document = valid_document({"prefill": {"extraArgs": [prefix, "2"]}})
+            verdict = judge(document["spec"], Installation(worker_image="w:1"))
+            assert "PrefillContextParallel" in [v.reason for v in verdict.violations], prefix
+            judged += 1
+    assert judged > 10
