@@ -77,15 +77,21 @@ RESOURCE_NAME_PATTERN: Final = (
 _INT64_MAX: Final = 2**63 - 1
 
 
-def _bounded_depth(value: Any) -> Any:
-    """Refuses a value nested deeper than MAX_FREE_FORM_DEPTH (iteratively: a deep one must not recurse)."""
+def nested_deeper_than(value: Any, limit: int) -> bool:
+    """Whether JSON-like `value` nests more than `limit` levels (iteratively: a deep one must not recurse)."""
     pending: list[tuple[Any, int]] = [(value, 1)]
     while pending:
         node, depth = pending.pop()
-        if depth > MAX_FREE_FORM_DEPTH:
-            raise ValueError(f"is nested more than {MAX_FREE_FORM_DEPTH} levels deep")
+        if depth > limit:
+            return True
         children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
         pending.extend((child, depth + 1) for child in children)
+    return False
+
+
+def _bounded_depth(value: Any) -> Any:
+    if nested_deeper_than(value, MAX_FREE_FORM_DEPTH):
+        raise ValueError(f"is nested more than {MAX_FREE_FORM_DEPTH} levels deep")
     return value
 
 

@@ -29,7 +29,7 @@ from typing import Any, Final
 import aiohttp.web
 import kopf
 
-from disagg.operator.api import GROUP, PLURAL, VERSION
+from disagg.operator.api import GROUP, PLURAL, VERSION, nested_deeper_than
 from disagg.operator.reconcile import judge
 
 HANDLER_ID: Final = "validate-disaggdeployment"
@@ -69,17 +69,6 @@ def validate(spec: kopf.Spec, **_: Any) -> None:
         ) from error
     if message is not None:
         raise kopf.AdmissionError(message, code=422)
-
-
-def _depth_exceeds(value: Any, limit: int) -> bool:
-    pending: list[tuple[Any, int]] = [(value, 1)]
-    while pending:
-        node, depth = pending.pop()
-        if depth > limit:
-            return True
-        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
-        pending.extend((child, depth + 1) for child in children)
-    return False
 
 
 def _envelope_problem(request: Mapping[str, Any]) -> str | None:
@@ -122,7 +111,7 @@ async def review_response(
         return 400, None, "MalformedAdmissionReview: the body is nested too deeply"
     except ValueError as error:
         return 400, None, f"MalformedAdmissionReview: the body is not JSON ({str(error)[:200]})"
-    if _depth_exceeds(review, MAX_REVIEW_DEPTH):
+    if nested_deeper_than(review, MAX_REVIEW_DEPTH):
         return 400, None, f"MalformedAdmissionReview: the body is nested more than {MAX_REVIEW_DEPTH} levels"
     request = review.get("request") if isinstance(review, dict) else None
     if not isinstance(request, dict) or not isinstance(request.get("uid"), str):
