@@ -29,7 +29,7 @@ test: $(STAMP)
 test-unit: $(STAMP)
 	$(PY) -m pytest tests -m "not nixl and not cluster and not helm"
 
-# The seeded, bounded generated-input tests alone (test and test-unit run them too); each prints its counts.
+# The seeded, bounded fuzz tests alone (`make test` runs them too).
 fuzz: $(STAMP)
 	$(PY) -m pytest tests -m fuzz
 
