@@ -67,7 +67,16 @@ class VllmPeer:
     """One peer process for one release; `call(op, **args)` runs one operation of peer_server.py."""
 
     def __init__(self, version: str, log: Path, hf_home: Path) -> None:
-        env = {**os.environ, "PYTHONSAFEPATH": "1", "HF_HOME": str(hf_home), "PYTHONHASHSEED": "0"}
+        env = {
+            **os.environ,
+            "PYTHONSAFEPATH": "1",
+            "HF_HOME": str(hf_home),
+            "PYTHONHASHSEED": "0",
+            # vLLM caches what it learns by inspecting a model class (~15 s per architecture) under one file
+            # name per class, keyed by the release's source: one cache per release keeps them from evicting
+            # each other, and it outlives the session.
+            "VLLM_CACHE_ROOT": str(Path.home() / ".cache" / "disagg-vllm-peer" / version),
+        }
         env.pop("PYTHONPATH", None)
         if version != INSTALLED_RELEASE:
             env["PYTHONPATH"] = str(extracted_release(version))

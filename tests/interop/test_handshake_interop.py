@@ -45,19 +45,25 @@ def test_vllm_client_accepts_a_disagg_pp2_tp2_prefill(
     }
     port = free_port()
     with SideChannelServer("127.0.0.1", port, payloads):
-        got = peer.call(
-            "handshake",
-            host="127.0.0.1",
-            port=port,
-            compat_hash=decoder_hash,
-            remote_tp_size=2,
-            expected_engine_id=engine_id,
-            remote_pp_size=2,
-            tp_rank=0,
-            tp_size=2,
-            notif_agents_only=True,
-        )
-        assert sorted(got["agents"]) == ["0,0", "0,1", "1,0", "1,1"]
+        # A TP2 decoder: each of its ranks asks every stage for the prefill rank it pairs with.
+        asked = {
+            tp_rank: sorted(
+                peer.call(
+                    "handshake",
+                    host="127.0.0.1",
+                    port=port,
+                    compat_hash=decoder_hash,
+                    remote_tp_size=2,
+                    expected_engine_id=engine_id,
+                    remote_pp_size=2,
+                    tp_rank=tp_rank,
+                    tp_size=2,
+                    notif_agents_only=True,
+                )["agents"]
+            )
+            for tp_rank in range(2)
+        }
+        assert asked == {0: ["0,0", "1,0"], 1: ["0,1", "1,1"]}
         # The full path (a prefill worker handshaking for WRITEs) decodes the metadata with every field kept.
         full = peer.call(
             "handshake",
