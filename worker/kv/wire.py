@@ -445,7 +445,7 @@ def field_set_versions(data: bytes) -> tuple[int, ...]:
     _check_size(data, "agent metadata")
     try:
         keys = tuple(msgspec.msgpack.decode(data, type=dict[str, Any]))
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return ()
     return _FIELD_SET_VERSIONS.get(keys, ())
 
