@@ -1,0 +1,133 @@
+"""What a handshake payload itself shows about the engine that sent it, beyond the typed metadata. Pure.
+
+vLLM sends only the digest of its compatibility factors, never the factors, so a hash mismatch by itself says
+nothing about why. But the payload tells two of the factors outright: the connector version, by the field set
+of the encoded `NixlAgentMetadata` (vLLM's encoder writes every field, defaults included, in declaration
+order), and the attention backend, in `attn_backend_name`. Everything else hashed (the vLLM version string,
+the raw `--model` string, dtype, cache dtype, HMA, speculative config) is invisible on the wire.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgspec
+
+from disagg.worker.kv import wire
+from disagg.worker.kv.errors import WireFormatError
+
+# The field that first appears in each connector version's metadata (v11: the region_* lists; v12, never
+# released: region_members; v13: packed_member_layouts; v14: ple_block_len). v15 changed only pull-mode
+# kv_transfer_params, so a v14 and a v15 payload have the same fields.
+_FIRST_FIELD: Final = (
+    ("ple_block_len", (14, 15)),
+    ("packed_member_layouts", (13,)),
+    ("region_members", (12,)),
+    ("region_num_blocks", (11,)),
+)
+_BEFORE_V11: Final = (3, 4, 5, 7, 9)
+# Hash factors a payload cannot show; named when what it shows does not explain a mismatch.
+_UNSEEN_FACTORS: Final = (
+    "vllm_version (the exact release string)",
+    "model (the raw --model string: a repo id and a local path differ)",
+    "dtype",
+    "cache_dtype",
+    "is_hma_enabled",
+    "speculative_config",
+)
+
+
+@dataclass(frozen=True)
+class PayloadFacts:
+    """What one payload shows: its hash, its metadata's field names, its backend and engine id."""
+
+    compatibility_hash: str
+    fields: tuple[str, ...]
+    attn_backend_name: str | None
+    engine_id: str | None
+    ple_block_len: int | None = None
+    packed_member_layouts: Mapping[str, Any] | None = None
+
+    @property
+    def connector_versions(self) -> tuple[int, ...]:
+        """The NIXL connector versions whose metadata has exactly these fields (latest field first)."""
+        names = set(self.fields)
+        for field, versions in _FIRST_FIELD:
+            if field in names:
+                return versions
+        return _BEFORE_V11
+
+    @property
+    def connector_version(self) -> str:
+        """`15`, or `14 or 15` where the field set cannot tell them apart."""
+        versions = self.connector_versions
+        if len(versions) == 1:
+            return str(versions[0])
+        if versions == _BEFORE_V11:
+            return "10 or older"
+        return " or ".join(str(v) for v in versions)
+
+
+def payload_facts(payload: bytes) -> PayloadFacts:
+    """The facts of one side-channel reply (frame 0); `WireFormatError` on bytes that are not a payload."""
+    envelope = wire.decode_payload_envelope(payload)
+    try:
+        raw = msgspec.msgpack.decode(envelope.agent_metadata_bytes)
+    except msgspec.DecodeError as exc:
+        raise WireFormatError(f"agent metadata is not msgpack: {exc}") from None
+    if not isinstance(raw, dict):
+        raise WireFormatError(f"agent metadata is a {type(raw).__name__}, not a map")
+    backend, engine, ple = raw.get("attn_backend_name"), raw.get("engine_id"), raw.get("ple_block_len")
+    packed = raw.get("packed_member_layouts")
+    return PayloadFacts(
+        compatibility_hash=envelope.compatibility_hash,
+        fields=tuple(str(key) for key in raw),
+        attn_backend_name=backend if isinstance(backend, str) else None,
+        engine_id=engine if isinstance(engine, str) else None,
+        ple_block_len=ple if isinstance(ple, int) and not isinstance(ple, bool) else None,
+        packed_member_layouts=packed if isinstance(packed, dict) else None,
+    )
+
+
+def _same(a: object, b: object) -> bool:
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+def prediction_differences(predicted: Mapping[str, Any] | None, live: PayloadFacts) -> list[str]:
+    """The factors where the spec's prediction and what the live payload shows differ, each with both values;
+    the unseen factors when the payload shows no difference. Pure."""
+    told = []
+    if predicted is not None:
+        version = predicted.get("nixl_connector_version")
+        if version not in live.connector_versions:
+            told.append(
+                f"nixl_connector_version (the engine speaks {live.connector_version}, by its metadata's "
+                f"fields; the prediction has {version!r})"
+            )
+        backend = predicted.get("attn_backend_name")
+        if live.attn_backend_name is not None and not _same(backend, live.attn_backend_name):
+            told.append(
+                f"attn_backend_name (the engine runs {live.attn_backend_name!r}, "
+                f"the prediction has {backend!r})"
+            )
+    return told or [f"one the payload does not show: {', '.join(_UNSEEN_FACTORS)}"]
+
+
+def live_differences(local: PayloadFacts, remote: PayloadFacts) -> list[str]:
+    """What two live payloads with different hashes show of why: connector version, backend. Pure."""
+    told = []
+    if not set(local.connector_versions) & set(remote.connector_versions):
+        told.append(
+            f"NIXL connector version {local.connector_version} here, {remote.connector_version} there "
+            "(by the metadata's fields): the engines run different vLLM releases"
+        )
+    if (
+        local.attn_backend_name is not None
+        and remote.attn_backend_name is not None
+        and local.attn_backend_name != remote.attn_backend_name
+    ):
+        told.append(f"attention backend {local.attn_backend_name!r} here, {remote.attn_backend_name!r} there")
+    return told or [f"a factor the payloads do not show: {', '.join(_UNSEEN_FACTORS)}"]
