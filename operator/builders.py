@@ -35,6 +35,8 @@ from disagg.worker.kv.pod_contract import (
     COMPATIBILITY_HASH_ENV,
     DEPLOYMENT_ENV,
     DEPLOYMENT_LABEL,
+    ENGINE_SIDE_CHANNEL_HOST_ENV,
+    ENGINE_WORKERS_ENV,
     KV_POOL_ENV,
     METRICS_PORT_ENV,
     NODE_NAME_ENV,
@@ -340,10 +342,41 @@ def _statefulset(
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector},
             "template": _pod_template(
-                spec, owner, plan, "prefill", selector, compat_hash, checksum, master, installation
+                spec,
+                owner,
+                plan,
+                "prefill",
+                selector,
+                compat_hash,
+                checksum,
+                master,
+                installation,
+                _engine_side_channel_env(spec, owner, name),
             ),
         },
     )
+
+
+def _engine_side_channel_env(spec: DisaggDeploymentSpec, owner: Owner, name: str) -> list[dict[str, Any]]:
+    """Where a PP prefill engine's one side channel is: its head pod (stage 0) answers for every rank.
+
+    A vLLM engine serves it from node rank 0 itself, so every stage's watcher reads its ranks there. The
+    transfer sidecars serve the same shape: the head's fetches the other stages' payloads from their pods,
+    whose DNS names the StatefulSet keeps stable across restarts (and a restarted stage's new agent is
+    fetched again on the head's next refresh), so no stage needs to know whether the head is up.
+    """
+    pp = spec.prefill.pipeline_parallel_size
+    if pp == 1:
+        return []
+    port = spec.kv_transfer.side_channel_port
+    if is_vllm_image(role_image(spec, "prefill")):
+        return [{"name": ENGINE_SIDE_CHANNEL_HOST_ENV, "value": stage_dns(name, name, owner.namespace)}]
+    # One transfer sidecar per stage pod, serving TP rank 0 (the reference engine runs TP 1 per pod).
+    workers = [
+        {"ppRank": stage, "tpRank": 0, "host": f"{name}-{stage}.{name}.{owner.namespace}.svc", "port": port}
+        for stage in range(1, pp)
+    ]
+    return [{"name": ENGINE_WORKERS_ENV, "value": json.dumps(workers, separators=(",", ":"))}]
 
 
 def _deployment(
@@ -444,6 +477,7 @@ def _pod_template(
     checksum: str,
     stage_service: str | None,
     installation: Installation,
+    engine_env: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     this = spec.role(role)
     sidecar_image = installation.sidecar_image(spec)
@@ -497,6 +531,7 @@ def _pod_template(
             *identity,
             {"name": COMPATIBILITY_HASH_ENV, "value": compat_hash},
             {"name": METRICS_PORT_ENV, "value": str(spec.worker.metrics_port)},
+            *(engine_env or ()),
         ],
         "ports": [{"name": "metrics", "containerPort": spec.worker.metrics_port, "protocol": "TCP"}]
         + ([] if engine_moves_kv else [side_channel]),

@@ -33,7 +33,9 @@ from disagg.worker.connector.transport import LOOPBACK_UCX_ENV
 from disagg.worker.kv.pod_contract import (
     COMPATIBILITY_HASH_ENV,
     DEPLOYMENT_LABEL,
+    ENGINE_SIDE_CHANNEL_HOST_ENV,
     ENGINE_SOCKET_ENV,
+    ENGINE_WORKERS_ENV,
     METRICS_HOST_ENV,
     SIDECAR_CONTAINER,
     TOPOLOGY_FILE_ENV,
@@ -205,6 +207,19 @@ class LocalKubelet:
             self._next_host += 1
         return self.ips[name]
 
+    def _resolve_dns(self, env: dict[str, str]) -> dict[str, str]:
+        """The cluster DNS's part: a stage pod's `<pod>.<service>.<namespace>.svc` name is its loopback IP."""
+
+        def ip_of(host: str) -> str:
+            return self._ip(host.split(".", 1)[0]) if host.endswith(".svc") else host
+
+        if env.get(ENGINE_SIDE_CHANNEL_HOST_ENV):
+            env[ENGINE_SIDE_CHANNEL_HOST_ENV] = ip_of(env[ENGINE_SIDE_CHANNEL_HOST_ENV])
+        if env.get(ENGINE_WORKERS_ENV):
+            workers = json.loads(env[ENGINE_WORKERS_ENV])
+            env[ENGINE_WORKERS_ENV] = json.dumps([{**w, "host": ip_of(w["host"])} for w in workers])
+        return env
+
     def _topology(self, pod: Mapping[str, Any]) -> dict[str, Any]:
         volumes = (pod.get("spec") or {}).get("volumes") or ()
         source = next(v["configMap"]["name"] for v in volumes if v.get("name") == TOPOLOGY_VOLUME)
@@ -220,7 +235,7 @@ class LocalKubelet:
         ip = self._ip(name)
         pod = {**pod, "status": {**(pod.get("status") or {}), "podIP": ip}}
         container = next(c for c in pod["spec"]["containers"] if c["name"] == SIDECAR_CONTAINER)
-        env = resolve_env(pod, container)
+        env = self._resolve_dns(resolve_env(pod, container))
         workdir = self.workdir / name
         workdir.mkdir(parents=True, exist_ok=True)
         documents = self._topology(pod)

@@ -148,7 +148,7 @@ def through_heads(peers: Sequence[Peer]) -> list[Peer]:
 
 def peers_from_pods(pods: Iterable[Mapping[str, Any]], config: SidecarConfig) -> list[Peer]:
     """The other role's live engine pods (pods being deleted are no longer peers), in a stable order, each
-    prefill stage at its engine's head (`through_heads`)."""
+    at its own Pod's address (`through_heads` gives where a stage is asked for)."""
     wanted = peer_role(config.role)
     peers = [
         peer
@@ -157,7 +157,7 @@ def peers_from_pods(pods: Iterable[Mapping[str, Any]], config: SidecarConfig) ->
         and (peer := peer_from_pod(pod)) is not None
         and peer.role == wanted
     ]
-    return sorted(through_heads(peers), key=lambda peer: (peer.stage, peer.pod))
+    return sorted(peers, key=lambda peer: (peer.stage, peer.pod))
 
 
 def handshake_peer(
@@ -340,7 +340,7 @@ def check_round(
     timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
 ) -> Outcome:
     """Handshake every peer among `pods` once and summarize."""
-    peers = peers_from_pods(pods, config)
+    peers = through_heads(peers_from_pods(pods, config))
     pending = [peer for peer in peers if peer.host is None]
     results = [
         PeerResult(peer, check_peer(config, local, peer, timeout_s=timeout_s))

@@ -49,6 +49,7 @@ from disagg.worker.reporting.peer_check import (
     peers_from_pods,
     refusal_message,
     summarize,
+    through_heads,
 )
 from disagg.worker.reporting.status_loop import PeerReporter, pod_api_client
 from disagg.worker.sidecar.config import SidecarConfig, from_env
@@ -243,7 +244,7 @@ def watch_round(
         own = read_own_engine(config, timeout_s=timeout_s)
     except DisaggError as exc:
         return refused(exc)
-    peers = peers_from_pods(pods, config)
+    peers = through_heads(peers_from_pods(pods, config))
     pending = [peer for peer in peers if peer.host is None]
     results = []
     for peer in peers:
