@@ -54,6 +54,9 @@ class PayloadFacts:
     @property
     def connector_versions(self) -> tuple[int, ...]:
         """The NIXL connector versions whose metadata has exactly these fields (latest field first)."""
+        exact = tuple(v for v in wire.CONNECTOR_VERSIONS if wire.metadata_fields(v) == self.fields)
+        if exact:
+            return exact
         names = set(self.fields)
         for field, versions in _FIRST_FIELD:
             if field in names:
