@@ -135,6 +135,7 @@ def test_a_decoder_of_another_engine_version_is_refused_with_the_hash(tmp_path: 
         attn_backend_name="FLASH_ATTN",
         is_hma_enabled=True,
         transfer_mode="push",
+        nixl_connector_version=wire.LATEST_CONNECTOR_VERSION,
     )
     other = wire.compat_hash(factors)
     result = check_stage_against_decoder(
