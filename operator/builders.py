@@ -191,7 +191,11 @@ def selector_labels(owner: str, role: Role, replica: int | None = None) -> dict[
 
 
 def topology_document(
-    spec: DisaggDeploymentSpec, owner: Owner, plan: TopologyPlan, hashes: Mapping[Role, str]
+    spec: DisaggDeploymentSpec,
+    owner: Owner,
+    plan: TopologyPlan,
+    hashes: Mapping[Role, str],
+    factors: Mapping[Role, Mapping[str, Any]] | None = None,
 ) -> TopologyDocument:
     """The plan plus what a sidecar needs to build its KV layout (the sidecar decodes it at startup)."""
     model = spec.model
@@ -219,6 +223,8 @@ def topology_document(
             attention_backend=spec.engine.attention_backend,
         ),
         compatibility_hashes={role: value for role, value in hashes.items()},
+        # What each predicted hash is of: a sidecar names the factor a live engine's hash differs in.
+        compatibility_factors={role: dict(value) for role, value in (factors or {}).items()},
     )
 
 
@@ -228,9 +234,10 @@ def build(
     plan: TopologyPlan,
     hashes: Mapping[Role, str],
     installation: Installation = Installation(),
+    factors: Mapping[Role, Mapping[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """Every object the deployment needs, in apply order (what the pods mount or run as comes first)."""
-    topology = encode_topology(topology_document(spec, owner, plan, hashes))
+    topology = encode_topology(topology_document(spec, owner, plan, hashes, factors))
     checksum = hashlib.sha256(topology.encode()).hexdigest()[:16]
     objects: list[dict[str, Any]] = [
         _object(

@@ -10,7 +10,7 @@ the raw `--model` string, dtype, cache dtype, HMA, speculative config) is invisi
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -95,6 +95,27 @@ def payload_facts(payload: bytes) -> PayloadFacts:
     )
 
 
+# The releases a hash is tried against, each with the connector version it speaks. The release table
+# (spec.engine.version's rows) is the authority; this is the part of it a hash can be matched with.
+KNOWN_RELEASES: Final = (("0.31.0", 13), ("0.32.0", 14), ("0.33.0", 15))
+
+
+def identify_release(
+    predicted: Mapping[str, Any] | None,
+    live_hash: str,
+    releases: Sequence[tuple[str, int]] = KNOWN_RELEASES,
+) -> str | None:
+    """The release whose version string and connector version, put into the predicted factors, give
+    `live_hash`: how a hash names the vLLM an engine runs when everything else was predicted right."""
+    if predicted is None:
+        return None
+    for version, connector in releases:
+        variant = {**predicted, "vllm_version": version, "nixl_connector_version": connector}
+        if wire.compat_hash(variant) == live_hash:
+            return version
+    return None
+
+
 def _same(a: object, b: object) -> bool:
     return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
@@ -103,6 +124,12 @@ def prediction_differences(predicted: Mapping[str, Any] | None, live: PayloadFac
     """The factors where the spec's prediction and what the live payload shows differ, each with both values;
     the unseen factors when the payload shows no difference. Pure."""
     told = []
+    release = identify_release(predicted, live.compatibility_hash)
+    if predicted is not None and release is not None and release != predicted.get("vllm_version"):
+        told.append(
+            f"vllm_version (the engine's hash is the prediction's with vLLM {release}; the prediction has "
+            f"{predicted.get('vllm_version')!r})"
+        )
     if predicted is not None:
         version = predicted.get("nixl_connector_version")
         if version not in live.connector_versions:
@@ -119,9 +146,22 @@ def prediction_differences(predicted: Mapping[str, Any] | None, live: PayloadFac
     return told or [f"one the payload does not show: {', '.join(_UNSEEN_FACTORS)}"]
 
 
-def live_differences(local: PayloadFacts, remote: PayloadFacts) -> list[str]:
-    """What two live payloads with different hashes show of why: connector version, backend. Pure."""
+def live_differences(
+    local: PayloadFacts, remote: PayloadFacts, predicted: Mapping[str, Any] | None = None
+) -> list[str]:
+    """What two live payloads with different hashes show of why: connector version, backend, and with the
+    spec's `predicted` factors, the release each hash is of. Pure."""
     told = []
+    here, there = (
+        identify_release(predicted, local.compatibility_hash),
+        identify_release(predicted, remote.compatibility_hash),
+    )
+    if here is not None and there is not None and here != there:
+        told.append(f"vLLM version: this engine runs vLLM {here}, the peer vLLM {there} (by their hashes)")
+    elif there is not None and here is None:
+        told.append(f"vLLM version: the peer's hash is vLLM {there}'s, this engine's is no known release's")
+    elif here is not None and there is None:
+        told.append(f"vLLM version: this engine's hash is vLLM {here}'s, the peer's is no known release's")
     if not set(local.connector_versions) & set(remote.connector_versions):
         told.append(
             f"NIXL connector version {local.connector_version} here, {remote.connector_version} there "

@@ -257,9 +257,11 @@ def watch_round(
         results.append(PeerResult(peer, error))
     if own.prediction_error is None:
         return summarize(config, results, pending)
-    if not any(result.error is None for result in results):
-        # No live peer vouches for the engine yet: until one answers, the prediction is all there is.
-        return refused(own.prediction_error)
+    if not results:
+        # No live peer to compare with yet: until one answers, the prediction is all there is.
+        factors = "; ".join(prediction_differences(config.compat_factors, own.live))
+        error = own.prediction_error
+        return refused(type(error)(f"{error.message}; the engine differs in {factors}", reason=error.reason))
     outcome = summarize(config, results, pending)
     warning = prediction_warning(config, own)
     if outcome.status != "True":

@@ -23,6 +23,7 @@ Environment (the operator's builders set these in the pod spec; names are stable
 - `DISAGG_METRICS_HOST`, `DISAGG_METRICS_PORT`: the health and Prometheus HTTP server; `0.0.0.0`, 9090.
 - `DISAGG_COMPATIBILITY_HASH`: the NIXL compatibility hash; default the topology's `compatibilityHashes`
   entry for the role, else one derived from the topology's model (name and dtype), else the check is off.
+  Its factors are the topology's `compatibilityFactors` entry or the model's, whichever hashes to it.
 - `DISAGG_PIPELINE_PARALLEL_SIZE`, `DISAGG_TENSOR_PARALLEL_SIZE`, `DISAGG_BLOCK_SIZE`: optional cross-checks;
   each must equal the topology's value for this role.
 - `DISAGG_LOG_LEVEL`: `debug`, `info` (default), `warning` or `error`.
@@ -173,6 +174,14 @@ def _check_env_equals(env: Mapping[str, str], name: str, expected: int, what: st
             raise WorkerConfigError(f"{name}={got} contradicts the topology file's {what} {expected}")
 
 
+def _factors_of(compat_hash: str | None, *candidates: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """The factors `compat_hash` is the hash of, among those known; None when none is."""
+    for factors in candidates:
+        if compat_hash is not None and factors is not None and wire.compat_hash(factors) == compat_hash:
+            return factors
+    return None
+
+
 def _engine_workers(raw: str | None) -> tuple[WorkerEndpoint, ...] | None:
     if not raw:
         return None
@@ -243,7 +252,7 @@ def from_env(env: Mapping[str, str]) -> SidecarConfig:
         metrics_port=_env_int(env, METRICS_PORT_ENV, DEFAULT_METRICS_PORT),
         kv_pool=env.get(KV_POOL_ENV) or None,
         compat_hash=compat_hash,
-        compat_factors=factors if compat_hash is not None and compat_hash == computed else None,
+        compat_factors=_factors_of(compat_hash, factors, topology.compatibility_factors.get(role)),
         log_level=log_level,
         topology=topology,
     )
