@@ -33,7 +33,7 @@ version 1. Every problem is a `WorkerConfigError` whose message names the key.
       attentionBackend: FLASH_ATTN          # optional
     compatibilityHashes: {prefill: <sha256>, decode: <sha256>}  # optional
     compatibilityFactors: {prefill: {...}, decode: {...}}       # optional: what each hash is of, so a
-                                            # sidecar names the factor (release, backend) a live hash differs in
+                                            # sidecar names what a live hash differs in
     workers:                                # optional: other workers of an engine whose side-channel payload
       prefill:                              # its serving worker (pp 0, tp 0) republishes, vLLM-style
         - {ppRank: 1, tpRank: 0, host: 10.0.0.7, port: 5600}
