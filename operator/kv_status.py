@@ -97,7 +97,7 @@ def aggregate(pods: Iterable[PodKV]) -> KVVerdict:
         # warning to fix the spec, not a failed gate.
         return KVVerdict(
             ConditionStatus.TRUE,
-            PREDICTION_DIFFERS,
+            "CompatibilityHashPredictionDiffers",
             f"all {len(ordered)} sidecars completed their KV handshakes, but the engines' live compatibility "
             f"hash is not the one the spec predicts: "
             + "; ".join(f"{pod.where}: {pod.message}" for pod in mispredicted),
