@@ -9,7 +9,7 @@ TORCH_PIN := torch==2.13.0
 # it would shadow the standard library's `operator`. PYTHONSAFEPATH keeps it off.
 export PYTHONSAFEPATH := 1
 
-.PHONY: all venv test test-unit demo bench lint crds check-crds control-plane-up control-plane-down clean
+.PHONY: all venv vllm-venv test test-unit test-vllm demo bench lint crds check-crds control-plane-up control-plane-down clean
 
 all: test
 
@@ -23,11 +23,20 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-test: $(STAMP)
+# The released vLLM as the interop tests' peer: 0.33.0 installed in its own venv (.venv-vllm), 0.31.0 and
+# 0.32.0 extracted from their wheels. Both scripts are idempotent and return at once when nothing changed.
+vllm-venv:
+	bash hack/vllm/venv.sh
+	bash hack/vllm/wheels.sh
+
+test: $(STAMP) vllm-venv
 	$(PY) -m pytest tests
 
 test-unit: $(STAMP)
-	$(PY) -m pytest tests -m "not nixl and not cluster and not helm"
+	$(PY) -m pytest tests -m "not nixl and not cluster and not helm and not vllm"
+
+test-vllm: $(STAMP) vllm-venv
+	$(PY) -m pytest tests -m vllm
 
 # The data path first (2 PP prefill stages + 1 decoder over NIXL, compared with the monolithic run), then the
 # control plane (operator, conditions, admission) on a private local Kubernetes control plane.

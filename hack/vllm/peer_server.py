@@ -1,0 +1,300 @@
+"""vLLM's own code behind a JSON-lines request/response loop: the interop tests' long-lived peer process.
+
+The project's tests run in the project venv; vLLM runs here, in .venv-vllm, imported once (an import costs
+~10 s). One request per line on stdin, one reply per line on the original stdout:
+
+    {"op": "metadata_encode", "args": {...}}   ->   {"ok": true, "result": ...}
+                                               or   {"ok": false, "type": "KeyError", "error": "..."}
+
+vLLM logs to stdout, so the protocol keeps the original stdout file descriptor and fd 1 becomes stderr.
+Bytes travel as {"$bytes": "<hex>"}, tuples as lists. Start it with the release on sys.path (the installed
+0.33.0, or PYTHONPATH=<an extracted wheel> for 0.31.0 / 0.32.0, as golden.py does):
+
+    PYTHONSAFEPATH=1 .venv-vllm/bin/python hack/vllm/peer_server.py
+
+Every operation calls vLLM's classes and functions; this file only converts arguments and results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import threading
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+_PROTOCOL = os.fdopen(os.dup(1), "w", buffering=1)
+os.dup2(2, 1)
+sys.stdout = sys.stderr
+
+import msgspec  # noqa: E402
+import peer  # noqa: E402  (sets HF_HUB_OFFLINE, VLLM_TARGET_DEVICE, HF_HOME before vLLM is imported)
+import vllm  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import metadata as M  # noqa: E402
+
+_ENCODER = msgspec.msgpack.Encoder()
+_LISTENERS: dict[int, tuple[threading.Thread, threading.Event, dict[tuple[int, int], bytes]]] = {}
+
+
+def to_json(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return {"$bytes": value.hex()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {
+            str(k) if not isinstance(k, tuple) else ",".join(map(str, k)): to_json(v)
+            for k, v in value.items()
+        }
+    if isinstance(value, list | tuple | set | frozenset):
+        return [to_json(v) for v in value]
+    return value
+
+
+def from_json(value: Any) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {"$bytes"}:
+            return bytes.fromhex(value["$bytes"])
+        return {k: from_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [from_json(v) for v in value]
+    return value
+
+
+def _metadata(fields: dict[str, Any]) -> Any:
+    fields = dict(fields)
+    if "ssm_sizes" in fields:
+        fields["ssm_sizes"] = tuple(fields["ssm_sizes"])
+    if "packed_member_layouts" in fields:
+        fields["packed_member_layouts"] = {k: tuple(v) for k, v in fields["packed_member_layouts"].items()}
+    return M.NixlAgentMetadata(**fields)
+
+
+# --- operations --------------------------------------------------------------------------------------------
+
+
+def op_version() -> dict[str, Any]:
+    return {
+        "vllm_version": vllm.__version__,
+        "vllm_file": vllm.__file__,
+        "connector_version": M.NIXL_CONNECTOR_VERSION,
+        "metadata_fields": [f.name for f in dataclasses.fields(M.NixlAgentMetadata)],
+        "payload_fields": [f.name for f in dataclasses.fields(M.NixlHandshakePayload)],
+    }
+
+
+def op_metadata_encode(fields: dict[str, Any]) -> bytes:
+    """vLLM's NixlAgentMetadata(**fields), encoded as register_kv_caches does."""
+    return _ENCODER.encode(_metadata(fields))
+
+
+def op_metadata_decode(data: bytes) -> dict[str, Any]:
+    """vLLM's typed decode (as _nixl_handshake does), and vLLM's re-encoding of the decoded object."""
+    decoded = msgspec.msgpack.Decoder(M.NixlAgentMetadata).decode(data)
+    return {"fields": to_json(decoded), "reencoded": _ENCODER.encode(decoded)}
+
+
+def op_payload_encode(compatibility_hash: str, agent_metadata_bytes: bytes) -> bytes:
+    return _ENCODER.encode(M.NixlHandshakePayload(compatibility_hash, agent_metadata_bytes))
+
+
+def op_payload_decode(data: bytes) -> dict[str, Any]:
+    decoded = msgspec.msgpack.Decoder(M.NixlHandshakePayload).decode(data)
+    return {"fields": to_json(decoded), "reencoded": _ENCODER.encode(decoded)}
+
+
+def op_config_hash(
+    argv: list[str], attn_backend_name: str, transfer_mode: str, restore_repo_id: bool = True
+) -> dict[str, Any]:
+    """A VllmConfig built by vLLM from a `vllm serve` argv, and vLLM's compatibility hash of it."""
+    config = peer.build_vllm_config(argv, restore_repo_id=restore_repo_id)
+    digest, factors = peer.compat_hash(config, attn_backend_name, transfer_mode)
+    ktc = config.kv_transfer_config
+    return {
+        "hash": digest,
+        "factors": factors,
+        "engine_id": None if ktc is None else ktc.engine_id,
+        "kv_role": None if ktc is None else ktc.kv_role,
+        "kv_connector": None if ktc is None else ktc.kv_connector,
+        "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
+        "pipeline_parallel_size": config.parallel_config.pipeline_parallel_size,
+        "attention_backend": getattr(getattr(config.attention_config, "backend", None), "name", None),
+    }
+
+
+def op_parse_argv(argv: list[str]) -> dict[str, Any]:
+    """`vllm serve`'s own parser and validation; the parsed namespace, JSON-safe values only."""
+    args = peer.parse_serve_argv(argv)
+    return {k: v for k, v in vars(args).items() if isinstance(v, str | int | float | bool | type(None))}
+
+
+def op_env_names() -> list[str]:
+    return sorted(peer.known_env_names())
+
+
+def op_pp_indices(num_layers: int, pp_size: int, partition: str | None = None) -> list[list[int]]:
+    """vLLM's get_pp_indices for every rank (with VLLM_PP_LAYER_PARTITION when given)."""
+    import vllm.envs as envs
+    from vllm.distributed.utils import get_pp_indices
+
+    old = os.environ.get("VLLM_PP_LAYER_PARTITION")
+    try:
+        if partition is None:
+            os.environ.pop("VLLM_PP_LAYER_PARTITION", None)
+        else:
+            os.environ["VLLM_PP_LAYER_PARTITION"] = partition
+        if hasattr(envs, "disable_envs_cache"):
+            envs.disable_envs_cache()
+        return [list(get_pp_indices(num_layers, rank, pp_size)) for rank in range(pp_size)]
+    finally:
+        if old is None:
+            os.environ.pop("VLLM_PP_LAYER_PARTITION", None)
+        else:
+            os.environ["VLLM_PP_LAYER_PARTITION"] = old
+
+
+def op_kv_transfer_config(config: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's KVTransferConfig from the JSON the operator puts in --kv-transfer-config, and the connector
+    class the factory's registry resolves for it."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    ktc = KVTransferConfig(**config)
+    cls = KVConnectorFactory.get_connector_class_by_name(ktc.kv_connector)
+    return {
+        "engine_id": ktc.engine_id,
+        "kv_role": ktc.kv_role,
+        "kv_connector": ktc.kv_connector,
+        "kv_connector_extra_config": ktc.kv_connector_extra_config,
+        "connector_class": f"{cls.__module__}.{cls.__qualname__}",
+        "supports_hma": KVConnectorFactory.supports_hma_config(ktc),
+        "registry": sorted(KVConnectorFactory._registry),
+    }
+
+
+def op_listener_start(payloads: dict[str, bytes], host: str, port: int) -> int:
+    """vLLM's real side-channel server (NixlBaseConnectorScheduler._nixl_handshake_listener) in a thread.
+    payloads: {"pp,tp": encoded NixlHandshakePayload}. Returns a handle for listener_stop."""
+    table = {tuple(int(x) for x in key.split(",")): value for key, value in payloads.items()}
+    thread, stop = peer.start_listener(table, host, port)
+    handle = len(_LISTENERS) + 1
+    _LISTENERS[handle] = (thread, stop, table)
+    return handle
+
+
+def op_listener_alive(handle: int) -> bool:
+    return _LISTENERS[handle][0].is_alive()
+
+
+def op_listener_stop(handle: int) -> bool:
+    thread, stop, _ = _LISTENERS.pop(handle)
+    was_alive = thread.is_alive()
+    stop.set()
+    thread.join(timeout=5)
+    return was_alive
+
+
+def op_handshake(
+    host: str,
+    port: int,
+    compat_hash: str,
+    remote_tp_size: int,
+    expected_engine_id: str,
+    remote_pp_size: int = 1,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    notif_agents_only: bool = False,
+    enforce_compat_hash: bool = True,
+) -> dict[str, Any]:
+    """vLLM's real `_nixl_handshake` client on a minimal NixlPushConnectorWorker; the NIXL agent calls are
+    recorded (NIXL is not installed in the vLLM venv)."""
+    worker = peer.handshake_worker(
+        compat_hash, tp_rank=tp_rank, tp_size=tp_size, enforce_compat_hash=enforce_compat_hash
+    )
+    agents, clock_offset = worker._nixl_handshake(
+        host,
+        port,
+        remote_tp_size,
+        expected_engine_id,
+        remote_pp_size=remote_pp_size,
+        notif_agents_only=notif_agents_only,
+    )
+    return {
+        "agents": {f"{pp},{tp}": name for (pp, tp), name in agents.items()},
+        "clock_offset": clock_offset,
+        "added_notif_only": [to_json(blob) for blob in worker.nixl_wrapper.added],
+        "added_full": [
+            {"metadata": to_json(m), "remote_tp_rank": r, "remote_tp_size": s, "remote_dcp_size": d}
+            for m, r, s, d in worker.added_full
+        ],
+    }
+
+
+def op_push_round_trip(
+    prefill_argv: list[str],
+    decode_argv: list[str],
+    request_id: str,
+    num_tokens: int,
+    prefill_host: str,
+    prefill_port: int,
+) -> dict[str, Any]:
+    """vLLM's NixlPushConnectorScheduler on both sides: the prefill's request_finished kv_transfer_params, and
+    the registration the decoder's update_state_after_alloc builds from them."""
+    from vllm.v1.request import RequestStatus
+
+    pcfg, dcfg = peer.build_vllm_config(prefill_argv), peer.build_vllm_config(decode_argv)
+    prefill = peer.push_scheduler(pcfg, host=prefill_host, port=prefill_port)
+    request = peer.make_request(
+        request_id, num_tokens, {"do_remote_decode": True, "do_remote_prefill": False}
+    )
+    request.num_computed_tokens = num_tokens
+    request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    blocks = num_tokens // 16 + 1
+    _, params = prefill.request_finished(
+        request, (list(range(1, 1 + blocks)), list(range(201, 201 + blocks)))
+    )
+    decoder = peer.push_scheduler(dcfg, host="127.0.0.2", port=prefill_port)
+    request = peer.make_request(request_id, num_tokens, params, max_tokens=16)
+    matched, _ = decoder.get_num_new_matched_tokens(request, 0)
+    decoder.update_state_after_alloc(
+        request,
+        peer.make_blocks(list(range(100, 100 + blocks)), list(range(500, 500 + blocks))),
+        matched,
+    )
+    return {
+        "prefill_engine_id": prefill.engine_id,
+        "decode_engine_id": decoder.engine_id,
+        "kv_transfer_params": to_json(params),
+        "registration": to_json(decoder._push_pending_registrations[request.request_id]),
+    }
+
+
+OPS = {name[3:]: fn for name, fn in globals().items() if name.startswith("op_")}
+
+
+def main() -> None:
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            request = json.loads(line)
+            result = OPS[request["op"]](**from_json(request.get("args", {})))
+            reply = {"ok": True, "result": to_json(result)}
+        except Exception as exc:  # every failure goes back to the test, which decides what it means
+            reply = {
+                "ok": False,
+                "type": type(exc).__name__,
+                "error": str(exc),
+                "traceback": traceback.format_exc(limit=6),
+            }
+        _PROTOCOL.write(json.dumps(reply) + "\n")
+    for handle in list(_LISTENERS):
+        op_listener_stop(handle)
+
+
+if __name__ == "__main__":
+    main()

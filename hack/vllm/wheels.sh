@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The older supported vLLM releases (0.31.0, 0.32.0) for the interop tests, extracted from their PyPI wheels.
+# The interop tests' peer process imports them with PYTHONPATH=<extracted wheel> inside .venv-vllm (built for
+# 0.33.0 by venv.sh; these releases pin the same torch and import with the same packages).
+#
+#   bash hack/vllm/wheels.sh          # idempotent: <cache>/<v>/vllm-<v>-*.whl and <cache>/x/<v>/
+#
+# VLLM_WHEEL_CACHE is the cache (default: <repo>/../.whl-cache, as venv.sh). A fresh machine downloads about
+# 650 MB (~10 s at 80 MB/s) and extracts it (~15 s); afterwards it returns at once.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+WHEEL_CACHE=${VLLM_WHEEL_CACHE:-$(dirname "$ROOT")/.whl-cache}
+PYTHON=${PYTHON:-python3}
+RELEASES=(0.31.0 0.32.0)
+
+for version in "${RELEASES[@]}"; do
+    target=$WHEEL_CACHE/x/$version
+    # Extraction goes to a temporary folder first, so a vllm/ folder there is a whole release.
+    [[ -d $target/vllm ]] && continue
+    wheel_dir=$WHEEL_CACHE/$version
+    shopt -s nullglob
+    wheels=("$wheel_dir"/vllm-"$version"-*.whl)
+    if (( ${#wheels[@]} == 0 )); then
+        mkdir -p "$wheel_dir"
+        "$PYTHON" -m pip --disable-pip-version-check download --quiet --no-deps "vllm==$version" -d "$wheel_dir"
+        wheels=("$wheel_dir"/vllm-"$version"-*.whl)
+    fi
+    shopt -u nullglob
+    rm -rf "$target.tmp"
+    mkdir -p "$target.tmp"
+    "$PYTHON" -m zipfile -e "${wheels[0]}" "$target.tmp"
+    rm -rf "$target"
+    mv "$target.tmp" "$target"
+done
