@@ -18,7 +18,7 @@ from disagg.operator.builders import Installation
 from disagg.operator.plan import TopologyPlan, plan_topology
 from disagg.operator.policies import COMPATIBILITY_CHAIN, Policy, PolicyInput, evaluate_chain
 from disagg.worker.kv.errors import LayoutError, Violation
-from disagg.worker.kv.wire import compat_factors, compat_hash
+from disagg.worker.kv.wire import LATEST_CONNECTOR_VERSION, compat_factors, compat_hash
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,7 @@ def role_factors(spec: DisaggDeploymentSpec, role: Role) -> dict[str, Any]:
         is_hma_enabled=engine.hybrid_kv_cache_manager is HybridKVCacheManager.ENABLED,
         transfer_mode=spec.kv_transfer.connector.transfer_mode,
         cache_dtype=spec.effective(role, "kv_cache_dtype", model.kv_cache_dtype).value,
+        nixl_connector_version=LATEST_CONNECTOR_VERSION,
     )
     return factors
 

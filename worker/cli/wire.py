@@ -176,7 +176,7 @@ def run_compat_hash(args: argparse.Namespace) -> int:
         if (missing or unknown) and not args.loose:
             status = _fail(
                 "compat hash",
-                f"{args.file}{label}: not a connector-version-{wire.NIXL_CONNECTOR_VERSION} factor set: "
+                f"{args.file}{label}: not a vLLM NIXL compatibility factor set: "
                 f"missing {missing}, unknown {unknown} (--loose hashes it anyway)",
             )
             continue

@@ -218,7 +218,8 @@ def align_remote_regions(meta: M, local_layers: Sequence[str]) -> M:
     if not meta.region_members:
         raise MissingLayers(
             "the remote advertised no region_members, so its regions cannot be routed by layer name; "
-            "the peer must run the push connector with layer tracking (connector version 12 or later)"
+            "the peer must run the push connector with layer tracking (vLLM 0.31, connector version 13, "
+            "or later)"
         )
     _check_region_lists(meta)
     region_by_layer: dict[str, int] = {}

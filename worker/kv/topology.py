@@ -164,6 +164,7 @@ class Topology:
                 attn_backend_name=self.attention_backend,
                 is_hma_enabled=self.model.hma,
                 transfer_mode="push",
+                nixl_connector_version=wire.LATEST_CONNECTOR_VERSION,
             )
         except ValueError as exc:
             raise WorkerConfigError(f"topology model.dtype: {exc}") from None

@@ -1,15 +1,24 @@
-"""vLLM's NIXL connector wire format, version 12, byte for byte.
+"""vLLM's NIXL connector wire format, as the released vLLM speaks it (connector versions 13, 14 and 15).
 
 The structs below re-declare vLLM's `NixlAgentMetadata` and `NixlHandshakePayload` field for field, so that
 `msgspec.msgpack` produces and accepts exactly what a vLLM engine does: maps keyed by field name in
 declaration order, defaults written out, `bytes` as msgpack bin. That is what lets a `disagg` worker or probe
-handshake a real vLLM engine. The golden vectors in `tests/golden/` pin the encoding.
+handshake a real vLLM engine. The releases differ in the metadata's field set: 0.31 (v13) has 20 fields, 0.32
+(v14) and 0.33 (v15) insert `ple_block_len` between `pcp_size` and `region_members`. In memory a metadata is
+always the newest field set (`NixlAgentMetadata`); `encode_agent_metadata` writes the field set of the
+connector version asked for (`metadata_struct`), and the decoder, like vLLM's, takes every field set (unknown
+keys are ignored, missing defaulted ones filled). So a decoded metadata re-encodes byte for byte with the
+version it came from. The golden vectors in `tests/golden/vllm/<release>/`, written by each release's own
+classes, pin the encoding.
+
+Version 12 (`region_members` without `packed_member_layouts`) was only ever on vLLM's main branch: it still
+decodes, because the decoder fills the missing field for free, but nothing here writes it.
 
 Everything read from the network goes through a size check and a typed (or explicitly validated untyped)
 msgpack decode; nothing is ever unpickled. Refusals are typed (`disagg.worker.kv.errors`) and name the
 difference. This module is pure: no I/O, no clock.
 
-It runs to some 450 lines because it mirrors vLLM's structs and notif formats field for field; split, it would
+It runs to some 500 lines because it mirrors vLLM's structs and notif formats field for field; split, it would
 part what the golden vectors pin together.
 """
 
@@ -25,7 +34,9 @@ import msgspec
 
 from disagg.worker.kv.errors import CompatibilityHashMismatch, EngineIdMismatch, WireFormatError
 
-NIXL_CONNECTOR_VERSION: Final = 12
+# The NIXL connector versions of the supported releases (`disagg.worker.kv.releases`), oldest first.
+CONNECTOR_VERSIONS: Final = (13, 14, 15)
+LATEST_CONNECTOR_VERSION: Final = CONNECTOR_VERSIONS[-1]
 GET_META_MSG: Final = b"get_meta_msg"
 PUSH_REG_NOTIF_PREFIX: Final = b"PUSH_REG:"
 HB_NOTIF_PREFIX: Final = b"HB:"
@@ -35,7 +46,7 @@ MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
 
 TransferMode = Literal["pull", "push"]
 
-# The exact keys of vLLM's compute_nixl_compatibility_hash at connector version 12, in vLLM's order.
+# The exact keys of vLLM's compute_nixl_compatibility_hash, in vLLM's order (the same from version 9 to 15).
 COMPAT_FACTOR_KEYS: Final = (
     "vllm_version",
     "nixl_connector_version",
@@ -64,7 +75,8 @@ _TORCH_DTYPE_ALIASES: Final = {
 
 
 class NixlAgentMetadata(msgspec.Struct, frozen=True):
-    """What one worker advertises at handshake (vLLM `nixl/metadata.py`, v12). Field order is wire order."""
+    """What one worker advertises at handshake (vLLM `nixl/metadata.py`), the field set of connector versions
+    14 and 15 (vLLM 0.32, 0.33). Field order is wire order."""
 
     engine_id: str
     agent_metadata: bytes
@@ -84,9 +96,63 @@ class NixlAgentMetadata(msgspec.Struct, frozen=True):
     region_mem_types: list[str] | None = None
     dcp_size: int = 1
     pcp_size: int = 1
+    # v14: the page length of a per-layer-embedding (PLE) state region, when the model has one.
+    ple_block_len: int | None = None
     # Empty unless the peer tracks region layers (push + HMA or packed, no Mamba); routing decides whether
     # an empty list is acceptable.
     region_members: list[list[str]] = msgspec.field(default_factory=list)
+    # v13: per member layer of a packed (block-outermost) region, its (offset, length) inside the block.
+    packed_member_layouts: dict[str, tuple[int, int]] = msgspec.field(default_factory=dict)
+
+
+class NixlAgentMetadataV13(msgspec.Struct, frozen=True):
+    """The field set of connector version 13 (vLLM 0.31): `NixlAgentMetadata` without `ple_block_len`."""
+
+    engine_id: str
+    agent_metadata: bytes
+    kv_caches_base_addr: list[int]
+    device_id: int
+    num_blocks: int
+    block_lens: list[int]
+    block_strides: list[int]
+    kv_cache_layout: str
+    block_size: int
+    ssm_sizes: tuple[int, int]
+    attn_backend_name: str
+    physical_blocks_per_logical_kv_block: int
+    region_num_blocks: list[int] | None = None
+    region_group_ids: list[int] | None = None
+    region_names: list[str] | None = None
+    region_mem_types: list[str] | None = None
+    dcp_size: int = 1
+    pcp_size: int = 1
+    region_members: list[list[str]] = msgspec.field(default_factory=list)
+    packed_member_layouts: dict[str, tuple[int, int]] = msgspec.field(default_factory=dict)
+
+
+WireMetadata = type[NixlAgentMetadata] | type[NixlAgentMetadataV13]
+_METADATA_STRUCTS: Final[Mapping[int, WireMetadata]] = {
+    13: NixlAgentMetadataV13,
+    14: NixlAgentMetadata,
+    15: NixlAgentMetadata,
+}
+
+
+def metadata_struct(connector_version: int) -> WireMetadata:
+    """The struct whose fields, in order, are the agent metadata of that connector version."""
+    try:
+        return _METADATA_STRUCTS[connector_version]
+    except KeyError:
+        raise ValueError(
+            f"NIXL connector version {connector_version} is not one this worker speaks "
+            f"(it speaks {', '.join(map(str, CONNECTOR_VERSIONS))})"
+        ) from None
+
+
+def metadata_fields(connector_version: int) -> tuple[str, ...]:
+    """The agent metadata's field names in wire order at that connector version."""
+    fields: tuple[str, ...] = metadata_struct(connector_version).__struct_fields__
+    return fields
 
 
 class NixlHandshakePayload(msgspec.Struct, frozen=True):
@@ -165,13 +231,15 @@ def compat_factors(
     is_hma_enabled: bool,
     transfer_mode: TransferMode,
     cache_dtype: str = "auto",
+    nixl_connector_version: int,
     speculative_config: Mapping[str, Any] | None = None,
-    nixl_connector_version: int = NIXL_CONNECTOR_VERSION,
 ) -> dict[str, Any]:
-    """The factor dict of vLLM's compute_nixl_compatibility_hash (§1.2), keys in vLLM's order.
+    """The factor dict of vLLM's compute_nixl_compatibility_hash, keys in vLLM's order.
 
-    `num_hidden_layers` is the model total, not a PP stage's share; `speculative_config` is None unless the
-    engine runs EAGLE/MTP-style drafting.
+    `vllm_version` and `nixl_connector_version` are the release's (`releases.Release`): both are hashed, so
+    no two releases ever match. `num_hidden_layers` is the model total, not a PP stage's share; for MLA
+    models `num_kv_heads` is the config's `num_key_value_heads` (vLLM's `get_total_num_kv_heads`), not 1;
+    `speculative_config` is None unless the engine runs EAGLE/MTP-style drafting.
     """
     if transfer_mode not in ("pull", "push"):
         raise ValueError(f"transfer_mode must be 'pull' or 'push', got {transfer_mode!r}")
@@ -216,7 +284,7 @@ def differing_factors(local: Mapping[str, Any], remote: Mapping[str, Any]) -> li
 
 def _single_factor_variants(local: Mapping[str, Any]) -> Iterable[tuple[str, Any]]:
     """The one-factor changes that explain most real mismatches: connector version, transfer mode, HMA."""
-    for version in range(1, NIXL_CONNECTOR_VERSION + 4):
+    for version in range(1, LATEST_CONNECTOR_VERSION + 4):
         if version != local.get("nixl_connector_version"):
             yield "nixl_connector_version", version
     for mode in ("pull", "push"):
@@ -285,22 +353,42 @@ def _decode_typed(data: bytes, type_: type[_T], what: str) -> _T:
         return msgspec.msgpack.decode(data, type=type_)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise WireFormatError(
-            f"{what} is not a connector-version-{NIXL_CONNECTOR_VERSION} {type_.__name__}: {exc} "
+            f"{what} is not a vLLM NIXL {type_.__name__} (connector versions "
+            f"{CONNECTOR_VERSIONS[0]}-{LATEST_CONNECTOR_VERSION}): {exc} "
             "(a peer running another vLLM NIXL connector version, or not a NIXL side channel)"
         ) from exc
 
 
-def encode_agent_metadata(metadata: NixlAgentMetadata) -> bytes:
-    return msgspec.msgpack.encode(metadata)
+def encode_agent_metadata(
+    metadata: NixlAgentMetadata, connector_version: int = LATEST_CONNECTOR_VERSION
+) -> bytes:
+    """The metadata as that connector version's vLLM encodes it: its field set, in its order."""
+    struct = metadata_struct(connector_version)
+    if struct is NixlAgentMetadata:
+        return msgspec.msgpack.encode(metadata)
+    if metadata.ple_block_len is not None:
+        raise ValueError(
+            f"connector version {connector_version} has no ple_block_len, but this metadata sets it to "
+            f"{metadata.ple_block_len}: a PLE model needs vLLM 0.32 (connector version 14) or later"
+        )
+    return msgspec.msgpack.encode(
+        struct(**{name: getattr(metadata, name) for name in struct.__struct_fields__})
+    )
 
 
 def decode_agent_metadata(data: bytes) -> NixlAgentMetadata:
     return _decode_typed(data, NixlAgentMetadata, "agent metadata")
 
 
-def encode_handshake_payload(metadata: NixlAgentMetadata | bytes, compatibility_hash: str) -> bytes:
-    """Reply frame 0: the hash and the (already or here) encoded agent metadata."""
-    metadata_bytes = metadata if isinstance(metadata, bytes) else encode_agent_metadata(metadata)
+def encode_handshake_payload(
+    metadata: NixlAgentMetadata | bytes,
+    compatibility_hash: str,
+    connector_version: int = LATEST_CONNECTOR_VERSION,
+) -> bytes:
+    """Reply frame 0: the hash and the (already, or here at `connector_version`) encoded agent metadata."""
+    metadata_bytes = (
+        metadata if isinstance(metadata, bytes) else encode_agent_metadata(metadata, connector_version)
+    )
     return msgspec.msgpack.encode(NixlHandshakePayload(compatibility_hash, metadata_bytes))
 
 
