@@ -18,7 +18,8 @@ from disagg.operator.builders import Installation
 from disagg.operator.plan import TopologyPlan, plan_topology
 from disagg.operator.policies import COMPATIBILITY_CHAIN, Policy, PolicyInput, evaluate_chain
 from disagg.worker.kv.errors import LayoutError, Violation
-from disagg.worker.kv.wire import LATEST_CONNECTOR_VERSION, compat_factors, compat_hash
+from disagg.worker.kv.releases import LATEST, Release, release_of
+from disagg.worker.kv.wire import compat_factors, compat_hash
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,15 @@ class CompatReport:
         return [violation.reason for violation in self.violations]
 
 
+def role_release(spec: DisaggDeploymentSpec, role: Role) -> Release:
+    """The row of `releases.RELEASES` the role's version selects; the newest for a version no row has
+    (pre-flight refuses that spec as UnsupportedEngineVersion, so its hash is never relied on)."""
+    return release_of(spec.effective(role, "version", spec.engine.version)) or LATEST
+
+
 def role_factors(spec: DisaggDeploymentSpec, role: Role) -> dict[str, Any]:
-    """vLLM's compatibility-hash factors of one role, with that role's overrides applied."""
+    """vLLM's compatibility-hash factors of one role, with that role's overrides applied: the connector
+    version is the one the role's release speaks."""
     engine, model = spec.engine, spec.model
     factors: dict[str, Any] = compat_factors(
         vllm_version=spec.effective(role, "version", engine.version),
@@ -54,7 +62,7 @@ def role_factors(spec: DisaggDeploymentSpec, role: Role) -> dict[str, Any]:
         is_hma_enabled=engine.hybrid_kv_cache_manager is HybridKVCacheManager.ENABLED,
         transfer_mode=spec.kv_transfer.connector.transfer_mode,
         cache_dtype=spec.effective(role, "kv_cache_dtype", model.kv_cache_dtype).value,
-        nixl_connector_version=LATEST_CONNECTOR_VERSION,
+        nixl_connector_version=role_release(spec, role).connector_version,
     )
     return factors
 

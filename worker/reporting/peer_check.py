@@ -140,7 +140,8 @@ def handshake_peer(
     config: SidecarConfig, peer: Peer, host: str, targets: Sequence[tuple[int, int]], *, timeout_s: float
 ) -> list[PeerHandshake]:
     """Handshake `targets` of `peer` at `host` expecting this sidecar's compatibility hash and the peer's
-    engine id, as the connector would."""
+    engine id, as the connector would. `peer.engine_id` is the stable prefix the operator's engine launcher
+    extends with a per-start suffix; `wire.engine_id_matches` accepts the prefix plus one such suffix."""
     return handshake(
         host,
         peer.port,
