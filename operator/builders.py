@@ -27,6 +27,7 @@ from disagg.operator.builders_engine import (
     engine_container,
     is_vllm_image,
     role_image,
+    role_release,
     stage_dns,
 )
 from disagg.operator.plan import TopologyPlan
@@ -217,6 +218,9 @@ def topology_document(
             attention_backend=spec.engine.attention_backend,
         ),
         compatibility_hashes={role: value for role, value in hashes.items()},
+        # Pre-flight refuses a pair whose releases differ, so prefill's release is the deployment's.
+        vllm_version=spec.effective("prefill", "version", spec.engine.version),
+        connector_version=role_release(spec, "prefill").connector_version,
     )
 
 

@@ -32,6 +32,7 @@ from disagg.operator.api import DisaggDeploymentSpec, HybridKVCacheManager, Role
 from disagg.operator.plan import TopologyPlan
 from disagg.worker.kv.errors import Violation
 from disagg.worker.kv.pod_contract import POD_IP_ENV, POD_NAME_ENV
+from disagg.worker.kv.releases import LATEST, Release, release_of
 
 HTTP_PORT: Final = 8000
 # vLLM's torch.distributed rendezvous between the pipeline stages of one prefill instance.
@@ -92,6 +93,12 @@ def is_vllm_image(image: str) -> bool:
 
 def role_image(spec: DisaggDeploymentSpec, role: Role) -> str:
     return spec.effective(role, "image", spec.engine.image)
+
+
+def role_release(spec: DisaggDeploymentSpec, role: Role) -> Release:
+    """The row of `releases.RELEASES` the role's version selects; the newest for a version no row has
+    (pre-flight refuses that spec as UnsupportedEngineVersion, so its hash is never relied on)."""
+    return release_of(spec.effective(role, "version", spec.engine.version)) or LATEST
 
 
 def user_args(spec: DisaggDeploymentSpec, role: Role) -> tuple[str, ...]:

@@ -15,10 +15,10 @@ from typing import Any
 
 from disagg.operator.api import ROLES, DisaggDeploymentSpec, HybridKVCacheManager, Role
 from disagg.operator.builders import Installation
+from disagg.operator.builders_engine import role_release
 from disagg.operator.plan import TopologyPlan, plan_topology
 from disagg.operator.policies import COMPATIBILITY_CHAIN, Policy, PolicyInput, evaluate_chain
 from disagg.worker.kv.errors import LayoutError, Violation
-from disagg.worker.kv.releases import LATEST, Release, release_of
 from disagg.worker.kv.wire import compat_factors, compat_hash
 
 
@@ -39,12 +39,6 @@ class CompatReport:
     @property
     def reasons(self) -> list[str]:
         return [violation.reason for violation in self.violations]
-
-
-def role_release(spec: DisaggDeploymentSpec, role: Role) -> Release:
-    """The row of `releases.RELEASES` the role's version selects; the newest for a version no row has
-    (pre-flight refuses that spec as UnsupportedEngineVersion, so its hash is never relied on)."""
-    return release_of(spec.effective(role, "version", spec.engine.version)) or LATEST
 
 
 def role_factors(spec: DisaggDeploymentSpec, role: Role) -> dict[str, Any]:
