@@ -30,7 +30,7 @@ def test_probe_prints_every_rank_of_a_pp2_engine(procs: Cluster) -> None:
     out = done.stdout
     assert "rank (pp 0, tp 0): engine prefill" in out and "rank (pp 1, tp 0): engine prefill" in out
     assert out.count("c" * 64) == 2
-    assert "connector version: 12 (advertises region_members)" in out
+    assert "connector version: 14 or 15 (by the metadata's field set)" in out
     # Stage 1 pools layers 6-9 and 10-11; every layer of the model appears exactly once across both stages.
     assert "model.layers.6.self_attn.attn, model.layers.7.self_attn.attn" in out
     for layer in range(12):

@@ -12,8 +12,8 @@ def register(subparsers: Any) -> None:
         help="handshake a live NIXL side channel and print what each (pp, tp) rank advertises",
         description=(
             "Sends vLLM's side-channel request for every (pp_rank, tp_rank) and decodes the replies "
-            "(hash first, then the v12 agent metadata). Nothing is added to NIXL. Exits 1 with the typed "
-            "reason when a handshake fails."
+            "(hash first, then the agent metadata of vLLM 0.31-0.33). Nothing is added to NIXL. Exits 1 "
+            "with the typed reason when a handshake fails."
         ),
     )
     parser.add_argument("target", metavar="HOST:PORT", help="side channel address, e.g. 10.0.0.5:5600")
@@ -34,14 +34,23 @@ def _split_target(target: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def describe(pp_rank: int, tp_rank: int, compat_hash: str, meta: Any, clock_offset_s: float) -> list[str]:
-    """Human-readable lines for one rank's decoded metadata."""
+def describe(
+    pp_rank: int,
+    tp_rank: int,
+    compat_hash: str,
+    meta: Any,
+    clock_offset_s: float,
+    field_versions: tuple[int, ...] = (),
+) -> list[str]:
+    """Human-readable lines for one rank's decoded metadata; `field_versions` are the connector versions
+    whose metadata field set the reply has (`wire.field_set_versions`)."""
     members = list(meta.region_members)
-    version = (
-        "12 (advertises region_members)"
-        if members
-        else "12 wire format without region_members (a version-11 peer, or one that does not track layers)"
-    )
+    if field_versions:
+        version = f"{' or '.join(map(str, field_versions))} (by the metadata's field set)"
+    else:
+        version = "unknown (the metadata's fields are no released field set)"
+    if not members:
+        version += "; no region_members (a peer that does not track layers)"
     capacities = meta.region_num_blocks if meta.region_num_blocks is not None else [meta.num_blocks]
     lines = [
         f"rank (pp {pp_rank}, tp {tp_rank}): engine {meta.engine_id}",
@@ -84,7 +93,12 @@ def probe(args: argparse.Namespace) -> int:
             print(
                 "\n".join(
                     describe(
-                        reply.pp_rank, reply.tp_rank, envelope.compatibility_hash, meta, reply.clock_offset_s
+                        reply.pp_rank,
+                        reply.tp_rank,
+                        envelope.compatibility_hash,
+                        meta,
+                        reply.clock_offset_s,
+                        wire.field_set_versions(envelope.agent_metadata_bytes),
                     )
                 )
             )

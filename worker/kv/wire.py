@@ -389,6 +389,29 @@ def encode_agent_metadata(
     )
 
 
+# What the field sets of the metadata say about the connector version (v12 was never released; v11 has no
+# region_members). v14 and v15 write the same fields: only the hash tells them apart.
+_FIELD_SET_VERSIONS: Final = {
+    metadata_fields(13): (13,),
+    metadata_fields(14): (14, 15),
+    tuple(name for name in metadata_fields(13) if name != "packed_member_layouts"): (12,),
+    tuple(name for name in metadata_fields(13) if name not in ("packed_member_layouts", "region_members")): (
+        11,
+    ),
+}
+
+
+def field_set_versions(data: bytes) -> tuple[int, ...]:
+    """The connector versions whose metadata field set, in order, is exactly the keys of the encoded map
+    (empty when it is no known field set, e.g. a metadata re-encoded by another release's class)."""
+    _check_size(data, "agent metadata")
+    try:
+        keys = tuple(msgspec.msgpack.decode(data, type=dict[str, Any]))
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return ()
+    return _FIELD_SET_VERSIONS.get(keys, ())
+
+
 def decode_agent_metadata(data: bytes) -> NixlAgentMetadata:
     return _decode_typed(data, NixlAgentMetadata, "agent metadata")
 
