@@ -27,6 +27,7 @@ from disagg.operator.builders_engine import (
     engine_container,
     is_vllm_image,
     role_image,
+    role_release,
     stage_dns,
 )
 from disagg.operator.plan import TopologyPlan
@@ -225,6 +226,9 @@ def topology_document(
         compatibility_hashes={role: value for role, value in hashes.items()},
         # What each predicted hash is of: a sidecar names the factor a live engine's hash differs in.
         compatibility_factors={role: dict(value) for role, value in (factors or {}).items()},
+        # Pre-flight refuses a pair whose releases differ, so prefill's release is the deployment's.
+        vllm_version=spec.effective("prefill", "version", spec.engine.version),
+        connector_version=role_release(spec, "prefill").connector_version,
     )
 
 

@@ -1,11 +1,24 @@
 """The engine container's command, arguments and environment for each role. Pure.
 
 For vLLM images the builders own every argument the spec decides: `--kv-transfer-config` (the push or pull
-connector, producer on prefill and consumer on decode), the parallel sizes, block size, dtypes, the layer
-partition and the side channel (`VLLM_NIXL_SIDE_CHANNEL_HOST` is the pod IP, because vLLM both binds it and
-advertises it to peers, vLLM #27083). A user's extra arguments are kept; one that repeats an owned flag with
-the spec's own value is dropped as redundant, and one that contradicts the spec is refused with a violation,
-never silently overridden. Other engines receive the user's arguments and the `DISAGG_*` environment only.
+connector, producer on prefill and consumer on decode, and the engine id), the parallel sizes, block size,
+dtypes, `--attention-backend` (vLLM no longer reads `VLLM_ATTENTION_BACKEND`), the layer partition and the
+side channel (`VLLM_NIXL_SIDE_CHANNEL_HOST` is the pod IP, because vLLM both binds it and advertises it to
+peers, vLLM #27083).
+
+The engine id is pinned, because watchers and routers must know it and vLLM would otherwise draw a uuid per
+start, and it is new on every start, because decoders cache remote agents by engine id and a prefill
+restarted under the same id is a known crash path (vllm #49238). So the engine command is a small shell
+launcher (`STAGE_LAUNCHER`, `PREFILL_LAUNCHER`, `DECODE_LAUNCHER`) that replaces `ENGINE_ID_PLACEHOLDER` in
+the arguments with `<stable prefix>-<8 random hex digits>`, drawn at each start. The stable prefix is the
+sidecar's engine id: the StatefulSet name for a prefill engine (all its stages), the pod name for a decode
+pod. A watcher knows only the prefix and accepts an engine id that is the prefix plus one such suffix
+(`wire.engine_id_matches`); the full id is what the side channel answers. vLLM broadcasts TP rank 0's id
+over the TP and PP groups, so every stage of a prefill engine advertises the head's id.
+
+A user's extra arguments are kept; one that repeats an owned flag with the spec's own value is dropped as
+redundant, and one that contradicts the spec is refused with a violation, never silently overridden. Other
+engines receive the user's arguments and the `DISAGG_*` environment only.
 """
 
 from __future__ import annotations
@@ -19,19 +32,39 @@ from disagg.operator.api import DisaggDeploymentSpec, HybridKVCacheManager, Role
 from disagg.operator.plan import TopologyPlan
 from disagg.worker.kv.errors import Violation
 from disagg.worker.kv.pod_contract import POD_IP_ENV, POD_NAME_ENV
+from disagg.worker.kv.releases import LATEST, Release, release_of
 
 HTTP_PORT: Final = 8000
 # vLLM's torch.distributed rendezvous between the pipeline stages of one prefill instance.
 MASTER_PORT: Final = 29500
 ARG_CONFLICT_REASON: Final = "EngineArgumentConflict"
 
+ENGINE_ID_PLACEHOLDER: Final = "@DISAGG_ENGINE_ID@"
+
+
+def _engine_id_step(prefix: str) -> str:
+    """sh that sets `id` to `<prefix>-<8 random hex>` and puts it in place of the placeholder in "$@".
+    Backquotes, not `$(...)`: Kubernetes expands `$(NAME)` in a container's command."""
+    marker = ENGINE_ID_PLACEHOLDER
+    return (
+        f"id=\"{prefix}-`od -An -N4 -tx1 /dev/urandom | tr -d ' \\n'`\"; "
+        "for a; do shift; "
+        f'case "$a" in *{marker}*) a="${{a%%{marker}*}}$id${{a#*{marker}}}";; esac; '
+        'set -- "$@" "$a"; done; '
+    )
+
+
 # A stage pod learns its pipeline rank from its StatefulSet ordinal (the `-N` suffix of its name): Kubernetes
 # 1.20 has no pod-index label for the downward API. Rank 0 serves the API; the other stages run headless.
 STAGE_LAUNCHER: Final = (
-    f'rank="${{{POD_NAME_ENV}##*-}}"; '
+    _engine_id_step(f"${{{POD_NAME_ENV}%-*}}") + f'rank="${{{POD_NAME_ENV}##*-}}"; '
     'if [ "$rank" = 0 ]; then exec vllm serve "$@" --node-rank 0; '
     'else exec vllm serve "$@" --node-rank "$rank" --headless; fi'
 )
+# A prefill engine without PP is one pod of a StatefulSet too; a decode pod is an engine of its own.
+PREFILL_LAUNCHER: Final = _engine_id_step(f"${{{POD_NAME_ENV}%-*}}") + 'exec vllm serve "$@"'
+DECODE_LAUNCHER: Final = _engine_id_step(f"${{{POD_NAME_ENV}}}") + 'exec vllm serve "$@"'
+ENGINE_LAUNCHER_NAME: Final = "vllm-serve"
 
 
 @dataclass(frozen=True)
@@ -62,6 +95,12 @@ def role_image(spec: DisaggDeploymentSpec, role: Role) -> str:
     return spec.effective(role, "image", spec.engine.image)
 
 
+def role_release(spec: DisaggDeploymentSpec, role: Role) -> Release:
+    """The row of `releases.RELEASES` the role's version selects; the newest for a version no row has
+    (pre-flight refuses that spec as UnsupportedEngineVersion, so its hash is never relied on)."""
+    return release_of(spec.effective(role, "version", spec.engine.version)) or LATEST
+
+
 def user_args(spec: DisaggDeploymentSpec, role: Role) -> tuple[str, ...]:
     return (*spec.engine.extra_args, *spec.role(role).extra_args)
 
@@ -71,6 +110,7 @@ def kv_transfer_config(spec: DisaggDeploymentSpec, role: Role) -> dict[str, Any]
     return {
         "kv_connector": kv.connector.vllm_class,
         "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+        "engine_id": ENGINE_ID_PLACEHOLDER,
         "kv_connector_extra_config": {
             "backends": [backend.value for backend in kv.backends],
             "kv_lease_duration": kv.lease_seconds,
@@ -102,6 +142,11 @@ def _owned_flags(spec: DisaggDeploymentSpec, role: Role, stage_service: str | No
             ("--kv-transfer-config",),
             json.dumps(kv_transfer_config(spec, role), sort_keys=True, separators=(",", ":")),
             "spec.kvTransfer",
+        ),
+        _Owned(
+            ("--attention-backend",),
+            str(spec.effective(role, "attention_backend", spec.engine.attention_backend)),
+            "spec.engine.attentionBackend",
         ),
         _Owned(("--port",), str(HTTP_PORT), "the operator's engine port"),
         _Owned(
@@ -220,9 +265,10 @@ def engine_container(
         elif item.value != "":
             written += [item.spellings[0], item.value]
     env += _vllm_env(spec, role, plan)
-    if master is not None:
-        return EngineContainer(("/bin/sh", "-c", STAGE_LAUNCHER, "vllm-serve"), (*written, *kept), tuple(env))
-    return EngineContainer(("vllm", "serve"), (*written, *kept), tuple(env))
+    launcher = (
+        STAGE_LAUNCHER if master is not None else PREFILL_LAUNCHER if role == "prefill" else DECODE_LAUNCHER
+    )
+    return EngineContainer(("/bin/sh", "-c", launcher, ENGINE_LAUNCHER_NAME), (*written, *kept), tuple(env))
 
 
 def _vllm_env(spec: DisaggDeploymentSpec, role: Role, plan: TopologyPlan) -> list[dict[str, Any]]:
@@ -230,10 +276,6 @@ def _vllm_env(spec: DisaggDeploymentSpec, role: Role, plan: TopologyPlan) -> lis
         # $(POD_IP) expands from the downward-API variable the identity env defines first.
         {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": f"$({POD_IP_ENV})"},
         {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(spec.kv_transfer.side_channel_port)},
-        {
-            "name": "VLLM_ATTENTION_BACKEND",
-            "value": str(spec.effective(role, "attention_backend", spec.engine.attention_backend)),
-        },
     ]
     if role == "prefill":
         partition = ",".join(str(len(stage.layers)) for stage in plan.stages)

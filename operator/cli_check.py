@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 if TYPE_CHECKING:
     import yaml
 
-    from disagg.operator.api import DisaggDeployment
+    from disagg.operator.api import DisaggDeployment, DisaggDeploymentSpec, Role
     from disagg.operator.compat import CompatReport
 
 EXIT_OK = 0
@@ -132,12 +132,27 @@ def _summary_lines(dd: DisaggDeployment, report: CompatReport) -> list[str]:
             count = _plural(plan.notifications_per_request, "completion notification")
             transfer += f", {count} per request"
         lines.append(transfer)
-    if report.hashes["prefill"] == report.hashes["decode"]:
-        lines.append(f"  compatibility hash: {report.hashes['prefill']} (prefill and decode)")
+    engines = {role: _engine_text(spec, role) for role in ("prefill", "decode")}
+    if engines["prefill"] == engines["decode"]:
+        lines.append(f"  engine: {engines['prefill']} (prefill and decode)")
     else:
-        lines.append(f"  compatibility hash: prefill {report.hashes['prefill']}")
-        lines.append(f"                      decode  {report.hashes['decode']}")
+        lines.append(f"  engine: prefill {engines['prefill']}, decode {engines['decode']}")
+    # The operator's prediction is vLLM's own computation (the interop tests check it against vLLM's code).
+    if report.hashes["prefill"] == report.hashes["decode"]:
+        lines.append(f"  compatibility hash vLLM computes: {report.hashes['prefill']} (prefill and decode)")
+    else:
+        lines.append(f"  compatibility hash vLLM computes: prefill {report.hashes['prefill']}")
+        lines.append(f"                                    decode  {report.hashes['decode']}")
     return lines
+
+
+def _engine_text(spec: DisaggDeploymentSpec, role: Role) -> str:
+    from disagg.worker.kv.releases import release_of
+
+    version = spec.effective(role, "version", spec.engine.version)
+    release = release_of(version)
+    known = f"NIXL connector version {release.connector_version}" if release else "not a supported release"
+    return f"vLLM {version} ({known})"
 
 
 def run_check(args: argparse.Namespace) -> int:

@@ -15,10 +15,11 @@ from typing import Any
 
 from disagg.operator.api import ROLES, DisaggDeploymentSpec, HybridKVCacheManager, Role
 from disagg.operator.builders import Installation
+from disagg.operator.builders_engine import role_release
 from disagg.operator.plan import TopologyPlan, plan_topology
 from disagg.operator.policies import COMPATIBILITY_CHAIN, Policy, PolicyInput, evaluate_chain
 from disagg.worker.kv.errors import LayoutError, Violation
-from disagg.worker.kv.wire import LATEST_CONNECTOR_VERSION, compat_factors, compat_hash
+from disagg.worker.kv.wire import compat_factors, compat_hash
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,8 @@ class CompatReport:
 
 
 def role_factors(spec: DisaggDeploymentSpec, role: Role) -> dict[str, Any]:
-    """vLLM's compatibility-hash factors of one role, with that role's overrides applied."""
+    """vLLM's compatibility-hash factors of one role, with that role's overrides applied: the connector
+    version is the one the role's release speaks."""
     engine, model = spec.engine, spec.model
     factors: dict[str, Any] = compat_factors(
         vllm_version=spec.effective(role, "version", engine.version),
@@ -54,7 +56,7 @@ def role_factors(spec: DisaggDeploymentSpec, role: Role) -> dict[str, Any]:
         is_hma_enabled=engine.hybrid_kv_cache_manager is HybridKVCacheManager.ENABLED,
         transfer_mode=spec.kv_transfer.connector.transfer_mode,
         cache_dtype=spec.effective(role, "kv_cache_dtype", model.kv_cache_dtype).value,
-        nixl_connector_version=LATEST_CONNECTOR_VERSION,
+        nixl_connector_version=role_release(spec, role).connector_version,
     )
     return factors
 

@@ -108,12 +108,31 @@ def op_payload_decode(data: bytes) -> dict[str, Any]:
 
 
 def op_config_hash(
-    argv: list[str], attn_backend_name: str, transfer_mode: str, restore_repo_id: bool = True
+    argv: list[str],
+    attn_backend_name: str | None = None,
+    transfer_mode: str | None = None,
+    restore_repo_id: bool = True,
 ) -> dict[str, Any]:
-    """A VllmConfig built by vLLM from a `vllm serve` argv, and vLLM's compatibility hash of it."""
+    """A VllmConfig built by vLLM from a `vllm serve` argv, and vLLM's compatibility hash of it.
+
+    The backend defaults to the one the config names (`--attention-backend`, which the GPU worker's backend
+    selection honours; CPU auto-selection would name a CPU backend), and the transfer mode to the connector
+    worker's `_TRANSFER_MODE`: what register_kv_caches passes."""
     config = peer.build_vllm_config(argv, restore_repo_id=restore_repo_id)
-    digest, factors = peer.compat_hash(config, attn_backend_name, transfer_mode)
     ktc = config.kv_transfer_config
+    backend = getattr(config.attention_config, "backend", None)
+    if attn_backend_name is None:
+        attn_backend_name = backend.get_class().get_name()
+    if transfer_mode is None:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPushConnector
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
+
+        cls = KVConnectorFactory.get_connector_class_by_name(ktc.kv_connector)
+        worker = NixlPushConnectorWorker if issubclass(cls, NixlPushConnector) else NixlBaseConnectorWorker
+        transfer_mode = worker._TRANSFER_MODE
+    digest, factors = peer.compat_hash(config, attn_backend_name, transfer_mode)
     return {
         "hash": digest,
         "factors": factors,
@@ -122,7 +141,8 @@ def op_config_hash(
         "kv_connector": None if ktc is None else ktc.kv_connector,
         "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
         "pipeline_parallel_size": config.parallel_config.pipeline_parallel_size,
-        "attention_backend": getattr(getattr(config.attention_config, "backend", None), "name", None),
+        "block_size": config.cache_config.block_size,
+        "attention_backend": None if backend is None else backend.name,
     }
 
 

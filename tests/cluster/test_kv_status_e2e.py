@@ -137,7 +137,7 @@ def test_a_decoder_on_another_engine_version_turns_it_false_until_it_is_fixed(
     spec = deploy(cluster, ns)
     kv_condition(cluster, kubelet, ns, "True", "HandshakesSucceeded")
     bad = role_pods(cluster, ns, "decode")[0]
-    other_version = wire.compat_hash({**role_factors(spec, "decode"), "vllm_version": "0.15.0"})
+    other_version = wire.compat_hash({**role_factors(spec, "decode"), "vllm_version": "0.32.0"})
     before = pod_conditions(pods(cluster, ns)[bad])[POD_CONDITION]
 
     kubelet.restart(bad, with_engine_hash("decode", other_version))

@@ -126,7 +126,7 @@ def test_a_matching_decoder_is_accepted_by_the_prefill_stage(tmp_path: Path) -> 
 
 def test_a_decoder_of_another_engine_version_is_refused_with_the_hash(tmp_path: Path) -> None:
     factors = wire.compat_factors(
-        vllm_version="0.15.0",
+        vllm_version="0.32.0",
         model="tiny",
         dtype="float16",
         num_kv_heads=2,
@@ -135,7 +135,7 @@ def test_a_decoder_of_another_engine_version_is_refused_with_the_hash(tmp_path: 
         attn_backend_name="FLASH_ATTN",
         is_hma_enabled=True,
         transfer_mode="push",
-        nixl_connector_version=wire.LATEST_CONNECTOR_VERSION,
+        nixl_connector_version=14,
     )
     other = wire.compat_hash(factors)
     result = check_stage_against_decoder(

@@ -31,8 +31,7 @@ def test_probe_prints_every_rank_of_a_pp2_engine(procs: Cluster) -> None:
     out = done.stdout
     assert "rank (pp 0, tp 0): engine prefill" in out and "rank (pp 1, tp 0): engine prefill" in out
     assert out.count("c" * 64) == 2
-    # The sidecar writes connector version 15's field set, which 14 shares: the probe says what it can tell.
-    assert "connector version: 14 or 15 (advertises ple_block_len" in out
+    assert "connector version: 14 or 15 (by the metadata's field set)" in out
     # Stage 1 pools layers 6-9 and 10-11; every layer of the model appears exactly once across both stages.
     assert "model.layers.6.self_attn.attn, model.layers.7.self_attn.attn" in out
     for layer in range(12):
@@ -75,7 +74,7 @@ def test_probe_asks_only_for_rank_0_unless_told_and_reports_what_the_fields_show
         done = probe(f"{HOST}:{server.port}")
         assert done.returncode == 0, done.stdout + done.stderr
         assert "ranks: none given: (pp 0, tp 0) only" in done.stdout
-        assert "connector version: 14 or 15 (advertises ple_block_len" in done.stdout
+        assert "connector version: 14 or 15 (by the metadata's field set)" in done.stdout
         assert "  ple_block_len: " in done.stdout and "  packed_member_layouts: " in done.stdout
         assert server.rejected == 0
     finally:

@@ -16,7 +16,7 @@ from disagg.worker.connector.side_channel import SideChannelServer
 from disagg.worker.kv import wire
 
 FACTORS = wire.compat_factors(
-    vllm_version="0.13.0",
+    vllm_version="0.33.0",
     model="tiny-hybrid",
     dtype="bfloat16",
     num_kv_heads=4,
@@ -25,6 +25,7 @@ FACTORS = wire.compat_factors(
     attn_backend_name="FLASH_ATTN",
     is_hma_enabled=True,
     transfer_mode="push",
+    nixl_connector_version=15,
 )
 HASH = wire.compat_hash(FACTORS)
 

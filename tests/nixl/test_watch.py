@@ -105,7 +105,7 @@ def test_the_prefill_stage_refuses_a_decoder_as_the_transfer_sidecar_would(
 def test_an_engine_on_another_version_than_the_spec_makes_the_pod_unready(tmp_path: Path) -> None:
     port = str(free_port())
     watcher = config(tmp_path, "decode", DECODE_POD, topology(), DISAGG_SIDE_CHANNEL_PORT=port)
-    stray = other_hash(watcher, vllm_version="0.15.0")
+    stray = other_hash(watcher, vllm_version="0.32.0")
     engine = config(
         tmp_path,
         "decode",

@@ -159,3 +159,38 @@ def test_model_kind_typo_names_the_value() -> None:
     doc["model"] = {**doc["model"], "layerKinds": ["ful"] * 9}
     with pytest.raises(WorkerConfigError, match="'ful' is not a valid AttentionKind"):
         decode_topology(doc)
+
+
+@pytest.mark.parametrize(("version", "connector"), [("0.31.0", 13), ("0.32.0", 14), ("0.33.0", 15)])
+def test_the_sidecar_speaks_the_connector_version_of_the_release_its_spec_names(
+    tmp_path: Path, version: str, connector: int
+) -> None:
+    import yaml
+
+    from disagg.operator.api import DisaggDeployment
+    from disagg.operator.builders import Owner, topology_document
+    from disagg.operator.compat import evaluate, role_factors
+    from disagg.worker.kv.topology import encode_topology
+
+    example = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "pp2-hma.yaml").read_text())
+    example["spec"]["engine"].update(version=version, image=f"vllm/vllm-openai:v{version}")
+    model = DisaggDeployment.model_validate(example).spec
+    report = evaluate(model)
+    assert report.plan is not None
+    document = topology_document(model, Owner("dd", "ns", "uid", 1), report.plan, report.hashes)
+    doc = json.loads(encode_topology(document))
+    assert (doc["vllmVersion"], doc["connectorVersion"]) == (version, connector)
+    config = from_env(env_for(tmp_path, doc, DISAGG_ROLE="prefill", POD_NAME="dd-prefill-0-1"))
+    assert config.push_config().connector_version == connector
+    # The sidecar's own hash factors are the operator's prediction, so a mismatch is explained, not generic.
+    assert config.compat_factors == role_factors(model, "prefill")
+    assert config.compat_hash == report.hashes["prefill"]
+
+
+def test_a_document_without_a_release_reads_as_the_newest_connector_and_no_vllm(tmp_path: Path) -> None:
+    config = from_env(env_for(tmp_path, topology(), DISAGG_ROLE="decode", POD_NAME="llm-decode-7c9-x"))
+    assert config.topology.connector_version == wire.LATEST_CONNECTOR_VERSION
+    factors = config.topology.compat_factors()
+    assert factors is not None and factors["vllm_version"] == "disagg"
+    with pytest.raises(WorkerConfigError, match="connectorVersion 12 is not a NIXL connector version"):
+        decode_topology(topology(connectorVersion=12))

@@ -404,6 +404,7 @@ class TestVllmEngine:
         assert json.loads(flag(args, "--kv-transfer-config")) == {
             "kv_connector": "NixlPushConnector",
             "kv_role": "kv_producer",
+            "engine_id": "@DISAGG_ENGINE_ID@",
             "kv_connector_extra_config": {"backends": ["UCX"], "kv_lease_duration": 120},
         }
         assert (flag(args, "--tensor-parallel-size"), flag(args, "--pipeline-parallel-size")) == ("2", "2")
@@ -423,7 +424,10 @@ class TestVllmEngine:
 
     def test_decode_is_consumer_without_pipeline_launcher(self) -> None:
         engine = container(objects(spec())["Deployment", "gemma-pp2-decode"], ENGINE_CONTAINER)
-        assert engine["command"] == ["vllm", "serve"]
+        assert engine["command"][:2] == ["/bin/sh", "-c"]
+        assert (
+            engine["command"][2].endswith('exec vllm serve "$@"') and "--headless" not in engine["command"][2]
+        )
         config = json.loads(flag(engine["args"], "--kv-transfer-config"))
         assert (config["kv_connector"], config["kv_role"]) == ("NixlPushConnector", "kv_consumer")
         assert "--nnodes" not in engine["args"]
@@ -477,7 +481,7 @@ class TestVllmEngine:
     @pytest.mark.parametrize(
         ("image", "expected"),
         [
-            ("vllm/vllm-openai:v0.14.0", True),
+            ("vllm/vllm-openai:v0.33.0", True),
             ("registry.local:5000/team/vllm-tpu@sha256:abc", True),
             ("ghcr.io/vllm-like/engine:1", False),
             ("sglang/sglang:latest", False),

@@ -103,7 +103,7 @@ def _variations() -> Iterator[dict[str, Any]]:
         [(2, 2), (4, 2), (2, 4), (4, 3), (1, 8)],  # prefill / decode TP
         [(32, 32), (16, 32)],  # prefill / decode block size
         [None, [4, 8], [12, 0]],  # prefill layer partition
-        [None, {"version": "0.15.0"}],  # decode overrides
+        [None, {"version": "0.32.0"}],  # decode overrides
     )
     # KV pools rotate with the stride rather than multiply the product; the cpu/memory requests keep
     # KVPoolResourcesInvalid (Python only: CEL cannot see container resources) out of the comparison.

@@ -43,7 +43,10 @@ def test_check_a_compatible_file(capsys: pytest.CaptureFixture[str]) -> None:
     assert lines[1] == "  prefill: 1 replica x 2 stages x TP 2, block size 32"
     assert lines[2] == "  decode:  2 replicas x TP 2, block size 32"
     assert "push connector, hybrid KV cache (HMA), layer-name routing, 2 completion notifications" in lines[3]
-    assert lines[4].startswith("  compatibility hash: ") and lines[4].endswith("(prefill and decode)")
+    assert lines[4] == "  engine: vLLM 0.33.0 (NIXL connector version 15) (prefill and decode)"
+    assert lines[5].startswith("  compatibility hash vLLM computes: ") and lines[5].endswith(
+        "(prefill and decode)"
+    )
 
 
 @pytest.mark.parametrize(

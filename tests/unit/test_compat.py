@@ -43,7 +43,7 @@ BROKEN: dict[str, tuple[dict[str, Any], list[str]]] = {
         ["InvalidLayerPartition"],
     ),
     "kv-heads": ({"model": {"numKvHeads": 6}, "prefill": {"tensorParallelSize": 4}}, ["KVHeadsNotDivisible"]),
-    "version": ({"decode": {"overrides": {"version": "0.15.0"}}}, ["CompatibilityHashMismatch"]),
+    "version": ({"decode": {"overrides": {"version": "0.32.0"}}}, ["CompatibilityHashMismatch"]),
     "image": (
         {"prefill": {"overrides": {"image": "registry.local/vllm:patched"}}},
         ["CompatibilityHashMismatch"],
@@ -100,8 +100,8 @@ KEPT: dict[str, dict[str, Any]] = {
         "decode": {"tensorParallelSize": 4},
     },
     "same-overrides": {
-        "prefill": {"overrides": {"version": "0.15.0", "image": "vllm/vllm-openai:v0.15.0"}},
-        "decode": {"overrides": {"version": "0.15.0", "image": "vllm/vllm-openai:v0.15.0"}},
+        "prefill": {"overrides": {"version": "0.32.0", "image": "vllm/vllm-openai:v0.32.0"}},
+        "decode": {"overrides": {"version": "0.32.0", "image": "vllm/vllm-openai:v0.32.0"}},
     },
     "override-equal-to-shared": {"decode": {"overrides": {"attentionBackend": "FLASH_ATTN"}}},
 }
@@ -138,8 +138,8 @@ def test_messages_say_what_to_change() -> None:
     assert "set decode pipelineParallelSize to 1" in decode_pp.message
     heads = evaluate(spec({"model": {"numKvHeads": 6}, "prefill": {"tensorParallelSize": 4}})).violations[0]
     assert "6 KV heads" in heads.message and "prefill tensorParallelSize 4" in heads.message
-    version = evaluate(spec({"decode": {"overrides": {"version": "0.15.0"}}})).violations[0]
-    assert "version (prefill '0.14.0', decode '0.15.0')" in version.message
+    version = evaluate(spec({"decode": {"overrides": {"version": "0.32.0"}}})).violations[0]
+    assert "version (prefill '0.33.0', decode '0.32.0')" in version.message
     assert "overrides" in version.message
 
 

@@ -22,7 +22,7 @@ import yaml
 from disagg.operator import builders_engine, crd
 from disagg.operator.api import DisaggDeployment
 from disagg.operator.compat import deployment_factors, evaluate
-from disagg.worker.kv import errors, wire
+from disagg.worker.kv import errors, releases, wire
 from disagg.worker.kv.layout import ModelGeometry, build_stage_layout, transfer_group_index_by_layer
 from disagg.worker.kv.routing import RegionGeometry, TransferLayers, plan_transfer
 
@@ -64,6 +64,7 @@ TESTED_TABLES = (
     (MATRIX_DOC, "compat:may-differ"),
     (MATRIX_DOC, "compat:preflight"),
     (MATRIX_DOC, "compat:handshake"),
+    (MATRIX_DOC, "compat:releases"),
 )
 
 
@@ -171,7 +172,8 @@ def test_every_cited_code_object_exists(name: str) -> None:
     refs = {
         ref
         for ref in CODE_REF.findall(doc(name))
-        if ref.split(".")[0] in {"rules", "routing", "layout", "wire", "errors", "push", "compat", "policies"}
+        if ref.split(".")[0]
+        in {"rules", "routing", "layout", "wire", "errors", "push", "compat", "policies", "releases"}
         or ref.startswith(("push_", "transport."))
     }
     assert refs
@@ -185,6 +187,18 @@ def test_every_cited_code_object_exists(name: str) -> None:
 def test_hash_factors_are_the_workers() -> None:
     documented = [backticked(row["factor"])[0] for row in table(MATRIX_DOC, "compat:hash-factors")]
     assert documented == list(wire.COMPAT_FACTOR_KEYS)
+
+
+def test_the_release_table_is_the_workers() -> None:
+    rows = table(MATRIX_DOC, "compat:releases")
+    assert [row["release"] for row in rows] == [release.name for release in releases.RELEASES]
+    for row, release in zip(rows, releases.RELEASES, strict=True):
+        assert int(row["connector version"]) == release.connector_version
+        assert int(row["agent metadata fields"].split()[0]) == len(release.metadata_fields)
+        columns = ("push", "pp push", "pp + hma push (layer-name routing)", "packed layouts")
+        capabilities = ("push", "pp_push", "pp_hma_push", "packed_layouts")
+        for column, capability in zip(columns, capabilities, strict=True):
+            assert row[column] == ("yes" if release.can(capability) else "no"), (release.name, column)
 
 
 def test_unhashed_factors_are_the_operators() -> None:

@@ -19,6 +19,7 @@ def test_the_chain_reads_top_to_bottom() -> None:
         "kv_heads_divide_over_tp",
         "handshake_factors_match",
         "kv_pool_is_valid",
+        "engine_release_is_supported",
         "engine_arguments_agree",
         "prefill_context_is_not_split",
         "worker_image_is_named",
@@ -67,3 +68,47 @@ def test_prefill_context_parallelism_is_refused_before_any_pod() -> None:
     for args in (["--prefill-context-parallel-size", "1"], ["--max-model-len", "2"]):
         patch = {"engine": {"extraArgs": args}}
         assert evaluate(spec(patch), REFUSAL_CHAIN, Installation(worker_image="w:1")).reasons == [], args
+
+
+def test_an_unknown_release_is_refused_naming_the_supported_ones() -> None:
+    for version in ("0.30.0", "0.34.0", "0.33.0.dev12+g1a2b3c", "latest"):
+        report = evaluate(
+            spec({"engine": {"version": version}}), REFUSAL_CHAIN, Installation(worker_image="w:1")
+        )
+        assert "UnsupportedEngineVersion" in report.reasons, version
+        (violation,) = [v for v in report.violations if v.reason == "UnsupportedEngineVersion"]
+        assert f"spec.engine.version is {version!r}" in violation.message
+        assert (
+            "0.31.x (connector version 13), 0.32.x (connector version 14), 0.33.x (connector version 15)"
+            in (violation.message)
+        )
+    for version in ("0.31.0", "0.32.0", "0.33.0", "0.33.1"):
+        verdict = evaluate(
+            spec({"engine": {"version": version}}), REFUSAL_CHAIN, Installation(worker_image="w:1")
+        )
+        assert verdict.reasons == [], version
+    patch = {"decode": {"overrides": {"version": "0.29.1"}}}
+    reasons = evaluate(spec(patch), REFUSAL_CHAIN, Installation(worker_image="w:1")).reasons
+    assert reasons == [
+        "CompatibilityHashMismatch",
+        "UnsupportedEngineVersion",
+        "EngineVersionCannotRunTopology",
+    ]
+
+
+def test_a_release_that_cannot_run_the_topology_is_refused_naming_those_that_can() -> None:
+    # The example is PP2 + HMA push: 0.30 has push and PP push, but not PP + HMA push.
+    report = evaluate(
+        spec({"engine": {"version": "0.30.0"}}), REFUSAL_CHAIN, Installation(worker_image="w:1")
+    )
+    assert report.reasons == ["UnsupportedEngineVersion", "EngineVersionCannotRunTopology"]
+    message = report.violations[1].message
+    assert "vLLM before 0.31 has no pipeline-parallel push with the hybrid KV cache manager" in message
+    assert "0.31, 0.32, 0.33" in message
+    old = evaluate(spec({"engine": {"version": "0.23.2"}}), REFUSAL_CHAIN, Installation(worker_image="w:1"))
+    assert old.reasons == ["UnsupportedEngineVersion", *["EngineVersionCannotRunTopology"] * 3]
+    # PP1 needs only push: 0.30 lacks nothing but support.
+    pp1 = spec({"engine": {"version": "0.30.0"}, "prefill": {"pipelineParallelSize": 1}})
+    assert evaluate(pp1, REFUSAL_CHAIN, Installation(worker_image="w:1")).reasons == [
+        "UnsupportedEngineVersion"
+    ]

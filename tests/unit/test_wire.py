@@ -455,3 +455,32 @@ def test_round_trip_property(
     assert (
         wire.decode_handshake_payload(payload, expected_hash="f" * 64, expected_engine_id=engine_id) == meta
     )
+
+
+def test_an_engine_id_matches_its_stable_prefix_plus_one_start_suffix() -> None:
+    assert wire.engine_id_matches("dd-prefill-0", "dd-prefill-0")
+    assert wire.engine_id_matches("dd-prefill-0", "dd-prefill-0-1a2b3c4d")
+    for other in (
+        "dd-prefill-0-1a2b3c4",
+        "dd-prefill-0-1A2B3C4D",
+        "dd-prefill-0-1a2b3c4d-00",
+        "dd-prefill-01",
+    ):
+        assert not wire.engine_id_matches("dd-prefill-0", other), other
+    # A full id is compared whole: a restarted engine (a new suffix) is another engine.
+    assert not wire.engine_id_matches("dd-prefill-0-1a2b3c4d", "dd-prefill-0-deadbeef")
+    payload = wire.encode_handshake_payload(
+        msgspec.structs.replace(
+            wire.decode_agent_metadata(golden_payload_metadata()), engine_id="e-0-0badf00d"
+        ),
+        PULL_HASH,
+    )
+    assert wire.decode_handshake_payload(
+        payload, expected_hash=PULL_HASH, expected_engine_id="e-0"
+    ).engine_id == ("e-0-0badf00d")
+    with pytest.raises(EngineIdMismatch):
+        wire.decode_handshake_payload(payload, expected_hash=PULL_HASH, expected_engine_id="e-1")
+
+
+def golden_payload_metadata() -> bytes:
+    return (GOLDEN / "agent_metadata_legacy_nonhma.msgpack").read_bytes()

@@ -165,3 +165,13 @@ def test_notifs(version: str) -> None:
     assert wire.parse_notif(raw(version, done["file"])) == wire.CompletionNotif(
         value["request_id"], value["tp_size"]
     )
+
+
+@pytest.mark.parametrize(("version", "entry"), entries("NixlAgentMetadata"), ids=ids("NixlAgentMetadata"))
+def test_the_field_set_tells_the_connector_version(version: str, entry: dict[str, Any]) -> None:
+    connector = MANIFESTS[version]["nixl_connector_version"]
+    found = wire.field_set_versions(raw(version, entry["file"]))
+    assert connector in found and found == ((13,) if connector == 13 else (14, 15))
+    v12 = (GOLDEN.parent / "agent_metadata_pp1_decode_hma.msgpack").read_bytes()
+    assert wire.field_set_versions(v12) == (12,)
+    assert wire.field_set_versions(b"\x01") == ()

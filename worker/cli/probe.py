@@ -53,19 +53,17 @@ def _split_target(target: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-_FIRST_FIELD_NOTES = (
-    ("ple_block_len", "advertises ple_block_len; versions 14 and 15 send the same fields"),
-    ("packed_member_layouts", "advertises packed_member_layouts"),
-    ("region_members", "advertises region_members"),
-    ("region_num_blocks", "advertises region_num_blocks, not region_members"),
-)
-
-
-def connector_line(facts: Any) -> str:
-    """What the payload's field set says of the connector version (vLLM writes every field)."""
-    fields = set(facts.fields)
-    note = next((text for field, text in _FIRST_FIELD_NOTES if field in fields), "no region fields")
-    return f"{facts.connector_version} ({note})"
+def connector_line(facts: Any, has_members: bool) -> str:
+    """What the payload's field set says of the connector version (vLLM writes every field, defaults too;
+    14 and 15 write the same fields, only the hash tells them apart)."""
+    versions = facts.connector_versions
+    if versions:
+        line = f"{' or '.join(map(str, versions))} (by the metadata's field set)"
+    else:
+        line = "unknown (the metadata's fields are no released field set)"
+    if not has_members:
+        line += "; no region_members (a peer that does not track layers)"
+    return line
 
 
 def describe(
@@ -77,7 +75,7 @@ def describe(
     lines = [
         f"rank (pp {pp_rank}, tp {tp_rank}): engine {meta.engine_id}",
         f"  compatibility hash: {compat_hash}",
-        f"  connector version: {connector_line(facts)}",
+        f"  connector version: {connector_line(facts, bool(members))}",
         f"  layout {meta.kv_cache_layout}, backend {meta.attn_backend_name}, "
         f"block size {meta.block_size} tokens ({meta.physical_blocks_per_logical_kv_block} kernel blocks per "
         f"logical block), dcp {meta.dcp_size}, pcp {meta.pcp_size}",

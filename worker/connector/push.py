@@ -64,6 +64,8 @@ class PushConfig:
     tp_rank: int = 0
     tp_size: int = 1
     attn_backend_name: str = "FLASH_ATTN"
+    connector_version: int = wire.LATEST_CONNECTOR_VERSION
+    """The NIXL connector version whose metadata field set this worker writes (the release's)."""
     mem_type: str = "DRAM"
     device_id: int = 0
     kv_lease_duration_s: float = 30.0
@@ -187,7 +189,9 @@ class LocalKV:
 
     def handshake_payload(self) -> bytes:
         """Reply frame 0 for this worker's `(pp_rank, tp_rank)` on the engine's side channel."""
-        payload: bytes = wire.encode_handshake_payload(self.metadata(), self.config.compat_hash or "")
+        payload: bytes = wire.encode_handshake_payload(
+            self.metadata(), self.config.compat_hash or "", self.config.connector_version
+        )
         return payload
 
 

@@ -19,16 +19,6 @@ import msgspec
 from disagg.worker.kv import wire
 from disagg.worker.kv.errors import WireFormatError
 
-# The field that first appears in each connector version's metadata (v11: the region_* lists; v12, never
-# released: region_members; v13: packed_member_layouts; v14: ple_block_len). v15 changed only pull-mode
-# kv_transfer_params, so a v14 and a v15 payload have the same fields.
-_FIRST_FIELD: Final = (
-    ("ple_block_len", (14, 15)),
-    ("packed_member_layouts", (13,)),
-    ("region_members", (12,)),
-    ("region_num_blocks", (11,)),
-)
-_BEFORE_V11: Final = (3, 4, 5, 7, 9)
 # Hash factors a payload cannot show; named when what it shows does not explain a mismatch.
 _UNSEEN_FACTORS: Final = (
     "vllm_version (the exact release string)",
@@ -50,28 +40,18 @@ class PayloadFacts:
     engine_id: str | None
     ple_block_len: int | None = None
     packed_member_layouts: Mapping[str, Any] | None = None
+    field_versions: tuple[int, ...] = ()
 
     @property
     def connector_versions(self) -> tuple[int, ...]:
-        """The NIXL connector versions whose metadata has exactly these fields (latest field first)."""
-        exact = tuple(v for v in wire.CONNECTOR_VERSIONS if wire.metadata_fields(v) == self.fields)
-        if exact:
-            return exact
-        names = set(self.fields)
-        for field, versions in _FIRST_FIELD:
-            if field in names:
-                return versions
-        return _BEFORE_V11
+        """The NIXL connector versions whose metadata field set this is (`wire.field_set_versions`); empty
+        for a field set no release writes."""
+        return self.field_versions
 
     @property
     def connector_version(self) -> str:
-        """`15`, or `14 or 15` where the field set cannot tell them apart."""
-        versions = self.connector_versions
-        if len(versions) == 1:
-            return str(versions[0])
-        if versions == _BEFORE_V11:
-            return "10 or older"
-        return " or ".join(str(v) for v in versions)
+        """`13`, or `14 or 15` where the field set cannot tell them apart, or `unknown`."""
+        return " or ".join(str(v) for v in self.field_versions) or "unknown"
 
 
 def payload_facts(payload: bytes) -> PayloadFacts:
@@ -92,6 +72,7 @@ def payload_facts(payload: bytes) -> PayloadFacts:
         engine_id=engine if isinstance(engine, str) else None,
         ple_block_len=ple if isinstance(ple, int) and not isinstance(ple, bool) else None,
         packed_member_layouts=packed if isinstance(packed, dict) else None,
+        field_versions=wire.field_set_versions(envelope.agent_metadata_bytes),
     )
 
 
@@ -132,7 +113,7 @@ def prediction_differences(predicted: Mapping[str, Any] | None, live: PayloadFac
         )
     if predicted is not None:
         version = predicted.get("nixl_connector_version")
-        if version not in live.connector_versions:
+        if live.connector_versions and version not in live.connector_versions:
             told.append(
                 f"nixl_connector_version (the engine speaks {live.connector_version}, by its metadata's "
                 f"fields; the prediction has {version!r})"
@@ -162,7 +143,8 @@ def live_differences(
         told.append(f"vLLM version: the peer's hash is vLLM {there}'s, this engine's is no known release's")
     elif here is not None and there is None:
         told.append(f"vLLM version: this engine's hash is vLLM {here}'s, the peer's is no known release's")
-    if not set(local.connector_versions) & set(remote.connector_versions):
+    versions = (local.connector_versions, remote.connector_versions)
+    if all(versions) and not set(versions[0]) & set(versions[1]):
         told.append(
             f"NIXL connector version {local.connector_version} here, {remote.connector_version} there "
             "(by the metadata's fields): the engines run different vLLM releases"

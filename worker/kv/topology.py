@@ -39,6 +39,9 @@ version 1. Every problem is a `WorkerConfigError` whose message names the key.
         - {ppRank: 1, tpRank: 0, host: 10.0.0.7, port: 5600}
     kvLeaseDurationSeconds: 30              # optional
     pushRegistrationTimeoutSeconds: 480     # optional
+    vllmVersion: "0.33.0"                   # optional: the engines' release; hashed (default: none, "disagg")
+    connectorVersion: 15                    # optional: the NIXL connector version the sidecars speak
+                                            # (that release's; default the newest, 15)
 """
 
 from __future__ import annotations
@@ -118,6 +121,10 @@ class TopologyDocument(
     workers: dict[str, tuple[WorkerEndpoint, ...]] = {}
     kv_lease_duration_seconds: float = 30.0
     push_registration_timeout_seconds: float = 480.0
+    # Optional, so documents written before they existed still read: the release the spec names and the
+    # connector version it speaks (`releases.Release`), which the sidecars encode and hash with.
+    vllm_version: str | None = None
+    connector_version: int = wire.LATEST_CONNECTOR_VERSION
 
 
 def encode_topology(document: TopologyDocument) -> str:
@@ -144,6 +151,8 @@ class Topology:
     workers: Mapping[str, tuple[WorkerEndpoint, ...]] = field(default_factory=dict)
     kv_lease_duration_s: float = 30.0
     push_registration_timeout_s: float = 480.0
+    vllm_version: str | None = None
+    connector_version: int = wire.LATEST_CONNECTOR_VERSION
 
     @property
     def prefill_pp(self) -> int:
@@ -154,12 +163,13 @@ class Topology:
         return tuple(len(layers) for layers in self.stage_layers)
 
     def compat_factors(self) -> dict[str, Any] | None:
-        """vLLM's hash factors for this model, when the document names the model and its dtype."""
+        """vLLM's hash factors for this model, when the document names the model and its dtype. Without a
+        `vllmVersion` (the reference engine, no vLLM) the version factor is "disagg"."""
         if self.model_name is None or self.dtype is None:
             return None
         try:
             factors: dict[str, Any] = wire.compat_factors(
-                vllm_version="disagg",
+                vllm_version=self.vllm_version or "disagg",
                 model=self.model_name,
                 dtype=self.dtype,
                 num_kv_heads=self.model.num_kv_heads,
@@ -168,7 +178,7 @@ class Topology:
                 attn_backend_name=self.attention_backend,
                 is_hma_enabled=self.model.hma,
                 transfer_mode="push",
-                nixl_connector_version=wire.LATEST_CONNECTOR_VERSION,
+                nixl_connector_version=self.connector_version,
             )
         except ValueError as exc:
             raise WorkerConfigError(f"topology model.dtype: {exc}") from None
@@ -232,6 +242,12 @@ def topology_of(document: TopologyDocument) -> Topology:
             raise WorkerConfigError(
                 f"topology: stages[{index}].layers {list(stage.layers)} != the model's {names}"
             )
+    if document.connector_version not in wire.CONNECTOR_VERSIONS:
+        raise WorkerConfigError(
+            f"topology: connectorVersion {document.connector_version} is not a NIXL connector version this "
+            f"worker speaks ({', '.join(map(str, wire.CONNECTOR_VERSIONS))}): run a worker image as new as "
+            "the operator that wrote it"
+        )
     for role in document.workers:
         if role not in ROLES:
             raise WorkerConfigError(f"topology: workers.{role} must be a list under prefill or decode")
@@ -251,6 +267,8 @@ def topology_of(document: TopologyDocument) -> Topology:
         workers=dict(document.workers),
         kv_lease_duration_s=document.kv_lease_duration_seconds,
         push_registration_timeout_s=document.push_registration_timeout_seconds,
+        vllm_version=document.vllm_version,
+        connector_version=document.connector_version,
     )
 
 

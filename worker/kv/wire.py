@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal, TypeVar
@@ -341,6 +342,18 @@ def _hash_mismatch_error(
 
 # --- agent metadata and handshake payload -------------------------------------------------------------------
 
+_ENGINE_ID_SUFFIX: Final = re.compile(r"-[0-9a-f]{8}")
+
+
+def engine_id_matches(expected: str, actual: str) -> bool:
+    """Whether an engine id is the expected one: equal, or the expected stable prefix plus the per-start
+    `-<8 hex>` suffix the operator's engine launcher draws (`builders_engine.DECODE_LAUNCHER` and its
+    siblings). A watcher knows only the prefix; whoever holds a full id (a router, a decoder) compares it
+    whole, so a restarted engine, which has a new suffix, is another engine."""
+    if actual == expected:
+        return True
+    return actual.startswith(expected) and _ENGINE_ID_SUFFIX.fullmatch(actual[len(expected) :]) is not None
+
 
 def _check_size(data: bytes, what: str) -> None:
     if len(data) > MAX_MESSAGE_BYTES:
@@ -374,6 +387,29 @@ def encode_agent_metadata(
     return msgspec.msgpack.encode(
         struct(**{name: getattr(metadata, name) for name in struct.__struct_fields__})
     )
+
+
+# What the field sets of the metadata say about the connector version (v12 was never released; v11 has no
+# region_members). v14 and v15 write the same fields: only the hash tells them apart.
+_FIELD_SET_VERSIONS: Final = {
+    metadata_fields(13): (13,),
+    metadata_fields(14): (14, 15),
+    tuple(name for name in metadata_fields(13) if name != "packed_member_layouts"): (12,),
+    tuple(name for name in metadata_fields(13) if name not in ("packed_member_layouts", "region_members")): (
+        11,
+    ),
+}
+
+
+def field_set_versions(data: bytes) -> tuple[int, ...]:
+    """The connector versions whose metadata field set, in order, is exactly the keys of the encoded map
+    (empty when it is no known field set, e.g. a metadata re-encoded by another release's class)."""
+    _check_size(data, "agent metadata")
+    try:
+        keys = tuple(msgspec.msgpack.decode(data, type=dict[str, Any]))
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return ()
+    return _FIELD_SET_VERSIONS.get(keys, ())
 
 
 def decode_agent_metadata(data: bytes) -> NixlAgentMetadata:
@@ -411,6 +447,7 @@ def decode_handshake_payload(
     given, makes the mismatch message name the differing factor where one well-known change explains it (a
     connector-version difference is refused as `WireFormatError`, reason ConnectorVersionMismatch);
     `remote_factors`, when known out of band (e.g. from the other role's spec), names every differing factor.
+    `expected_engine_id` may be the stable prefix of a per-start id (`engine_id_matches`).
     """
     if (
         expected_hash is not None
@@ -422,7 +459,7 @@ def decode_handshake_payload(
     if expected_hash is not None and payload.compatibility_hash != expected_hash:
         raise _hash_mismatch_error(expected_hash, payload.compatibility_hash, local_factors, remote_factors)
     metadata = decode_agent_metadata(payload.agent_metadata_bytes)
-    if expected_engine_id is not None and metadata.engine_id != expected_engine_id:
+    if expected_engine_id is not None and not engine_id_matches(expected_engine_id, metadata.engine_id):
         raise EngineIdMismatch(
             f"remote NIXL agent engine id mismatch: expected {expected_engine_id!r}, the side channel "
             f"answered for {metadata.engine_id!r} (one bound to localhost answers for the local engine)"

@@ -171,7 +171,9 @@ def handshake_peer(
 ) -> list[PeerHandshake]:
     """Handshake `targets` of `peer` at `host` expecting this sidecar's compatibility hash and the peer's
     engine id, as the connector would; with `live` (what this pod's own engine advertises), expecting the
-    engine's live hash instead, which is what vLLM itself checks."""
+    engine's live hash instead, which is what vLLM itself checks. `peer.engine_id` is the stable prefix the
+    operator's engine launcher extends with a per-start suffix; `wire.engine_id_matches` accepts the prefix
+    plus one such suffix."""
     if live is not None:
         return live_handshake(config, live, peer, host, targets, timeout_s=timeout_s)
     return handshake(

@@ -150,6 +150,7 @@ class SidecarConfig:
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
             attn_backend_name=self.topology.attention_backend,
+            connector_version=self.topology.connector_version,
             kv_lease_duration_s=self.topology.kv_lease_duration_s,
             push_registration_timeout_s=self.topology.push_registration_timeout_s,
         )

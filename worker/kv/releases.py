@@ -1,0 +1,112 @@
+"""The vLLM releases this project supports, one row each: what the release speaks and what it can run. Pure.
+
+`spec.engine.version` (a release version such as "0.33.0") selects the row by its minor line. A row holds the
+NIXL connector version the release speaks (it is hashed, with the exact version string, so no two releases
+ever pass each other's handshake), the agent metadata's field set in wire order (the `wire` struct of that
+connector version), the compatibility-hash factor keys and the topologies the release can run. The facts come
+from each release's wheel (`tests/golden/vllm/<release>/manifest.json` records them, and the interop tests
+check every row against that release's own code).
+
+Capabilities by the first release that has them: the push connector (`NixlPushConnector`) from 0.24, a PP
+prefill pushing into a PP1 decoder from 0.26 (non-HMA), PP + attention-HMA push with layer-name routing and
+packed (block-outermost) layouts with `packed_member_layouts` from 0.31. Mamba/SSM under PP push and pull-mode
+PP producers are in no release; the worker's topology rules refuse those for every version.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from disagg.worker.kv import wire
+
+Capability = Literal["push", "pp_push", "pp_hma_push", "packed_layouts"]
+
+CAPABILITY_TEXT: Final[dict[Capability, str]] = {
+    "push": "the push connector (NixlPushConnector)",
+    "pp_push": "a pipeline-parallel prefill pushing into its decoders",
+    "pp_hma_push": "pipeline-parallel push with the hybrid KV cache manager (layer-name routing)",
+    "packed_layouts": "packed (block-outermost) KV cache layouts",
+}
+
+# The first vLLM minor line with each capability (release notes and wheels; see the module docstring).
+FIRST_LINE_WITH: Final[dict[Capability, tuple[int, int]]] = {
+    "push": (0, 24),
+    "pp_push": (0, 26),
+    "pp_hma_push": (0, 31),
+    "packed_layouts": (0, 31),
+}
+
+_VERSION: Final = re.compile(r"^v?(?P<major>0|[1-9]\d*)\.(?P<minor>0|[1-9]\d*)\.(?P<patch>0|[1-9]\d*)$")
+
+
+@dataclass(frozen=True)
+class Release:
+    """One supported vLLM minor line (its patch releases speak the same connector version)."""
+
+    line: tuple[int, int]
+    connector_version: int
+    # The first release of the line whose wheel the golden vectors and interop tests were made from.
+    tested: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.line[0]}.{self.line[1]}"
+
+    @property
+    def metadata_struct(self) -> wire.WireMetadata:
+        return wire.metadata_struct(self.connector_version)
+
+    @property
+    def metadata_fields(self) -> tuple[str, ...]:
+        return wire.metadata_fields(self.connector_version)
+
+    @property
+    def hash_factor_keys(self) -> tuple[str, ...]:
+        return wire.COMPAT_FACTOR_KEYS
+
+    def can(self, capability: Capability) -> bool:
+        return self.line >= FIRST_LINE_WITH[capability]
+
+
+RELEASES: Final[tuple[Release, ...]] = (
+    Release(line=(0, 31), connector_version=13, tested="0.31.0"),
+    Release(line=(0, 32), connector_version=14, tested="0.32.0"),
+    Release(line=(0, 33), connector_version=15, tested="0.33.0"),
+)
+"""Oldest first; the last is the newest release."""
+
+LATEST: Final = RELEASES[-1]
+
+
+def parse_version(version: str) -> tuple[int, int, int] | None:
+    """(major, minor, patch) of a release version ("0.33.0", "v0.33.0"); None for anything else (a dev or
+    local build never matches its release's hash, so it is no release)."""
+    match = _VERSION.match(version)
+    if match is None:
+        return None
+    return int(match["major"]), int(match["minor"]), int(match["patch"])
+
+
+def release_of(version: str) -> Release | None:
+    """The supported row for a release version, or None."""
+    parsed = parse_version(version)
+    if parsed is None:
+        return None
+    return next((row for row in RELEASES if row.line == parsed[:2]), None)
+
+
+def line_can(version: str, capability: Capability) -> bool | None:
+    """Whether the minor line of `version` has the capability (known for unsupported lines too); None when
+    `version` is no release version."""
+    parsed = parse_version(version)
+    return None if parsed is None else parsed[:2] >= FIRST_LINE_WITH[capability]
+
+
+def supported_text() -> str:
+    return ", ".join(f"{row.name}.x (connector version {row.connector_version})" for row in RELEASES)
+
+
+def lines_that_can(capability: Capability) -> str:
+    return ", ".join(row.name for row in RELEASES if row.can(capability))
