@@ -27,7 +27,13 @@ from disagg.worker.connector.side_channel import PeerHandshake, handshake_target
 from disagg.worker.connector.transport import PreppedList
 from disagg.worker.kv import wire
 from disagg.worker.kv.decode_checks import check_agent
-from disagg.worker.kv.errors import DisaggError, HandshakeError, RegistrationTimeout
+from disagg.worker.kv.errors import (
+    DisaggError,
+    HandshakeError,
+    InvalidRegistration,
+    RegistrationTimeout,
+    UnsupportedPeerTopology,
+)
 from disagg.worker.kv.routing import BlockIds, group_arrays
 
 log = logging.getLogger(__name__)
@@ -41,6 +47,9 @@ class _Expected:
     needed: int
     received: int = 0
     registered: bool = False
+    writers: frozenset[str] = frozenset()
+    """The prefill agents this decoder handshook and registered with: only their completions count."""
+    completed_by: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -75,8 +84,20 @@ class PushConsumer(PushSide[_PrefillEngine]):
     def expect(self, request_id: str, local_block_ids_per_group: BlockIds, remote: RemoteEngine) -> None:
         """KV for `request_id` will be pushed into these logical blocks by `remote` (one list per group);
         the registration watchdog starts now."""
+        local_tp = self.config.tp_size
+        for name, size in (("TP", remote.tp_size), ("PP", remote.pp_size)):
+            if not 0 < size <= wire.MAX_PARALLEL_SIZE:
+                raise UnsupportedPeerTopology(
+                    f"request {wire.quote(request_id)}: prefill engine {wire.quote(remote.engine_id)} has "
+                    f"{name} size {wire.quote(size)}, outside 1..{wire.MAX_PARALLEL_SIZE}"
+                )
+        if max(local_tp, remote.tp_size) % min(local_tp, remote.tp_size):
+            raise UnsupportedPeerTopology(
+                f"request {wire.quote(request_id)}: prefill TP {remote.tp_size} and this decoder's TP "
+                f"{local_tp} do not divide one another"
+            )
         blocks = [ids.tolist() for ids in group_arrays(local_block_ids_per_group)]
-        needed = remote.pp_size * max(1, remote.tp_size // self.config.tp_size)
+        needed = remote.pp_size * max(1, remote.tp_size // local_tp)
         deadline = self._clock() + self.config.push_registration_timeout_s
         self._expected[request_id] = _Expected(blocks, remote, deadline, needed)
 
@@ -97,37 +118,48 @@ class PushConsumer(PushSide[_PrefillEngine]):
         for request_id, expected in list(self._expected.items()):
             if expected.registered:
                 continue
-            engine = self._engines.get(expected.remote.engine_id)
-            if engine is None:
-                targets = handshake_targets(
-                    self.config.tp_size, self.config.tp_rank, expected.remote.tp_size, expected.remote.pp_size
-                )
-                self._handshakes.start(expected.remote, targets)
-                continue
-            registration = wire.PushRegistration(
-                request_id=request_id,
-                decode_engine_id=self.config.engine_id,
-                decode_host=self.config.side_channel_host,
-                decode_port=self.config.side_channel_port,
-                decode_tp_size=self.config.tp_size,
-                local_block_ids=expected.block_ids,
-                remote_engine_id=expected.remote.engine_id,
-                remote_host=expected.remote.host,
-                remote_port=expected.remote.port,
-                remote_tp_size=expected.remote.tp_size,
-                remote_pp_size=expected.remote.pp_size,
-            )
-            message = wire.encode_push_reg_notif(registration)
             try:
-                for agent in engine.agents:
-                    self.transport.send_notif(agent, message)
-            except DisaggError as exc:
-                self._evict(engine.remote.engine_id)
-                del self._expected[request_id]
-                events.failed.append(Failure.of(request_id, exc))
-                continue
-            expected.registered = True
-            engine.last_active = now
+                self._register_one(request_id, expected, now, events)
+            except Exception as exc:
+                # One request's failure (a bug, a value out of range) must not end the loop.
+                self._expected.pop(request_id, None)
+                events.failed.append(
+                    Failure.of(request_id, as_disagg_error(exc, "registering", reason="InternalError"))
+                )
+
+    def _register_one(self, request_id: str, expected: _Expected, now: float, events: ConsumerEvents) -> None:
+        engine = self._engines.get(expected.remote.engine_id)
+        if engine is None:
+            targets = handshake_targets(
+                self.config.tp_size, self.config.tp_rank, expected.remote.tp_size, expected.remote.pp_size
+            )
+            self._handshakes.start(expected.remote, targets)
+            return
+        registration = wire.PushRegistration(
+            request_id=request_id,
+            decode_engine_id=self.config.engine_id,
+            decode_host=self.config.side_channel_host,
+            decode_port=self.config.side_channel_port,
+            decode_tp_size=self.config.tp_size,
+            local_block_ids=expected.block_ids,
+            remote_engine_id=expected.remote.engine_id,
+            remote_host=expected.remote.host,
+            remote_port=expected.remote.port,
+            remote_tp_size=expected.remote.tp_size,
+            remote_pp_size=expected.remote.pp_size,
+        )
+        message = wire.encode_push_reg_notif(registration)
+        try:
+            for agent in engine.agents:
+                self.transport.send_notif(agent, message)
+        except DisaggError as exc:
+            self._evict(engine.remote.engine_id)
+            del self._expected[request_id]
+            events.failed.append(Failure.of(request_id, exc))
+            return
+        expected.registered = True
+        expected.writers = frozenset(engine.agents)
+        engine.last_active = now
 
     def _apply_handshakes(self, now: float, events: ConsumerEvents) -> None:
         for engine_id, started_at, result in self._handshakes.collect():
@@ -137,9 +169,13 @@ class PushConsumer(PushSide[_PrefillEngine]):
                 remote = next(e.remote for e in self._expected.values() if e.remote.engine_id == engine_id)
                 agents = self._connect(remote, result, now)
                 events.handshakes.append(Handshake(engine_id, tuple(agents), started_at, now))
-            except (DisaggError, StopIteration) as exc:
-                error = exc if isinstance(exc, DisaggError) else HandshakeError("no request waits for it")
-                log.warning("prefill engine %r refused: %s", engine_id, error)
+            except Exception as exc:
+                error = (
+                    HandshakeError("no request waits for it")
+                    if isinstance(exc, StopIteration)
+                    else as_disagg_error(exc, f"connecting prefill engine {wire.quote(engine_id)}")
+                )
+                log.warning("prefill engine %s refused: %s", wire.quote(engine_id), error)
                 for request_id, expected in list(self._expected.items()):
                     if expected.remote.engine_id == engine_id:
                         del self._expected[request_id]
@@ -163,20 +199,43 @@ class PushConsumer(PushSide[_PrefillEngine]):
 
     def _read_notifs(self, now: float, events: ConsumerEvents) -> None:
         for sender, _, notif in self._notifs():
-            if not isinstance(notif, wire.CompletionNotif):
-                log.warning("unexpected %s from %s on a consumer", type(notif).__name__, sender)
-                continue
-            expected = self._expected.get(notif.req_id)
-            if expected is None:
-                log.warning("Potentially invalid KV blocks for unrecognized request %s", notif.req_id)
-                continue
-            expected.received += 1
-            engine = self._engines.get(expected.remote.engine_id)
-            if engine is not None:
-                engine.last_active = now
-            if expected.received >= expected.needed:
-                del self._expected[notif.req_id]
-                events.finished.append(notif.req_id)
+            try:
+                self._completion(sender, notif, now, events)
+            except Exception as exc:
+                self.ignored_notifs += 1
+                log.warning("notif from %s refused: %s", wire.quote(sender), as_disagg_error(exc, "notif"))
+
+    def _completion(
+        self, sender: str, notif: wire.Notif | InvalidRegistration, now: float, events: ConsumerEvents
+    ) -> None:
+        if not isinstance(notif, wire.CompletionNotif):
+            self.ignored_notifs += 1
+            log.warning("unexpected %s from %s on a consumer", type(notif).__name__, wire.quote(sender))
+            return
+        expected = self._expected.get(notif.req_id)
+        if expected is None:
+            self.ignored_notifs += 1
+            log.warning("Potentially invalid KV blocks for unrecognized request %s", wire.quote(notif.req_id))
+            return
+        if sender not in expected.writers or sender in expected.completed_by:
+            # Only an agent this decoder handshook and registered the request with has written its
+            # blocks, and each writes once: anything else would report KV that never arrived.
+            self.ignored_notifs += 1
+            log.warning(
+                "ignoring a completion of request %s from %s: not a prefill agent it registered with, or "
+                "one that completed it already",
+                wire.quote(notif.req_id),
+                wire.quote(sender),
+            )
+            return
+        expected.completed_by.add(sender)
+        expected.received += 1
+        engine = self._engines.get(expected.remote.engine_id)
+        if engine is not None:
+            engine.last_active = now
+        if expected.received >= expected.needed:
+            del self._expected[notif.req_id]
+            events.finished.append(notif.req_id)
 
     def _heartbeat(self, now: float, events: ConsumerEvents) -> None:
         if now < self._next_heartbeat:

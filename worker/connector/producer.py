@@ -5,10 +5,18 @@ held under a lease; the decoder's `PUSH_REG:` registration names its blocks; the
 decoder's side channel if needed, validates and aligns its metadata (layer-name routing under PP + HMA),
 adds its NIXL agent only then, and WRITEs every layer's blocks with the completion notif
 `f"{D_request_id}:{P_tp_size}"`. Heartbeats extend a lease; an expired lease frees the blocks with a warning.
+
+A send is finished when all its WRITE handles are DONE, each released as it completes (vLLM's push worker:
+the decoder sends nothing back in push mode). A push that fails is reported once and never written again;
+the lease still frees its blocks. No exception from one notif or request ends `poll()`.
+
+It runs to some 470 lines: the registration store and the bounds on what a decoder may make it allocate are
+in `registrations.py`; what stays is one state machine whose steps share the held requests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -24,6 +32,13 @@ from disagg.worker.connector.push import (
     as_disagg_error,
     find_request,
 )
+from disagg.worker.connector.registrations import (
+    MAX_REGISTRATION_BYTES,
+    MAX_REGISTRATIONS,
+    Registration,
+    Registrations,
+    check_advertised_size,
+)
 from disagg.worker.connector.side_channel import PeerHandshake, handshake_targets
 from disagg.worker.connector.transport import LOCAL_AGENT, PreppedList, Xfer, XferState, merge_runs
 from disagg.worker.kv import wire
@@ -31,6 +46,7 @@ from disagg.worker.kv.decode_checks import DecodeWrite, LocalRegion, PrefillRank
 from disagg.worker.kv.errors import (
     DisaggError,
     HandshakeError,
+    InvalidRegistration,
     RegionGeometryMismatch,
     TransferFailed,
 )
@@ -51,6 +67,8 @@ class _Held:
     block_ids: list[IdArray]
     deadline: float
     writing: bool = False
+    failed: bool = False
+    """A push of it failed and the engine was told: it is never written again, the lease frees it."""
 
 
 @dataclass
@@ -81,6 +99,7 @@ class _Sending:
     request_id: str
     registration: wire.PushRegistration
     xfers: list[Xfer]
+    """The WRITEs not yet DONE: each is released as soon as it completes (as vLLM's `_pop_done_transfers`)."""
     nbytes: int
     posted_at: float
 
@@ -116,13 +135,23 @@ class ProducerEvents:
 
 
 class PushProducer(PushSide[_DecodeEngine]):
-    def __init__(self, local: LocalKV, *, clock: Clock = time.monotonic) -> None:
+    def __init__(
+        self,
+        local: LocalKV,
+        *,
+        clock: Clock = time.monotonic,
+        max_registrations: int = MAX_REGISTRATIONS,
+        max_registration_bytes: int = MAX_REGISTRATION_BYTES,
+    ) -> None:
         super().__init__(local, clock)
         self._held: dict[str, _Held] = {}
-        # Registration and the time after which it is dropped unmatched: by then the decoder's own watchdog
-        # (the same push_registration_timeout_s) has failed the request, and keeping it would pin the decoder.
-        self._registrations: dict[str, tuple[wire.PushRegistration, float]] = {}
-        self._waiting: dict[str, list[tuple[str, wire.PushRegistration]]] = {}
+        # Unmatched registrations, each dropped at its deadline: by then the decoder's own watchdog (the same
+        # push_registration_timeout_s) has failed the request, and keeping it would pin the decoder. Capped
+        # by count and bytes, so a flood of them cannot grow the process.
+        self.registrations = Registrations(
+            local.layout, self.config.tp_size, max_count=max_registrations, max_bytes=max_registration_bytes
+        )
+        self._waiting: dict[str, list[tuple[str, Registration]]] = {}
         self._sending: list[_Sending] = []
         # Head slices of the local blocks (vLLM's local split handles), prepared once per slice and kept for
         # the worker's life like the whole-block list: every decode engine of one TP size reuses them.
@@ -144,7 +173,7 @@ class PushProducer(PushSide[_DecodeEngine]):
         self._expire(now, events)
         # A decoder whose registration waits for this worker's KV is not idle: it is about to be written to.
         busy = {s.registration.decode_engine_id for s in self._sending}
-        busy.update(r.decode_engine_id for r, _ in self._registrations.values())
+        busy.update(r.registration.decode_engine_id for r in self.registrations)
         self._evict_idle(now, busy)
         return events
 
@@ -156,39 +185,74 @@ class PushProducer(PushSide[_DecodeEngine]):
 
     def _read_notifs(self, now: float, events: ProducerEvents) -> None:
         for sender, message, notif in self._notifs():
-            if isinstance(notif, wire.PushRegistration):
-                deadline = now + self.config.push_registration_timeout_s
-                self._registrations[notif.request_id] = (notif, deadline)
-                events.registered.append(notif.request_id)
-            elif isinstance(notif, wire.HeartbeatNotif):
-                for request_id in notif.req_ids:
-                    held = self._find_held(request_id)
-                    if held is not None:
-                        held.deadline = max(held.deadline, now + self.config.heartbeat_extension_s)
-            else:
-                log.warning("unexpected completion notif %r from %s on a producer", message[:80], sender)
+            try:
+                if isinstance(notif, wire.PushRegistration):
+                    self._registered(notif, len(message), now, events)
+                elif isinstance(notif, InvalidRegistration):
+                    self.registrations.refused += 1
+                    self._refuse_registration(notif, events)
+                elif isinstance(notif, wire.HeartbeatNotif):
+                    for request_id in notif.req_ids:
+                        held = self._find_held(request_id)
+                        if held is not None:
+                            held.deadline = max(held.deadline, now + self.config.heartbeat_extension_s)
+                else:
+                    self.ignored_notifs += 1
+                    log.warning(
+                        "unexpected completion notif %s from %s on a producer",
+                        wire.quote(message),
+                        wire.quote(sender),
+                    )
+            except Exception as exc:
+                # One message must never take the loop down; what it names fails, nothing else.
+                self.ignored_notifs += 1
+                log.warning("notif from %s refused: %s", wire.quote(sender), as_disagg_error(exc, "notif"))
+
+    def _registered(
+        self, registration: wire.PushRegistration, nbytes: int, now: float, events: ProducerEvents
+    ) -> None:
+        try:
+            self.registrations.add(registration, nbytes, now + self.config.push_registration_timeout_s)
+        except InvalidRegistration as exc:
+            self._refuse_registration(exc, events)
+            return
+        events.registered.append(registration.request_id)
+
+    def _refuse_registration(self, error: InvalidRegistration, events: ProducerEvents) -> None:
+        held_id = None if error.request_id is None else find_request(error.request_id, self._held)
+        if held_id is not None and not self._held[held_id].writing and not self._held[held_id].failed:
+            self._fail(held_id, error.request_id or "", error, events)
+        else:
+            log.warning("refused a registration: %s", error)
 
     def _find_held(self, request_id: str) -> _Held | None:
         held_id = find_request(request_id, self._held)
         return None if held_id is None else self._held[held_id]
 
     def _match(self, now: float, events: ProducerEvents) -> None:
-        for decode_request_id, (registration, _) in list(self._registrations.items()):
+        for kept in self.registrations:
+            decode_request_id = kept.registration.request_id
             held_id = find_request(decode_request_id, self._held)
-            if held_id is None or self._held[held_id].writing:
+            if held_id is None or self._held[held_id].writing or self._held[held_id].failed:
                 continue
-            del self._registrations[decode_request_id]
+            self.registrations.pop(decode_request_id)
             self._held[held_id].writing = True
+            registration = kept.registration
             engine_id = registration.decode_engine_id
-            if engine_id in self._engines:
-                self._write(held_id, registration, now, events)
-                continue
-            self._waiting.setdefault(engine_id, []).append((held_id, registration))
-            remote = RemoteEngine(
-                engine_id, registration.decode_host, registration.decode_port, registration.decode_tp_size
-            )
-            targets = handshake_targets(self.config.tp_size, self.config.tp_rank, remote.tp_size, 1)
-            self._handshakes.start(remote, targets)
+            try:
+                if engine_id in self._engines:
+                    self._write(held_id, kept, now, events)
+                    continue
+                remote = RemoteEngine(
+                    engine_id, registration.decode_host, registration.decode_port, registration.decode_tp_size
+                )
+                targets = handshake_targets(self.config.tp_size, self.config.tp_rank, remote.tp_size, 1)
+                self._waiting.setdefault(engine_id, []).append((held_id, kept))
+                self._handshakes.start(remote, targets)
+            except Exception as exc:
+                self._fail(
+                    held_id, decode_request_id, as_disagg_error(exc, "push", reason="InternalError"), events
+                )
 
     def _apply_handshakes(self, now: float, events: ProducerEvents) -> None:
         for engine_id, started_at, result in self._handshakes.collect():
@@ -196,16 +260,17 @@ class PushProducer(PushSide[_DecodeEngine]):
             try:
                 if isinstance(result, BaseException):
                     raise as_disagg_error(result, f"handshake with decode engine {engine_id!r}")
-                decode_tp = waiting[0][1].decode_tp_size if waiting else 1
+                decode_tp = waiting[0][1].registration.decode_tp_size if waiting else 1
                 agents = self._connect(engine_id, result, decode_tp, now)
-            except DisaggError as exc:
-                log.warning("decode engine %r refused: %s", engine_id, exc)
-                for held_id, registration in waiting:
-                    self._fail(held_id, registration.request_id, exc, events)
+            except Exception as exc:
+                error = as_disagg_error(exc, f"connecting decode engine {wire.quote(engine_id)}")
+                log.warning("decode engine %s refused: %s", wire.quote(engine_id), error)
+                for held_id, kept in waiting:
+                    self._fail(held_id, kept.registration.request_id, error, events)
                 continue
             events.handshakes.append(Handshake(engine_id, tuple(agents), started_at, now))
-            for held_id, registration in waiting:
-                self._write(held_id, registration, now, events)
+            for held_id, kept in waiting:
+                self._write(held_id, kept, now, events)
 
     def _connect(
         self, engine_id: str, peers: Sequence[PeerHandshake], decode_tp: int, now: float
@@ -235,9 +300,8 @@ class PushProducer(PushSide[_DecodeEngine]):
             self._head_slices[write.head_slice] = (descs, prepped)
         return self._head_slices[write.head_slice]
 
-    def _write(
-        self, held_id: str, registration: wire.PushRegistration, now: float, events: ProducerEvents
-    ) -> None:
+    def _write(self, held_id: str, kept: Registration, now: float, events: ProducerEvents) -> None:
+        registration = kept.registration
         engine = self._engines.get(registration.decode_engine_id)
         if engine is None:
             self._fail(
@@ -245,12 +309,15 @@ class PushProducer(PushSide[_DecodeEngine]):
             )
             return
         engine.last_active = now
-        held = self._held[held_id]
+        held = self._held.get(held_id)
+        if held is None:
+            # Its lease ended while the decoder's handshake ran: the engine was told it expired.
+            return
         notif = wire.encode_completion_notif(registration.request_id, self.config.tp_size)
         xfers: list[Xfer] = []
         nbytes = 0
         try:
-            local_blocks, decode_blocks = self._trimmed(held.block_ids, registration.local_block_ids)
+            local_blocks, decode_blocks = self._trimmed(held.block_ids, kept.block_ids)
             local_kernel = expand_logical_blocks(
                 local_blocks, self.local.geometry.physical_blocks_per_logical_kv_block
             )
@@ -265,12 +332,12 @@ class PushProducer(PushSide[_DecodeEngine]):
                     )
                 xfers.append(self._post(rank, local_ids, remote_ids, notif))
                 nbytes += int(rank.source[0][local_ids, 1].sum())
-        except DisaggError as exc:
-            for xfer in xfers:
-                self.transport.release(xfer)
-            if isinstance(exc, TransferFailed):
+        except Exception as exc:
+            self._release_all(xfers)
+            error = as_disagg_error(exc, "preparing the WRITE", reason="InternalError")
+            if isinstance(error, TransferFailed):
                 self._evict(engine.engine_id)
-            self._fail(held_id, registration.request_id, exc, events)
+            self._fail(held_id, registration.request_id, error, events)
             return
         self._sending.append(_Sending(held_id, registration, xfers, nbytes, now))
 
@@ -285,15 +352,12 @@ class PushProducer(PushSide[_DecodeEngine]):
             )
         return self.transport.write(source_prepped, local_ids, rank.prepped, remote_ids, notif)
 
-    def _trimmed(
-        self, held: list[IdArray], decode_ids: Sequence[Sequence[int]]
-    ) -> tuple[list[IdArray], list[IdArray]]:
+    def _trimmed(self, held: list[IdArray], decode: list[IdArray]) -> tuple[list[IdArray], list[IdArray]]:
         """This request's blocks and the decoder's, per group, paired block by block."""
-        if len(decode_ids) != len(held):
+        if len(decode) != len(held):
             raise RegionGeometryMismatch(
-                f"the decoder named blocks for {len(decode_ids)} KV cache groups, this worker has {len(held)}"
+                f"the decoder named blocks for {len(decode)} KV cache groups, this worker has {len(held)}"
             )
-        decode = group_arrays(decode_ids)
         trimmed = []
         for g, (mine, theirs) in enumerate(zip(held, decode, strict=True)):
             if len(theirs) > len(mine):
@@ -308,18 +372,25 @@ class PushProducer(PushSide[_DecodeEngine]):
         still = []
         for sending in self._sending:
             try:
-                states = [self.transport.state(xfer) for xfer in sending.xfers]
-            except TransferFailed as exc:
+                pending = []
                 for xfer in sending.xfers:
-                    self.transport.release(xfer)
+                    if self.transport.state(xfer) is XferState.DONE:
+                        self.transport.release(xfer)
+                    else:
+                        pending.append(xfer)
+                sending.xfers = pending
+            except Exception as exc:
+                self._release_all(sending.xfers)
                 self._evict(sending.registration.decode_engine_id)
-                # The blocks stay held: the lease frees them, as the decoder may still be reading garbage.
-                self._held[sending.request_id].writing = False
-                events.failed.append(Failure.of(sending.request_id, exc))
+                # The blocks stay held until the lease ends, but are never written again: the engine is told
+                # the push failed, once.
+                held = self._held[sending.request_id]
+                held.writing, held.failed = False, True
+                events.failed.append(
+                    Failure.of(sending.request_id, as_disagg_error(exc, "WRITE", reason="TransferFailed"))
+                )
                 continue
-            if all(state is XferState.DONE for state in states):
-                for xfer in sending.xfers:
-                    self.transport.release(xfer)
+            if not sending.xfers:
                 del self._held[sending.request_id]
                 registration = sending.registration
                 events.sent.append(
@@ -339,23 +410,24 @@ class PushProducer(PushSide[_DecodeEngine]):
                 still.append(sending)
         self._sending = still
 
+    def _release_all(self, xfers: Sequence[Xfer]) -> None:
+        for xfer in xfers:
+            # A handle NIXL cannot release (one still in flight to a dead peer) must not end the loop.
+            with contextlib.suppress(DisaggError):
+                self.transport.release(xfer)
+
     def _fail(self, held_id: str, decode_request_id: str, error: DisaggError, events: ProducerEvents) -> None:
-        log.warning("push of %s to decode request %s failed: %s", held_id, decode_request_id, error)
+        log.warning(
+            "push of %s to decode request %s failed: %s", held_id, wire.quote(decode_request_id), error
+        )
         held = self._held.get(held_id)
         if held is not None:
-            held.writing = False
+            # Reported once: a later registration naming it is not written (the engine may reuse the blocks).
+            held.writing, held.failed = False, True
         events.failed.append(Failure.of(held_id, error))
 
     def _expire(self, now: float, events: ProducerEvents) -> None:
-        for decode_request_id, (registration, deadline) in list(self._registrations.items()):
-            if deadline <= now:
-                log.warning(
-                    "Dropping the registration of decode request %s from engine %s: this worker never "
-                    "finished a matching request within push_registration_timeout_s",
-                    decode_request_id,
-                    registration.decode_engine_id,
-                )
-                del self._registrations[decode_request_id]
+        self.registrations.expire(now)
         sending = {s.request_id for s in self._sending}
         for request_id, held in list(self._held.items()):
             if held.deadline <= now and request_id not in sending:
@@ -395,6 +467,7 @@ def plan_decode_rank(
 ) -> DecodeWrite:
     """`decode_checks.plan_decode_write` for this worker's registered KV: every check that can refuse decode
     rank `remote_tp_rank`, and what to write to it; no NIXL call."""
+    check_advertised_size(len(local.descs), meta)
     return plan_decode_write(
         _prefill_rank(local), local.geometry, local.transfer_layers, meta, remote_tp, remote_tp_rank
     )

@@ -22,7 +22,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from disagg.worker.connector.side_channel import DEFAULT_HANDSHAKE_TIMEOUT_S, PeerHandshake, handshake
 from disagg.worker.connector.transport import LOCAL_AGENT, NixlTransport, PreppedList
 from disagg.worker.kv import rules, wire
-from disagg.worker.kv.errors import DisaggError, HandshakeError
+from disagg.worker.kv.errors import DisaggError, HandshakeError, InvalidRegistration
 from disagg.worker.kv.layout import ModelGeometry, StageLayout
 from disagg.worker.kv.routing import RegionGeometry, TransferLayers, local_descs
 
@@ -253,11 +253,13 @@ class HandshakeJobs:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def as_disagg_error(exc: BaseException, what: str) -> DisaggError:
-    """Typed errors pass through; anything else (a bug or an OS error) is wrapped with its type named."""
+def as_disagg_error(exc: BaseException, what: str, reason: str = "HandshakeFailed") -> DisaggError:
+    """Typed errors pass through; anything else (a bug or an OS error) is wrapped with its type named and
+    its text cut short (a peer's value may be in it)."""
     if isinstance(exc, DisaggError):
         return exc
-    return DisaggError(f"{what}: {type(exc).__name__}: {exc}", reason="HandshakeFailed")
+    text = wire.clip(str(exc))
+    return DisaggError(f"{what}: {type(exc).__name__}: {text}", reason=reason)
 
 
 class PeerEngine(Protocol):
@@ -284,20 +286,31 @@ class PushSide(Generic[E]):
         self._clock = clock
         self._engines: dict[str, E] = {}
         self._handshakes = HandshakeJobs(self.config, clock)
+        self.ignored_notifs = 0
+        """Notifs dropped unread or unmatched: garbage, or from an agent that may not complete the request."""
 
     def close(self) -> None:
         self._handshakes.close()
         for engine_id in list(self._engines):
             self._evict(engine_id)
 
-    def _notifs(self) -> Iterator[tuple[str, bytes, wire.Notif]]:
-        """Every notif received since the last call; an unreadable one is logged and skipped."""
+    def _notifs(self) -> Iterator[tuple[str, bytes, wire.Notif | InvalidRegistration]]:
+        """Every notif received since the last call. A registration whose sizes are out of bounds comes as
+        its refusal (the producer fails the request it names); any other unreadable one is logged, counted
+        in `ignored_notifs` and skipped."""
         for sender, messages in self.transport.notifs().items():
             for message in messages:
                 try:
-                    notif = wire.parse_notif(message)
-                except DisaggError as exc:
-                    log.warning("ignoring an unreadable notif from %s: %s", sender, exc)
+                    notif: wire.Notif | InvalidRegistration = wire.parse_notif(message)
+                except InvalidRegistration as exc:
+                    notif = exc
+                except Exception as exc:
+                    self.ignored_notifs += 1
+                    log.warning(
+                        "ignoring an unreadable notif from %s: %s",
+                        wire.quote(sender),
+                        as_disagg_error(exc, "notif"),
+                    )
                     continue
                 yield sender, message, notif
 

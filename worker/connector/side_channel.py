@@ -12,7 +12,9 @@ could be added.
 
 What vLLM leaves undefined is made explicit: a request for a rank the engine does not have, or a malformed
 request, gets an empty payload frame (so a REQ client is never left hanging, and sees a typed refusal), and
-the server keeps serving.
+the server keeps serving: no exception from one message ends the serving thread. The server's socket refuses
+a request frame over `wire.MAX_SIDE_CHANNEL_REQUEST_BYTES` before buffering it (ZMQ drops that connection),
+so a half-sent frame pins at most that much.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,9 +59,9 @@ def handshake_targets(
     return [(pp, tp) for pp in range(remote_pp_size) for tp in tp_ranks]
 
 
-def _socket_options(sock: zmq.Socket[Any]) -> None:
+def _socket_options(sock: zmq.Socket[Any], max_message_bytes: int = wire.MAX_MESSAGE_BYTES) -> None:
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
 
 
 class SideChannelServer:
@@ -75,6 +78,13 @@ class SideChannelServer:
         self._thread = threading.Thread(target=self._serve, name=f"side-channel-{port}", daemon=True)
         self.served = 0
         self.rejected = 0
+        self.refusals: Counter[str] = Counter()
+        """Refused messages by reason: MalformedFrame, MalformedRequest, UnknownRank, InternalError."""
+
+    @property
+    def alive(self) -> bool:
+        """The serving thread runs (readiness reports a dead one)."""
+        return self._thread.is_alive() and not self._stop.is_set()
 
     def set_payload(self, pp_rank: int, tp_rank: int, payload: bytes) -> None:
         if len(payload) > wire.MAX_MESSAGE_BYTES:
@@ -107,7 +117,7 @@ class SideChannelServer:
         ctx: zmq.Context[Any] = zmq.Context()
         try:
             sock = ctx.socket(zmq.ROUTER)
-            _socket_options(sock)
+            _socket_options(sock, wire.MAX_SIDE_CHANNEL_REQUEST_BYTES)
             try:
                 sock.bind(f"tcp://{self.host}:{self.port}")
             except zmq.ZMQError as exc:
@@ -124,37 +134,59 @@ class SideChannelServer:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     continue
-                reply = self._answer(frames)
+                try:
+                    reply = self._answer(frames)
+                except Exception as exc:
+                    # A bug or an exhausted resource while answering one message: refuse that one, serve on.
+                    reply = (
+                        None if len(frames) != 3 else [frames[0], b"", b"", wire.encode_reply_timestamp(0.0)]
+                    )
+                    self._refuse("InternalError", f"{type(exc).__name__}: {wire.clip(str(exc))}")
                 if reply is not None:
-                    sock.send_multipart(reply)
+                    try:
+                        sock.send_multipart(reply, zmq.NOBLOCK)
+                    except zmq.ZMQError as exc:
+                        # The client went away (or its queue is full): the reply is lost, not the server.
+                        log.debug("side channel: reply not sent: %s", exc)
         finally:
             ctx.destroy(linger=0)
 
     def _answer(self, frames: list[bytes]) -> list[bytes] | None:
         # A REQ client sends [identity, b"", request]; anything else has no return path a REQ would accept.
         if len(frames) != 3 or frames[1] != b"":
-            self.rejected += 1
-            log.warning("side channel %s:%d: dropped a %d-frame message", self.host, self.port, len(frames))
+            self._refuse("MalformedFrame", f"dropped a {len(frames)}-frame message")
             return None
         identity, _, request = frames
         payload = b""
         try:
             decoded = wire.decode_side_channel_request(request)
         except WireFormatError as exc:
-            self.rejected += 1
-            log.warning("side channel %s:%d: refused a request: %s", self.host, self.port, exc)
+            self._refuse("MalformedRequest", f"refused a request: {exc}")
         else:
             if decoded.str_msg:
                 log.warning("side channel: request tag sent as str, answering anyway as vLLM does")
             with self._lock:
                 found = self._payloads.get((decoded.pp_rank, decoded.tp_rank))
             if found is None:
-                self.rejected += 1
-                log.warning("side channel: no worker (pp %d, tp %d) here", decoded.pp_rank, decoded.tp_rank)
+                self._refuse("UnknownRank", f"no worker (pp {decoded.pp_rank}, tp {decoded.tp_rank}) here")
             else:
                 payload = found
                 self.served += 1
         return [identity, b"", payload, wire.encode_reply_timestamp(time.perf_counter())]
+
+    def _refuse(self, reason: str, message: str) -> None:
+        self.rejected += 1
+        self.refusals[reason] += 1
+        # A flood of garbage must not flood the log: the first of each reason, then every 1000th.
+        if self.refusals[reason] % 1000 == 1:
+            log.warning(
+                "side channel %s:%d: %s (%s; %d so far)",
+                self.host,
+                self.port,
+                wire.clip(message),
+                reason,
+                self.refusals[reason],
+            )
 
 
 @dataclass(frozen=True)

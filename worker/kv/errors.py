@@ -164,3 +164,28 @@ class LeaseExpired(TransferFailed):
     """A finished request's blocks were released because no decoder took them before the lease ran out."""
 
     reason = "LeaseExpired"
+
+
+class InvalidRegistration(HandshakeError):
+    """A decoder's `PUSH_REG` whose sizes (TP, block ids, list and string lengths) this worker cannot serve,
+    or one over the registration caps; `request_id` names the decoder's request when it could be read."""
+
+    reason = "InvalidRegistration"
+
+    def __init__(self, message: str, *, reason: str | None = None, request_id: str | None = None) -> None:
+        super().__init__(message, reason=reason)
+        self.request_id = request_id
+
+
+class UnsupportedPeerTopology(CompatibilityError):
+    """A peer engine's parallel layout (TP, PP) this worker cannot pair with: out of bounds, or TP sizes
+    that do not divide one another."""
+
+    reason = "UnsupportedPeerTopology"
+
+
+class InternalError(DisaggError):
+    """An unexpected exception while handling one message or request: that one fails, the process serves
+    on."""
+
+    reason = "InternalError"

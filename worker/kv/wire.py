@@ -18,8 +18,9 @@ Everything read from the network goes through a size check and a typed (or expli
 msgpack decode; nothing is ever unpickled. Refusals are typed (`disagg.worker.kv.errors`) and name the
 difference. This module is pure: no I/O, no clock.
 
-It runs to some 500 lines because it mirrors vLLM's structs and notif formats field for field; split, it would
-part what the golden vectors pin together.
+It runs to some 650 lines because it mirrors vLLM's structs and notif formats field for field, with the
+bounds every decode entry point checks on what a peer names; split, it would part what the golden vectors pin
+together.
 """
 
 from __future__ import annotations
@@ -27,13 +28,19 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import reprlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal, TypeVar
 
 import msgspec
 
-from disagg.worker.kv.errors import CompatibilityHashMismatch, EngineIdMismatch, WireFormatError
+from disagg.worker.kv.errors import (
+    CompatibilityHashMismatch,
+    EngineIdMismatch,
+    InvalidRegistration,
+    WireFormatError,
+)
 
 # The NIXL connector versions of the supported releases (`disagg.worker.kv.releases`), oldest first.
 CONNECTOR_VERSIONS: Final = (13, 14, 15)
@@ -44,6 +51,20 @@ HB_NOTIF_PREFIX: Final = b"HB:"
 # Real payloads are a few KiB (one entry per region); the cap only stops a peer from making us buffer and
 # walk an arbitrarily large message.
 MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
+# A side-channel request is three small values (some 20 bytes); the server's socket refuses anything longer
+# before buffering it, so half-sent frames pin at most this much per connection.
+MAX_SIDE_CHANNEL_REQUEST_BYTES: Final = 4096
+# Bounds on what a peer's PUSH_REG may name, before anything is sized from it: real parallel sizes are a few
+# dozen at most, NIXL descriptor ids are int32, and a request has at most a few KV cache groups.
+MAX_PARALLEL_SIZE: Final = 1024
+MAX_BLOCK_ID: Final = 2**31 - 1
+MAX_KV_CACHE_GROUPS: Final = 64
+MAX_ID_CHARS: Final = 1024
+MAX_HOST_CHARS: Final = 255
+MAX_HEARTBEAT_IDS: Final = 16_384
+"""Request ids read from one heartbeat (vLLM sends one per request in flight to that prefill worker)."""
+# What an error message quotes of a peer's bytes or values.
+QUOTE_CHARS: Final = 120
 
 TransferMode = Literal["pull", "push"]
 
@@ -202,6 +223,8 @@ class CompletionNotif:
 Notif = PushRegistration | HeartbeatNotif | CompletionNotif
 
 _T = TypeVar("_T")
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict, _REPR.maxstring = 3, 8, 8, 8, 60
 
 
 # --- compatibility hash -------------------------------------------------------------------------------------
@@ -355,6 +378,21 @@ def engine_id_matches(expected: str, actual: str) -> bool:
     return actual.startswith(expected) and _ENGINE_ID_SUFFIX.fullmatch(actual[len(expected) :]) is not None
 
 
+def clip(text: str, limit: int = 4 * QUOTE_CHARS) -> str:
+    """`text`, cut to `limit` characters with the length it had."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
+
+
+def quote(value: object, limit: int = QUOTE_CHARS) -> str:
+    """A bounded `repr(value)`: messages and logs never carry (or even render) a peer's whole payload."""
+    if isinstance(value, str | bytes):
+        head = repr(value[:limit])
+        return head if len(value) <= limit else f"{head}... ({len(value)} long)"
+    # reprlib bounds the walk itself (elements and depth), so a deep or long value is never fully rendered.
+    text = _REPR.repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
 def _check_size(data: bytes, what: str) -> None:
     if len(data) > MAX_MESSAGE_BYTES:
         raise WireFormatError(f"{what} is {len(data)} bytes, over the {MAX_MESSAGE_BYTES}-byte limit")
@@ -364,7 +402,7 @@ def _decode_typed(data: bytes, type_: type[_T], what: str) -> _T:
     _check_size(data, what)
     try:
         return msgspec.msgpack.decode(data, type=type_)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
         raise WireFormatError(
             f"{what} is not a vLLM NIXL {type_.__name__} (connector versions "
             f"{CONNECTOR_VERSIONS[0]}-{LATEST_CONNECTOR_VERSION}): {exc} "
@@ -476,20 +514,25 @@ def encode_side_channel_request(pp_rank: int, tp_rank: int) -> bytes:
 
 def _rank(value: object, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise WireFormatError(f"side-channel request {name} must be a non-negative int, got {value!r}")
+        raise WireFormatError(f"side-channel request {name} must be a non-negative int, got {quote(value)}")
     return value
 
 
 def decode_side_channel_request(data: bytes) -> SideChannelRequest:
     """The listener's decode: untyped like vLLM's, then every element checked."""
-    _check_size(data, "side-channel request")
+    if len(data) > MAX_SIDE_CHANNEL_REQUEST_BYTES:
+        raise WireFormatError(
+            f"side-channel request is {len(data)} bytes, over the {MAX_SIDE_CHANNEL_REQUEST_BYTES}-byte limit"
+        )
     try:
         decoded = msgspec.msgpack.decode(data)
-    except msgspec.DecodeError as exc:
-        raise WireFormatError(f"side-channel request is not msgpack: {exc}") from exc
+    except (msgspec.DecodeError, RecursionError) as exc:
+        # RecursionError: msgpack nested deeper than the decoder's stack (2 KB of b"\x91" does it).
+        raise WireFormatError(f"side-channel request is not msgpack: {quote(str(exc))}") from exc
     if not isinstance(decoded, list) or len(decoded) != 3:
         raise WireFormatError(
-            f"side-channel request must be the array (b'get_meta_msg', pp_rank, tp_rank), got {decoded!r}"
+            "side-channel request must be the array (b'get_meta_msg', pp_rank, tp_rank), "
+            f"got {quote(decoded)}"
         )
     msg, pp_rank, tp_rank = decoded
     if msg == GET_META_MSG:
@@ -497,7 +540,7 @@ def decode_side_channel_request(data: bytes) -> SideChannelRequest:
     elif msg == GET_META_MSG.decode():
         str_msg = True
     else:
-        raise WireFormatError(f"side-channel request tag must be {GET_META_MSG!r}, got {msg!r}")
+        raise WireFormatError(f"side-channel request tag must be {GET_META_MSG!r}, got {quote(msg)}")
     return SideChannelRequest(_rank(pp_rank, "pp_rank"), _rank(tp_rank, "tp_rank"), str_msg)
 
 
@@ -524,7 +567,41 @@ def encode_push_reg_notif(registration: PushRegistration) -> bytes:
 def decode_push_reg_notif(msg: bytes) -> PushRegistration:
     if not msg.startswith(PUSH_REG_NOTIF_PREFIX):
         raise WireFormatError(f"PUSH_REG notif must start with {PUSH_REG_NOTIF_PREFIX!r}, got {msg[:16]!r}")
-    return _decode_typed(msg[len(PUSH_REG_NOTIF_PREFIX) :], PushRegistration, "PUSH_REG registration")
+    registration = _decode_typed(msg[len(PUSH_REG_NOTIF_PREFIX) :], PushRegistration, "PUSH_REG registration")
+    check_push_registration(registration)
+    return registration
+
+
+def check_push_registration(reg: PushRegistration) -> None:
+    """Every size a registration names, bounded before anything is sized from it (the local layout's checks
+    come after, in the producer); raises InvalidRegistration naming the request where it can."""
+    request_id = reg.request_id if 0 < len(reg.request_id) <= MAX_ID_CHARS else None
+
+    def refuse(what: str) -> InvalidRegistration:
+        return InvalidRegistration(
+            f"PUSH_REG for decode request {quote(reg.request_id)}: {what}", request_id=request_id
+        )
+
+    if request_id is None:
+        raise refuse(f"the request id must have 1 to {MAX_ID_CHARS} characters")
+    for name in ("decode_engine_id", "remote_engine_id"):
+        if not 0 < len(getattr(reg, name)) <= MAX_ID_CHARS:
+            raise refuse(f"{name} must have 1 to {MAX_ID_CHARS} characters")
+    for name in ("decode_host", "remote_host"):
+        if not 0 < len(getattr(reg, name)) <= MAX_HOST_CHARS:
+            raise refuse(f"{name} must have 1 to {MAX_HOST_CHARS} characters")
+    for name in ("decode_port", "remote_port"):
+        if not 0 < getattr(reg, name) < 65536:
+            raise refuse(f"{name} {getattr(reg, name)} is not a TCP port")
+    for name in ("decode_tp_size", "remote_tp_size", "remote_pp_size"):
+        if not 0 < getattr(reg, name) <= MAX_PARALLEL_SIZE:
+            raise refuse(f"{name} {quote(getattr(reg, name))} is outside 1..{MAX_PARALLEL_SIZE}")
+    if not 0 < len(reg.local_block_ids) <= MAX_KV_CACHE_GROUPS:
+        raise refuse(f"names {len(reg.local_block_ids)} KV cache groups, not 1..{MAX_KV_CACHE_GROUPS}")
+    for g, ids in enumerate(reg.local_block_ids):
+        bad = [b for b in ids if not 0 <= b <= MAX_BLOCK_ID]
+        if bad:
+            raise refuse(f"group {g}: block ids {quote(bad)} are outside 0..{MAX_BLOCK_ID}")
 
 
 def encode_heartbeat_notif(req_ids: Iterable[str]) -> bytes:
@@ -548,7 +625,9 @@ def parse_heartbeat_notif(msg: bytes) -> HeartbeatNotif:
     if not msg.startswith(HB_NOTIF_PREFIX):
         raise WireFormatError(f"heartbeat notif must start with {HB_NOTIF_PREFIX!r}, got {msg[:16]!r}")
     body = _text(msg[len(HB_NOTIF_PREFIX) :], "heartbeat notif")
-    return HeartbeatNotif(tuple(body.split(",")) if body else ())
+    # Split at most MAX_HEARTBEAT_IDS times: 16 MiB of commas must not become millions of strings.
+    ids = body.split(",", MAX_HEARTBEAT_IDS)[:MAX_HEARTBEAT_IDS] if body else []
+    return HeartbeatNotif(tuple(ids))
 
 
 def encode_completion_notif(req_id: str, tp_size: int) -> bytes:
@@ -560,8 +639,8 @@ def parse_completion_notif(msg: bytes) -> CompletionNotif:
     text = _text(msg, "completion notif")
     req_id, sep, tp_text = text.rpartition(":")
     if not sep or not req_id:
-        raise WireFormatError(f"completion notif must be '<request id>:<tp size>', got {text[:80]!r}")
-    if not tp_text.isdigit() or int(tp_text) < 1:
+        raise WireFormatError(f"completion notif must be '<request id>:<tp size>', got {quote(text)}")
+    if not tp_text.isdigit() or len(tp_text) > 6 or int(tp_text) < 1:
         raise WireFormatError(f"completion notif tp size must be a positive integer, got {tp_text[:20]!r}")
     return CompletionNotif(req_id, int(tp_text))
 

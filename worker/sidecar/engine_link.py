@@ -16,9 +16,10 @@ Engine -> sidecar (every one gets exactly one reply, in order):
 - `QueryRequest`: the state of a request this sidecar was told about. Reply `RequestStatus` or `Error`.
 
 Sidecar -> engine: replies `Ack`, `Error(reason, message)`, `RequestStatus`; events `KVReady`, `KVSent`,
-`KVFailed(reason, message)`, pushed whenever they happen (the client sorts events from replies).
+`KVFailed(reason, message)`, pushed whenever they happen (the client sorts events from replies). An
+acknowledged request gets exactly one of them; a frame that is no message gets an `Error` in its turn.
 
-Both ends of the protocol (messages, framing, the engine's client) stay in this one module of some 420 lines,
+Both ends of the protocol (messages, framing, the engine's client) stay in this one module of some 450 lines,
 so that they change together; an engine needs this module and nothing else of the sidecar package.
 """
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import select
 import socket
 import struct
 import threading
@@ -38,8 +40,13 @@ import msgspec
 from disagg.worker.kv import errors
 from disagg.worker.kv.errors import DisaggError, EngineProtocolError
 from disagg.worker.kv.layout import AttentionKind, ModelGeometry, StageLayout
+from disagg.worker.kv.wire import clip
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024
+FRAME_TIMEOUT_S = 30.0
+"""How long the rest of a frame may take once its header arrived: a half-sent frame is not held forever."""
+MAX_ID_CHARS = 1024
+"""Request and engine ids longer than this are refused (they travel in notifs, logs and metrics)."""
 _HEADER = struct.Struct(">I")
 RequestState = Literal["pending", "sent", "ready", "failed"]
 
@@ -202,8 +209,8 @@ def encode_frame(message: EngineMessage | SidecarMessage) -> bytes:
 def decode_engine_message(body: bytes) -> EngineMessage:
     try:
         message: EngineMessage = _ENGINE_DECODER.decode(body)
-    except msgspec.DecodeError as exc:
-        raise EngineProtocolError(f"not an engine message: {exc}") from None
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise EngineProtocolError(f"not an engine message: {clip(str(exc))}") from None
     return message
 
 
@@ -215,10 +222,21 @@ def decode_sidecar_message(body: bytes) -> SidecarMessage:
     return message
 
 
-def _recv_exact(sock: socket.socket, size: int) -> bytes | None:
+def _readable(sock: socket.socket, timeout_s: float) -> bool:
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(max(1, int(timeout_s * 1000))))
+
+
+def _recv_exact(sock: socket.socket, size: int, deadline: float | None = None) -> bytes | None:
     chunks, got = [], 0
     while got < size:
-        chunk = sock.recv(size - got)
+        if deadline is not None:
+            # poll, not a socket timeout: the socket stays blocking for the thread that writes to it.
+            left = deadline - time.monotonic()
+            if left <= 0 or not _readable(sock, left):
+                raise EngineProtocolError(f"a frame stalled after {got} of {size} bytes")
+        chunk = sock.recv(min(size - got, 1 << 20))
         if not chunk:
             if got:
                 raise EngineProtocolError(f"connection closed inside a frame ({got} of {size} bytes)")
@@ -228,15 +246,20 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def read_frame(sock: socket.socket) -> bytes | None:
-    """The next frame's body, or None at a clean end of stream; an oversized frame is refused unread."""
-    header = _recv_exact(sock, _HEADER.size)
+def read_frame(sock: socket.socket, frame_timeout_s: float | None = None) -> bytes | None:
+    """The next frame's body, or None at a clean end of stream; an oversized frame is refused unread, and
+    with `frame_timeout_s` so is one whose rest does not arrive within that time of its first byte."""
+    header = _recv_exact(sock, 1)
     if header is None:
         return None
+    deadline = None if frame_timeout_s is None else time.monotonic() + frame_timeout_s
+    header += _recv_exact(sock, _HEADER.size - 1, deadline) or b""
+    if len(header) < _HEADER.size:
+        raise EngineProtocolError("connection closed inside a frame header")
     (size,) = _HEADER.unpack(header)
     if size > MAX_FRAME_BYTES:
         raise EngineProtocolError(f"frame of {size} bytes is over the {MAX_FRAME_BYTES}-byte limit")
-    body = _recv_exact(sock, size)
+    body = _recv_exact(sock, size, deadline)
     if body is None:
         raise EngineProtocolError(f"connection closed before a {size}-byte frame")
     return body

@@ -1,5 +1,10 @@
 """The engine's Unix socket: one reader thread per connection decodes frames into the sidecar's inbox; the
-main thread writes replies and events back through `EngineConnection.send`."""
+main thread writes replies and events back through `EngineConnection.send`.
+
+A frame that does not decode is queued as a `Refusal` in the same inbox, so the main thread answers every
+frame of a connection in the order it came (the protocol's promise), and nothing one frame holds can end a
+reader: a frame the reader cannot delimit (over the size bound, or stalled past `FRAME_TIMEOUT_S`) is
+refused and that connection closed after the reply."""
 
 from __future__ import annotations
 
@@ -9,18 +14,19 @@ import os
 import queue
 import socket
 import threading
+from dataclasses import dataclass
 
-from disagg.worker.kv.errors import DisaggError, EngineProtocolError
+from disagg.worker.kv import wire
+from disagg.worker.kv.errors import DisaggError, EngineProtocolError, InternalError
 from disagg.worker.sidecar.engine_link import (
+    FRAME_TIMEOUT_S,
     EngineMessage,
-    Error,
     SidecarMessage,
     decode_engine_message,
     encode_frame,
     read_frame,
 )
 from disagg.worker.sidecar.logs import event
-from disagg.worker.sidecar.metrics import SidecarMetrics
 
 log = logging.getLogger(__name__)
 
@@ -52,16 +58,24 @@ class EngineConnection:
         self.sock.close()
 
 
-Inbound = tuple[EngineConnection, EngineMessage]
+@dataclass(frozen=True)
+class Refusal:
+    """A frame that is no engine message: the main thread answers it with `Error`, in its turn."""
+
+    error: DisaggError
+    hang_up: bool = False
+    """The frame could not be delimited: after the reply, the connection is closed."""
+
+
+Inbound = tuple[EngineConnection, EngineMessage | Refusal]
 
 
 class EngineSocketServer:
     """Accepts engine connections on a Unix socket; decoded messages go to `inbox`, garbage gets an error."""
 
-    def __init__(self, path: str, inbox: queue.Queue[Inbound], metrics: SidecarMetrics) -> None:
+    def __init__(self, path: str, inbox: queue.Queue[Inbound]) -> None:
         self.path = path
         self._inbox = inbox
-        self._metrics = metrics
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -70,6 +84,11 @@ class EngineSocketServer:
         self._connections: list[EngineConnection] = []
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._accept, name="engine-socket", daemon=True)
+
+    @property
+    def alive(self) -> bool:
+        """The accepting thread runs (readiness reports a dead one)."""
+        return self._thread.is_alive()
 
     def start(self) -> EngineSocketServer:
         self._thread.start()
@@ -92,28 +111,28 @@ class EngineSocketServer:
             ).start()
 
     def _read(self, conn: EngineConnection) -> None:
+        hung_up = False
         while conn.open:
             try:
-                body = read_frame(conn.sock)
+                body = read_frame(conn.sock, FRAME_TIMEOUT_S)
             except (OSError, EngineProtocolError) as exc:
                 # A frame that cannot be delimited leaves no way to resynchronise: answer, then hang up.
-                self._refuse(conn, EngineProtocolError(str(exc)))
+                self._inbox.put((conn, Refusal(EngineProtocolError(wire.clip(str(exc))), hang_up=True)))
+                hung_up = True
                 break
             if body is None:
                 break
             try:
-                message = decode_engine_message(body)
-            except EngineProtocolError as exc:
-                self._refuse(conn, exc)
-                continue
+                message: EngineMessage | Refusal = decode_engine_message(body)
+            except DisaggError as exc:
+                message = Refusal(exc)
+            except Exception as exc:
+                # Whatever decoding one frame raises (a bug, deep nesting) refuses that frame only.
+                message = Refusal(InternalError(f"{type(exc).__name__}: {wire.clip(str(exc))}"))
             self._inbox.put((conn, message))
         event(log, logging.INFO, "engine disconnected", connection=conn.number)
-        conn.close()
-
-    def _refuse(self, conn: EngineConnection, error: DisaggError) -> None:
-        self._metrics.engine_errors.labels(error.reason).inc()
-        event(log, logging.WARNING, "refused an engine message", reason=error.reason, error=error.message)
-        conn.send(Error(error.reason, error.message))
+        if not hung_up:
+            conn.close()
 
     def stop(self) -> None:
         with contextlib.suppress(OSError):

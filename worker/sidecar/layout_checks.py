@@ -83,6 +83,10 @@ def check_block_ids(layout: StageLayout, block_ids: Sequence[Sequence[int]]) -> 
         )
     capacity = layout.num_blocks // layout.physical_blocks_per_logical
     for group, ids in enumerate(block_ids):
+        if len(ids) > capacity:
+            raise BlockIdOutOfRange(
+                f"group {group}: {len(ids)} block ids, the pool holds {capacity} blocks per group"
+            )
         bad = [b for b in ids if not 0 <= b < capacity]
         if bad:
             raise BlockIdOutOfRange(

@@ -7,18 +7,35 @@ import logging
 import sys
 from typing import Any
 
+from disagg.worker.kv.wire import clip, quote
+
+MAX_FIELD_CHARS = 2048
+"""A logged text is cut to this: a value a peer or the engine sent (a 16 MiB request id) must not become a
+line of tens of megabytes."""
+
+
+def _bounded(value: Any) -> Any:
+    if isinstance(value, str):
+        return clip(value, MAX_FIELD_CHARS)
+    if isinstance(value, bytes):
+        return quote(value, MAX_FIELD_CHARS)
+    if isinstance(value, list | tuple) and len(value) > 64:
+        return [*value[:64], f"... ({len(value)} items)"]
+    return value
+
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message and any `extra={"fields": {...}}`."""
+    """One JSON object per line: time, level, logger, message and any `extra={"fields": {...}}`, every text
+    cut to `MAX_FIELD_CHARS`."""
 
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, Any] = {
             "ts": round(record.created, 3),
             "level": record.levelname.lower(),
             "logger": record.name,
-            "msg": record.getMessage(),
+            "msg": clip(record.getMessage(), MAX_FIELD_CHARS),
         }
-        line.update(getattr(record, "fields", {}))
+        line.update({key: _bounded(value) for key, value in getattr(record, "fields", {}).items()})
         if record.exc_info:
             line["exc"] = self.formatException(record.exc_info)
         return json.dumps(line, default=str)

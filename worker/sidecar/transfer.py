@@ -26,7 +26,11 @@ configuration and logs: so this package never imports `reporting`.
 Threads: the main thread owns the NIXL agent (every NIXL call, every connector call, every reply and
 event written to the engine); the engine socket's inbox is the one queue between the engine and the
 connector. Socket readers, the side-channel server, the payload republisher, the peer
-reporter and the HTTP server only decode, queue, serve bytes or read the registered layout.
+reporter and the HTTP server only decode, queue, serve bytes or read the registered layout. Whatever one
+engine message or one connector poll raises fails only that message (`InternalError`); each acknowledged
+request gets exactly one terminal event; `/readyz` reports a stopped side-channel or engine-socket thread.
+
+It runs to some 430 lines: it is the one loop that owns the NIXL agent, and its steps share its state.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from disagg.worker.kv.errors import (
     DuplicateRequest,
     EngineLayoutMismatch,
     EngineProtocolError,
+    InternalError,
     KVPoolUnavailable,
     LayoutNotRegistered,
     LeaseExpired,
@@ -59,8 +64,10 @@ from disagg.worker.kv.errors import (
     WrongRole,
 )
 from disagg.worker.kv.layout import StageLayout
+from disagg.worker.kv.wire import clip
 from disagg.worker.sidecar.config import SidecarConfig
 from disagg.worker.sidecar.engine_link import (
+    MAX_ID_CHARS,
     Ack,
     EngineMessage,
     Error,
@@ -74,7 +81,7 @@ from disagg.worker.sidecar.engine_link import (
     RequestStatus,
     SidecarMessage,
 )
-from disagg.worker.sidecar.engine_socket import EngineConnection, EngineSocketServer, Inbound
+from disagg.worker.sidecar.engine_socket import EngineConnection, EngineSocketServer, Inbound, Refusal
 from disagg.worker.sidecar.layout_checks import check_block_ids, expected_layout
 from disagg.worker.sidecar.logs import event
 from disagg.worker.sidecar.metrics import Health, HttpServer, SidecarMetrics
@@ -130,7 +137,7 @@ class Sidecar:
         self.http = HttpServer(config.metrics_host, config.metrics_port, self.metrics, self.health).start()
         self.side_channel = SideChannelServer(config.side_channel_host, config.side_channel_port).start()
         self.republisher = Republisher(config, self.side_channel).start()
-        self.engine_socket = EngineSocketServer(config.engine_socket, self._inbox, self.metrics).start()
+        self.engine_socket = EngineSocketServer(config.engine_socket, self._inbox).start()
         _event(
             logging.INFO,
             "sidecar started",
@@ -163,14 +170,24 @@ class Sidecar:
                     except queue.Empty:
                         first = None
                 if self._connector is not None:
-                    self._poll()
+                    self._poll_safely()
         finally:
             self.close()
         return 0
 
     def _update_readiness(self) -> None:
-        if self._registered is None:
-            reason: str | None = "the engine has not registered its KV layout"
+        dead = [
+            name
+            for name, alive in (
+                ("side channel", self.side_channel.alive),
+                ("engine socket", self.engine_socket.alive),
+            )
+            if not alive
+        ]
+        if dead:
+            reason: str | None = f"the {' and '.join(dead)} serving thread stopped"
+        elif self._registered is None:
+            reason = "the engine has not registered its KV layout"
         elif missing := self.republisher.missing:
             reason = f"waiting for the handshake payloads of workers (pp, tp) {sorted(missing)}"
         else:
@@ -178,18 +195,32 @@ class Sidecar:
         self.health.set_ready(reason)
         self.metrics.ready.set(0 if reason else 1)
 
-    def _handle(self, conn: EngineConnection, message: EngineMessage) -> None:
-        kind = type(message).__name__
-        self.metrics.engine_messages.labels(kind).inc()
+    def _handle(self, conn: EngineConnection, message: EngineMessage | Refusal) -> None:
+        kind = "Undecodable" if isinstance(message, Refusal) else type(message).__name__
         try:
+            if isinstance(message, Refusal):
+                raise message.error
+            self.metrics.engine_messages.labels(kind).inc()
             reply: SidecarMessage = self._dispatch(conn, message)
-        except DisaggError as exc:
-            self.metrics.engine_errors.labels(exc.reason).inc()
-            _event(
-                logging.WARNING, "refused an engine message", type=kind, reason=exc.reason, error=exc.message
+        except Exception as exc:
+            # Whatever one message raises fails that message; the loop that owns the NIXL agent serves on.
+            error = (
+                exc
+                if isinstance(exc, DisaggError)
+                else InternalError(f"{type(exc).__name__}: {clip(str(exc))}")
             )
-            reply = Error(exc.reason, exc.message)
+            self.metrics.engine_errors.labels(error.reason).inc()
+            _event(
+                logging.WARNING,
+                "refused an engine message",
+                type=kind,
+                reason=error.reason,
+                error=error.message,
+            )
+            reply = Error(error.reason, error.message)
         conn.send(reply)
+        if isinstance(message, Refusal) and message.hang_up:
+            conn.close()
 
     def _dispatch(self, conn: EngineConnection, message: EngineMessage) -> SidecarMessage:
         if isinstance(message, RegisterLayout):
@@ -204,8 +235,8 @@ class Sidecar:
             raise LayoutNotRegistered(
                 f"{type(message).__name__} before RegisterLayout: register the KV layout first"
             )
-        if not message.request_id:
-            raise EngineProtocolError("request_id is empty")
+        if not 0 < len(message.request_id) <= MAX_ID_CHARS:
+            raise EngineProtocolError(f"request_id must have 1 to {MAX_ID_CHARS} characters")
         existing = self._requests.get(message.request_id)
         if existing is not None and existing.state == "pending":
             raise DuplicateRequest(f"request {message.request_id!r} is already in flight")
@@ -218,8 +249,12 @@ class Sidecar:
             if not isinstance(self._connector, PushConsumer):
                 raise WrongRole("ExpectRequest goes to a decode sidecar; this one prefills")
             prefill = message.prefill
-            if prefill.tp_size < 1 or prefill.pp_size < 1 or not 0 < prefill.port < 65536 or not prefill.host:
-                raise EngineProtocolError(f"prefill engine {prefill} has no usable side channel or sizes")
+            if not 0 < prefill.port < 65536 or not 0 < len(prefill.host) <= 255:
+                raise EngineProtocolError(
+                    f"prefill engine {clip(repr(prefill))} has no usable side channel or sizes"
+                )
+            if not 0 < len(prefill.engine_id) <= MAX_ID_CHARS:
+                raise EngineProtocolError(f"the prefill engine id must have 1 to {MAX_ID_CHARS} characters")
             self._connector.expect(
                 message.request_id,
                 message.block_ids,
@@ -275,6 +310,20 @@ class Sidecar:
             layer_name_routing=local.layer_routing,
         )
 
+    def _poll_safely(self) -> None:
+        try:
+            self._poll()
+        except Exception as exc:
+            # The connector fails single requests itself; anything that escapes it is a bug, logged and
+            # counted, and the loop polls again rather than taking every in-flight request down.
+            self.metrics.engine_errors.labels("InternalError").inc()
+            _event(
+                logging.ERROR,
+                "connector poll failed",
+                reason="InternalError",
+                error=f"{type(exc).__name__}: {clip(str(exc))}",
+            )
+
     def _poll(self) -> None:
         connector = self._connector
         if isinstance(connector, PushProducer):
@@ -283,7 +332,9 @@ class Sidecar:
             for sent in produced.sent:
                 self._sent(sent)
             for request_id in produced.expired:
-                self.metrics.lease_expiries.inc()
+                tracked = self._requests.get(request_id)
+                if tracked is None or tracked.state == "pending":
+                    self.metrics.lease_expiries.inc()
                 self._fail(
                     Failure.of(
                         request_id, LeaseExpired("no decoder took the blocks before the lease expired")
@@ -334,6 +385,11 @@ class Sidecar:
         )
 
     def _fail(self, failure: Failure) -> None:
+        tracked = self._requests.get(failure.request_id)
+        if tracked is not None and tracked.state != "pending":
+            # Its blocks' lease ending after the push failed: the engine was told once, already.
+            _event(logging.DEBUG, "blocks released", request_id=failure.request_id, reason=failure.reason)
+            return
         self.metrics.failures.labels(failure.reason).inc()
         _event(
             logging.WARNING,
@@ -342,7 +398,6 @@ class Sidecar:
             reason=failure.reason,
             error=failure.message,
         )
-        tracked = self._requests.get(failure.request_id)
         if tracked is not None:
             tracked.reason, tracked.message = failure.reason, failure.message
         self._finish(
@@ -350,11 +405,12 @@ class Sidecar:
         )
 
     def _finish(self, request_id: str, state: RequestState, event: KVReady | KVSent | KVFailed) -> None:
+        """The request's one terminal event: a later outcome of the same request (a lease that expires after
+        its push failed) is not told again."""
         tracked = self._requests.get(request_id)
-        if tracked is None:
+        if tracked is None or tracked.state != "pending":
             return
-        if tracked.state == "pending":
-            self._pending -= 1
+        self._pending -= 1
         tracked.state = state
         tracked.conn.send(event)
 
