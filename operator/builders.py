@@ -37,6 +37,8 @@ from disagg.worker.kv.pod_contract import (
     COMPATIBILITY_HASH_ENV,
     DEPLOYMENT_ENV,
     DEPLOYMENT_LABEL,
+    ENGINE_SIDE_CHANNEL_HOST_ENV,
+    ENGINE_WORKERS_ENV,
     KV_POOL_ENV,
     METRICS_PORT_ENV,
     NODE_NAME_ENV,
@@ -213,7 +215,11 @@ def selector_labels(owner: str, role: Role, replica: int | None = None) -> dict[
 
 
 def topology_document(
-    spec: DisaggDeploymentSpec, owner: Owner, plan: TopologyPlan, hashes: Mapping[Role, str]
+    spec: DisaggDeploymentSpec,
+    owner: Owner,
+    plan: TopologyPlan,
+    hashes: Mapping[Role, str],
+    factors: Mapping[Role, Mapping[str, Any]] | None = None,
 ) -> TopologyDocument:
     """The plan plus what a sidecar needs to build its KV layout (the sidecar decodes it at startup)."""
     model = spec.model
@@ -241,6 +247,8 @@ def topology_document(
             attention_backend=spec.engine.attention_backend,
         ),
         compatibility_hashes={role: value for role, value in hashes.items()},
+        # What each predicted hash is of: a sidecar names the factor a live engine's hash differs in.
+        compatibility_factors={role: dict(value) for role, value in (factors or {}).items()},
         # Pre-flight refuses a pair whose releases differ, so prefill's release is the deployment's.
         vllm_version=spec.effective("prefill", "version", spec.engine.version),
         connector_version=role_release(spec, "prefill").connector_version,
@@ -253,9 +261,10 @@ def build(
     plan: TopologyPlan,
     hashes: Mapping[Role, str],
     installation: Installation = Installation(),
+    factors: Mapping[Role, Mapping[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """Every object the deployment needs, in apply order (what the pods mount or run as comes first)."""
-    topology = encode_topology(topology_document(spec, owner, plan, hashes))
+    topology = encode_topology(topology_document(spec, owner, plan, hashes, factors))
     checksum = hashlib.sha256(topology.encode()).hexdigest()[:16]
     objects: list[dict[str, Any]] = [
         _object(
@@ -367,10 +376,41 @@ def _statefulset(
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector},
             "template": _pod_template(
-                spec, owner, plan, "prefill", selector, compat_hash, checksum, master, installation
+                spec,
+                owner,
+                plan,
+                "prefill",
+                selector,
+                compat_hash,
+                checksum,
+                master,
+                installation,
+                _engine_side_channel_env(spec, owner, name),
             ),
         },
     )
+
+
+def _engine_side_channel_env(spec: DisaggDeploymentSpec, owner: Owner, name: str) -> list[dict[str, Any]]:
+    """Where a PP prefill engine's one side channel is: its head pod (stage 0) answers for every rank.
+
+    A vLLM engine serves it from node rank 0 itself, so every stage's watcher reads its ranks there. The
+    transfer sidecars serve the same shape: the head's fetches the other stages' payloads from their pods,
+    whose DNS names the StatefulSet keeps stable across restarts (and a restarted stage's new agent is
+    fetched again on the head's next refresh), so no stage needs to know whether the head is up.
+    """
+    pp = spec.prefill.pipeline_parallel_size
+    if pp == 1:
+        return []
+    port = spec.kv_transfer.side_channel_port
+    if is_vllm_image(role_image(spec, "prefill")):
+        return [{"name": ENGINE_SIDE_CHANNEL_HOST_ENV, "value": stage_dns(name, name, owner.namespace)}]
+    # One transfer sidecar per stage pod, serving TP rank 0 (the reference engine runs TP 1 per pod).
+    workers = [
+        {"ppRank": stage, "tpRank": 0, "host": f"{name}-{stage}.{name}.{owner.namespace}.svc", "port": port}
+        for stage in range(1, pp)
+    ]
+    return [{"name": ENGINE_WORKERS_ENV, "value": json.dumps(workers, separators=(",", ":"))}]
 
 
 def _deployment(
@@ -472,6 +512,7 @@ def _pod_template(
     checksum: str,
     stage_service: str | None,
     installation: Installation,
+    engine_env: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     this = spec.role(role)
     sidecar_image = installation.sidecar_image(spec)
@@ -524,6 +565,7 @@ def _pod_template(
             *identity,
             {"name": COMPATIBILITY_HASH_ENV, "value": compat_hash},
             {"name": METRICS_PORT_ENV, "value": str(spec.worker.metrics_port)},
+            *(engine_env or ()),
         ],
         "ports": [{"name": "metrics", "containerPort": spec.worker.metrics_port, "protocol": "TCP"}]
         + ([] if engine_moves_kv else [side_channel]),

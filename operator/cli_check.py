@@ -220,7 +220,9 @@ def plan_manifests(dd: DisaggDeployment, report: CompatReport) -> list[dict[str,
         uid=None,
         generation=dd.metadata.generation or 1,
     )
-    return build(dd.spec, owner, report.plan, report.hashes, Installation.from_environ(os.environ))
+    return build(
+        dd.spec, owner, report.plan, report.hashes, Installation.from_environ(os.environ), report.factors
+    )
 
 
 def run_plan(args: argparse.Namespace) -> int:

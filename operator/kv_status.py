@@ -4,7 +4,8 @@ Each sidecar writes the outcome of its handshakes to its own Pod as the conditio
 `disagg.io/kv-transfer-ready` (the readiness gate the builders declare), with a CamelCase reason such as
 `CompatibilityHashMismatch` and a message naming the peer. The deployment's condition carries the first
 failure's reason and a message naming every failing stage and pod, so `kubectl describe` says which stage
-failed against which decode pod, and why.
+failed against which decode pod, and why. Engines whose live hashes agree but differ from the spec's
+prediction are True with reason `CompatibilityHashPredictionDiffers`, naming the likely factor.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from disagg.worker.kv.layout import natural_sort_key
 from disagg.worker.kv.pod_contract import POD_CONDITION, ROLE_LABEL
 
 _ROLE_ORDER: Final = {"prefill": 0, "decode": 1}
+# A sidecar's True with this reason: its engine's peers accept it, the spec's predicted hash does not.
+PREDICTION_DIFFERS: Final = "CompatibilityHashPredictionDiffers"
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,17 @@ def aggregate(pods: Iterable[PodKV]) -> KVVerdict:
             "AwaitingHandshake",
             f"{len(waiting)} of {len(ordered)} sidecars have not reported a KV handshake yet: "
             + ", ".join(pod.where for pod in waiting),
+        )
+    mispredicted = [pod for pod in ordered if pod.reason == PREDICTION_DIFFERS]
+    if mispredicted:
+        # The engines accept one another (vLLM checks their live hashes, not the operator's prediction): a
+        # warning to fix the spec, not a failed gate.
+        return KVVerdict(
+            ConditionStatus.TRUE,
+            "CompatibilityHashPredictionDiffers",
+            f"all {len(ordered)} sidecars completed their KV handshakes, but the engines' live compatibility "
+            f"hash is not the one the spec predicts: "
+            + "; ".join(f"{pod.where}: {pod.message}" for pod in mispredicted),
         )
     return KVVerdict(
         ConditionStatus.TRUE,

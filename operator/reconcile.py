@@ -85,7 +85,9 @@ def reconcile(kube: Kube, body: Mapping[str, Any], installation: Installation) -
         return Outcome((), (), verdict.message)
     # judge() reports a violation whenever the spec cannot be parsed or planned.
     assert verdict.spec is not None and verdict.report is not None and verdict.report.plan is not None
-    desired = build(verdict.spec, owner, verdict.report.plan, verdict.report.hashes, installation)
+    desired = build(
+        verdict.spec, owner, verdict.report.plan, verdict.report.hashes, installation, verdict.report.factors
+    )
     for obj in desired:
         kube.apply(obj)
     wanted = {(obj["kind"], obj["metadata"]["name"]) for obj in desired}

@@ -32,9 +32,16 @@ from kubernetes import client
 from disagg.worker.connector.transport import LOOPBACK_UCX_ENV
 from disagg.worker.kv.pod_contract import (
     COMPATIBILITY_HASH_ENV,
+    DEFAULT_SIDE_CHANNEL_PORT,
     DEPLOYMENT_LABEL,
+    ENGINE_SIDE_CHANNEL_HOST_ENV,
     ENGINE_SOCKET_ENV,
+    ENGINE_WORKERS_ENV,
     METRICS_HOST_ENV,
+    PIPELINE_PARALLEL_SIZE_ENV,
+    POD_NAME_ENV,
+    ROLE_ENV,
+    SIDE_CHANNEL_PORT_ENV,
     SIDECAR_CONTAINER,
     TOPOLOGY_FILE_ENV,
 )
@@ -205,6 +212,33 @@ class LocalKubelet:
             self._next_host += 1
         return self.ips[name]
 
+    def _engine_workers(self, env: dict[str, str]) -> dict[str, str]:
+        """A vLLM engine's head serves every stage's payload itself (EngineCore collects them); each local
+        pod is a disagg worker standing in for its engine, so its head is told the stage pods to republish."""
+        pp = int(env.get(PIPELINE_PARALLEL_SIZE_ENV) or 1)
+        name = env.get(POD_NAME_ENV, "")
+        base, _, ordinal = name.rpartition("-")
+        if env.get(ROLE_ENV) != "prefill" or pp == 1 or ordinal != "0" or env.get(ENGINE_WORKERS_ENV):
+            return env
+        port = int(env.get(SIDE_CHANNEL_PORT_ENV) or DEFAULT_SIDE_CHANNEL_PORT)
+        workers = [
+            {"ppRank": k, "tpRank": 0, "host": self._ip(f"{base}-{k}"), "port": port} for k in range(1, pp)
+        ]
+        return {**env, ENGINE_WORKERS_ENV: json.dumps(workers)}
+
+    def _resolve_dns(self, env: dict[str, str]) -> dict[str, str]:
+        """The cluster DNS's part: a stage pod's `<pod>.<service>.<namespace>.svc` name is its loopback IP."""
+
+        def ip_of(host: str) -> str:
+            return self._ip(host.split(".", 1)[0]) if host.endswith(".svc") else host
+
+        if env.get(ENGINE_SIDE_CHANNEL_HOST_ENV):
+            env[ENGINE_SIDE_CHANNEL_HOST_ENV] = ip_of(env[ENGINE_SIDE_CHANNEL_HOST_ENV])
+        if env.get(ENGINE_WORKERS_ENV):
+            workers = json.loads(env[ENGINE_WORKERS_ENV])
+            env[ENGINE_WORKERS_ENV] = json.dumps([{**w, "host": ip_of(w["host"])} for w in workers])
+        return env
+
     def _topology(self, pod: Mapping[str, Any]) -> dict[str, Any]:
         volumes = (pod.get("spec") or {}).get("volumes") or ()
         source = next(v["configMap"]["name"] for v in volumes if v.get("name") == TOPOLOGY_VOLUME)
@@ -220,7 +254,7 @@ class LocalKubelet:
         ip = self._ip(name)
         pod = {**pod, "status": {**(pod.get("status") or {}), "podIP": ip}}
         container = next(c for c in pod["spec"]["containers"] if c["name"] == SIDECAR_CONTAINER)
-        env = resolve_env(pod, container)
+        env = self._resolve_dns(self._engine_workers(resolve_env(pod, container)))
         workdir = self.workdir / name
         workdir.mkdir(parents=True, exist_ok=True)
         documents = self._topology(pod)

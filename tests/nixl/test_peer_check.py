@@ -27,6 +27,7 @@ from disagg.worker.sidecar.config import SidecarConfig, from_env
 
 HOST = "127.0.0.1"
 PREFILL_POD = "tiny-prefill-0-1"
+HEAD_POD = "tiny-prefill-0-0"
 DECODE_POD = "tiny-decode-5d8f-x2k"
 
 
@@ -79,6 +80,24 @@ def worker(cfg: SidecarConfig) -> Iterator[tuple[LocalKV, SideChannelServer]]:
         server.set_payload(cfg.pp_rank, cfg.tp_rank, local.handshake_payload())
         with server:
             yield local, server
+
+
+@contextlib.contextmanager
+def engine(*cfgs: SidecarConfig) -> Iterator[SideChannelServer]:
+    """One engine's workers with one side channel, at the first's address, serving every worker's payload:
+    a PP prefill's head pod answering for every stage, as vLLM's EngineCore does."""
+    with contextlib.ExitStack() as stack:
+        locals_ = [
+            stack.enter_context(
+                registered_kv(cfg, 2, Path("/dev/shm") / f"disagg-test-engine-{secrets.token_hex(4)}")
+            )
+            for cfg in cfgs
+        ]
+        server = SideChannelServer(cfgs[0].side_channel_host, cfgs[0].side_channel_port)
+        for cfg, local in zip(cfgs, locals_, strict=True):
+            server.set_payload(cfg.pp_rank, cfg.tp_rank, local.handshake_payload())
+        with server:
+            yield server
 
 
 def peer_of(cfg: SidecarConfig, pod: str, *, engine_id: str | None = None, port: int | None = None) -> Peer:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -56,5 +57,50 @@ def test_probe_names_a_rank_the_engine_does_not_have() -> None:
         done = probe(f"{HOST}:{server.port}", "--tp", "2")
         assert done.returncode == 1
         assert "HandshakeFailed" in done.stdout and "(pp 0, tp 1)" in done.stdout, done.stdout
+    finally:
+        server.stop()
+
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "vllm" / "0.33.0"
+
+
+def test_probe_asks_only_for_rank_0_unless_told_and_reports_what_the_fields_show(tmp_path: Path) -> None:
+    """vLLM 0.33's own payload bytes: the probe reads the connector version from their fields and keeps
+    ple_block_len and packed_member_layouts; without sizes it asks for (pp 0, tp 0) alone, so an engine is
+    never asked for a rank it does not serve."""
+    payload = (GOLDEN / "handshake_payload_ple_packed.msgpack").read_bytes()
+    server = SideChannelServer(HOST, free_port(), {(0, 0): payload}).start()
+    try:
+        done = probe(f"{HOST}:{server.port}")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "ranks: none given: (pp 0, tp 0) only" in done.stdout
+        assert "connector version: 14 or 15 (by the metadata's field set)" in done.stdout
+        assert "  ple_block_len: " in done.stdout and "  packed_member_layouts: " in done.stdout
+        assert server.rejected == 0
+    finally:
+        server.stop()
+
+
+def test_probe_takes_the_ranks_from_the_topology(tmp_path: Path) -> None:
+    payload = (GOLDEN / "handshake_payload_pp2_stage1_prefill_hma.msgpack").read_bytes()
+    served = {(pp, tp): payload for pp in range(2) for tp in range(2)}
+    doc = {
+        "transferMode": "push",
+        "blockSize": 16,
+        "prefillTensorParallelSize": 2,
+        "stages": [{"startLayer": 0, "endLayer": 1}, {"startLayer": 1, "endLayer": 2}],
+        "model": {"layerKinds": ["full"] * 2, "numKVHeads": 2, "headSize": 16, "dtypeBytes": 2},
+    }
+    path = tmp_path / "topology.json"
+    path.write_text(json.dumps(doc))
+    server = SideChannelServer(HOST, free_port(), served).start()
+    try:
+        done = probe(f"{HOST}:{server.port}", "--topology", str(path))
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"ranks: the topology {path} (prefill: PP 2 x TP 2)" in done.stdout
+        assert done.stdout.count("connector version: 14 or 15") == 4
+        assert (server.served, server.rejected) == (4, 0)
+        decode = probe(f"{HOST}:{server.port}", "--topology", str(path), "--role", "decode")
+        assert "(decode: PP 1 x TP 1)" in decode.stdout and server.served == 5
     finally:
         server.stop()

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_peer_check import DECODE_POD, HOST, PREFILL_POD, config, peer_of, topology, worker
+from test_peer_check import DECODE_POD, HEAD_POD, HOST, PREFILL_POD, config, peer_of, topology, worker
+from test_peer_check import engine as prefill_engine
 
 from disagg.rig.local import free_port
 from disagg.worker.kv import wire
@@ -48,10 +49,11 @@ def test_a_decode_pod_with_a_healthy_engine_and_prefill_stage_is_ready(tmp_path:
     port = str(free_port())
     engine = config(tmp_path, "decode", DECODE_POD, topology(), DISAGG_SIDE_CHANNEL_PORT=port)
     watcher = config(tmp_path, "decode", DECODE_POD, topology(), DISAGG_SIDE_CHANNEL_PORT=port)
+    head = config(tmp_path, "prefill", HEAD_POD, topology())
     stage = config(tmp_path, "prefill", PREFILL_POD, topology())
-    with worker(engine), worker(stage):
+    with worker(engine), prefill_engine(head, stage):
         own = check_own_engine(watcher)
-        outcome = watch_round(watcher, DECODE_POD, [pod_of(stage, PREFILL_POD)])
+        outcome = watch_round(watcher, DECODE_POD, [pod_of(head, HEAD_POD), pod_of(stage, PREFILL_POD)])
     assert [(rank.pp_rank, rank.tp_rank, rank.metadata.engine_id) for rank in own] == [(0, 0, DECODE_POD)]
     assert (outcome.status, outcome.reason) == ("True", "HandshakesSucceeded")
     assert f"prefill stage 1 (pod {PREFILL_POD})" in outcome.message

@@ -161,7 +161,7 @@ def _operator_objects(path: Path) -> list[dict[str, Any]]:
     report = evaluate(dd.spec)
     assert report.plan is not None and dd.metadata.name and dd.metadata.namespace
     owner = Owner(dd.metadata.name, dd.metadata.namespace, "uid-from-the-api-server", 1)
-    built = build(dd.spec, owner, report.plan, report.hashes, Installation())
+    built = build(dd.spec, owner, report.plan, report.hashes, Installation(), report.factors)
     for obj in built:
         assert obj["metadata"].pop("ownerReferences")[0]["uid"] == "uid-from-the-api-server"
     return built

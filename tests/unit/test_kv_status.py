@@ -109,3 +109,18 @@ def test_failure_wins_over_unreported() -> None:
 def test_reason_that_is_not_camel_case_becomes_transfer_failed() -> None:
     kv = pod_kv(pod("d-decode-a", "decode", {"status": "False", "reason": "not a reason!", "message": "x"}))
     assert kv.reason == "TransferFailed"
+
+
+def test_engines_that_agree_against_the_prediction_are_ready_with_a_warning_reason() -> None:
+    note = "the prediction differs in nixl_connector_version (the engine speaks 14 or 15)"
+    pods = [
+        ok("p-0", "prefill"),
+        pod(
+            "d-1",
+            "decode",
+            {"status": "True", "reason": "CompatibilityHashPredictionDiffers", "message": note},
+        ),
+    ]
+    verdict = aggregate(pod_kv(p) for p in pods)
+    assert (verdict.status, verdict.reason) == (ConditionStatus.TRUE, "CompatibilityHashPredictionDiffers")
+    assert f"decode pod d-1: {note}" in verdict.message

@@ -38,6 +38,10 @@ TENSOR_PARALLEL_SIZE_ENV: Final = "DISAGG_TENSOR_PARALLEL_SIZE"
 BLOCK_SIZE_ENV: Final = "DISAGG_BLOCK_SIZE"
 SIDE_CHANNEL_PORT_ENV: Final = "DISAGG_SIDE_CHANNEL_PORT"
 TOPOLOGY_FILE_ENV: Final = "DISAGG_TOPOLOGY_FILE"
+# A PP prefill engine has one side channel, on its head pod (stage 0), serving every (pp, tp) rank:
+# the head's address for the other stages' pods, and the stage pods the head's transfer sidecar republishes.
+ENGINE_SIDE_CHANNEL_HOST_ENV: Final = "DISAGG_ENGINE_SIDE_CHANNEL_HOST"
+ENGINE_WORKERS_ENV: Final = "DISAGG_ENGINE_WORKERS"
 COMPATIBILITY_HASH_ENV: Final = "DISAGG_COMPATIBILITY_HASH"
 METRICS_PORT_ENV: Final = "DISAGG_METRICS_PORT"
 KV_POOL_ENV: Final = "DISAGG_KV_POOL"

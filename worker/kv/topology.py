@@ -32,6 +32,8 @@ version 1. Every problem is a `WorkerConfigError` whose message names the key.
       dtype: float32                        # optional
       attentionBackend: FLASH_ATTN          # optional
     compatibilityHashes: {prefill: <sha256>, decode: <sha256>}  # optional
+    compatibilityFactors: {prefill: {...}, decode: {...}}       # optional: what each hash is of, so a
+                                            # sidecar names what a live hash differs in
     workers:                                # optional: other workers of an engine whose side-channel payload
       prefill:                              # its serving worker (pp 0, tp 0) republishes, vLLM-style
         - {ppRank: 1, tpRank: 0, host: 10.0.0.7, port: 5600}
@@ -115,6 +117,7 @@ class TopologyDocument(
     routing_mode: str | None = None
     notifications_per_request: int | None = None
     compatibility_hashes: dict[str, str] = {}
+    compatibility_factors: dict[str, dict[str, Any]] = {}
     workers: dict[str, tuple[WorkerEndpoint, ...]] = {}
     kv_lease_duration_seconds: float = 30.0
     push_registration_timeout_seconds: float = 480.0
@@ -144,6 +147,7 @@ class Topology:
     dtype: str | None = None
     attention_backend: str = "FLASH_ATTN"
     compatibility_hashes: Mapping[str, str] = field(default_factory=dict)
+    compatibility_factors: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     workers: Mapping[str, tuple[WorkerEndpoint, ...]] = field(default_factory=dict)
     kv_lease_duration_s: float = 30.0
     push_registration_timeout_s: float = 480.0
@@ -259,6 +263,7 @@ def topology_of(document: TopologyDocument) -> Topology:
         dtype=m.dtype,
         attention_backend=m.attention_backend,
         compatibility_hashes=dict(document.compatibility_hashes),
+        compatibility_factors=dict(document.compatibility_factors),
         workers=dict(document.workers),
         kv_lease_duration_s=document.kv_lease_duration_seconds,
         push_registration_timeout_s=document.push_registration_timeout_seconds,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final, Literal
 
 from disagg.worker.connector.producer import plan_decode_rank
@@ -26,11 +26,14 @@ from disagg.worker.connector.push import LocalKV, as_disagg_error
 from disagg.worker.connector.side_channel import (
     DEFAULT_HANDSHAKE_TIMEOUT_S,
     PeerHandshake,
+    fetch_payloads,
     handshake,
     handshake_target_tp_ranks,
     handshake_targets,
 )
-from disagg.worker.kv.errors import DisaggError
+from disagg.worker.kv import wire
+from disagg.worker.kv.errors import CompatibilityHashMismatch, DisaggError
+from disagg.worker.kv.payload_facts import PayloadFacts, live_differences, payload_facts
 from disagg.worker.kv.pod_contract import (
     DEFAULT_SIDE_CHANNEL_PORT,
     ENGINE_ID_ENV,
@@ -63,6 +66,8 @@ class Peer:
     engine_id: str
     host: str | None
     port: int
+    head: str | None = None
+    """The head pod whose side channel answers for this stage (a PP prefill's stages ≥ 1); None: its own."""
 
     @property
     def where(self) -> str:
@@ -72,7 +77,8 @@ class Peer:
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        through = f" (the side channel of its head pod {self.head})" if self.head else ""
+        return f"{self.host}:{self.port}{through}"
 
 
 def _container_env(container: Mapping[str, Any], name: str) -> str | None:
@@ -123,8 +129,26 @@ def peer_from_pod(pod: Mapping[str, Any]) -> Peer | None:
     return Peer(name, role, stage, engine_id, host, _side_channel_port(containers))
 
 
+def through_heads(peers: Sequence[Peer]) -> list[Peer]:
+    """Each prefill stage addressed where its engine serves it: the side channel of the engine's head pod
+    (stage 0), which answers for every `(pp_rank, tp_rank)` of the engine, as vLLM's EngineCore does on node
+    rank 0 (headless stage pods serve none) and the head's transfer sidecar does by republishing. A stage
+    whose head is missing or has no IP yet has no address (`host` None) until it has."""
+    heads = {peer.engine_id: peer for peer in peers if peer.role == "prefill" and peer.stage == 0}
+    out = []
+    for peer in peers:
+        if peer.role != "prefill" or peer.stage == 0:
+            out.append(peer)
+            continue
+        head = heads.get(peer.engine_id)
+        host, port = (head.host, head.port) if head is not None else (None, peer.port)
+        out.append(replace(peer, host=host, port=port, head=head.pod if head is not None else None))
+    return out
+
+
 def peers_from_pods(pods: Iterable[Mapping[str, Any]], config: SidecarConfig) -> list[Peer]:
-    """The other role's live engine pods (pods being deleted are no longer peers), in a stable order."""
+    """The other role's live engine pods (pods being deleted are no longer peers), in a stable order, each
+    at its own Pod's address (`through_heads` gives where a stage is asked for)."""
     wanted = peer_role(config.role)
     peers = [
         peer
@@ -137,11 +161,21 @@ def peers_from_pods(pods: Iterable[Mapping[str, Any]], config: SidecarConfig) ->
 
 
 def handshake_peer(
-    config: SidecarConfig, peer: Peer, host: str, targets: Sequence[tuple[int, int]], *, timeout_s: float
+    config: SidecarConfig,
+    peer: Peer,
+    host: str,
+    targets: Sequence[tuple[int, int]],
+    *,
+    timeout_s: float,
+    live: PayloadFacts | None = None,
 ) -> list[PeerHandshake]:
     """Handshake `targets` of `peer` at `host` expecting this sidecar's compatibility hash and the peer's
-    engine id, as the connector would. `peer.engine_id` is the stable prefix the operator's engine launcher
-    extends with a per-start suffix; `wire.engine_id_matches` accepts the prefix plus one such suffix."""
+    engine id, as the connector would; with `live` (what this pod's own engine advertises), expecting the
+    engine's live hash instead, which is what vLLM itself checks. `peer.engine_id` is the stable prefix the
+    operator's engine launcher extends with a per-start suffix; `wire.engine_id_matches` accepts the prefix
+    plus one such suffix."""
+    if live is not None:
+        return live_handshake(config, live, peer, host, targets, timeout_s=timeout_s)
     return handshake(
         host,
         peer.port,
@@ -151,6 +185,34 @@ def handshake_peer(
         local_factors=config.compat_factors,
         timeout_s=timeout_s,
     )
+
+
+def live_handshake(
+    config: SidecarConfig,
+    live: PayloadFacts,
+    peer: Peer,
+    host: str,
+    targets: Sequence[tuple[int, int]],
+    *,
+    timeout_s: float,
+) -> list[PeerHandshake]:
+    """vLLM's check between two live engines: every rank's advertised hash against this engine's, then the
+    peer's engine id. A mismatch names both engines and what the payloads show of the difference."""
+    out = []
+    for reply in fetch_payloads(host, peer.port, targets, timeout_s=timeout_s):
+        facts = payload_facts(reply.payload)
+        if facts.compatibility_hash != live.compatibility_hash:
+            raise CompatibilityHashMismatch(
+                f"this pod's own engine {live.engine_id or config.engine_id} advertises compatibility hash "
+                f"{live.compatibility_hash}, {peer.where} engine {facts.engine_id} rank (pp {reply.pp_rank}, "
+                f"tp {reply.tp_rank}) advertises {facts.compatibility_hash}, so vLLM refuses the handshake; "
+                f"the payloads differ in {'; '.join(live_differences(live, facts, config.compat_factors))}"
+            )
+        metadata = wire.decode_handshake_payload(
+            reply.payload, expected_hash=None, expected_engine_id=peer.engine_id
+        )
+        out.append(PeerHandshake(reply.pp_rank, reply.tp_rank, metadata, reply.clock_offset_s))
+    return out
 
 
 def peer_refusal(peer: Peer, check: Callable[[], object]) -> DisaggError | None:
@@ -171,6 +233,7 @@ def check_peer(
     peer: Peer,
     *,
     timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+    live: PayloadFacts | None = None,
 ) -> DisaggError | None:
     """Handshake one peer as the connector would; the refusal, or None when it would be accepted.
 
@@ -192,7 +255,8 @@ def check_peer(
                 plan_decode_rank(local, rank.metadata, topology.decode_tp, rank.tp_rank)
         else:
             tp_ranks = handshake_target_tp_ranks(config.tp_size, config.tp_rank, topology.prefill_tp)
-            handshake_peer(config, peer, host, [(peer.stage, tp) for tp in tp_ranks], timeout_s=timeout_s)
+            targets = [(peer.stage, tp) for tp in tp_ranks]
+            handshake_peer(config, peer, host, targets, timeout_s=timeout_s, live=live)
 
     return peer_refusal(peer, check)
 
@@ -211,6 +275,8 @@ class Outcome:
     reason: str
     message: str
     refusals: tuple[PeerResult, ...] = ()
+    warnings: tuple[tuple[str, str], ...] = ()
+    """(reason, message) pairs posted as Warning Events without failing the condition."""
 
 
 def _clip(text: str) -> str:
@@ -234,6 +300,13 @@ def _refusals(refused: Sequence[PeerResult]) -> str:
     return "; ".join(parts)
 
 
+def _awaited(peer: Peer) -> str:
+    if peer.role == "prefill" and peer.stage > 0:
+        head = f"head pod {peer.head}" if peer.head else "head pod (stage 0)"
+        return f"{peer.where}'s {head}, which serves its side channel,"
+    return peer.where
+
+
 def summarize(config: SidecarConfig, results: Sequence[PeerResult], pending: Sequence[Peer]) -> Outcome:
     """This pod's verdict from one round of checks (`pending`: peers without an IP, not checked). Pure.
 
@@ -244,7 +317,7 @@ def summarize(config: SidecarConfig, results: Sequence[PeerResult], pending: Seq
     waiting_engines = {peer.engine_id for peer in pending}
     broken_engines = {result.peer.engine_id for result in refused} | waiting_engines
     usable = [r.peer for r in results if r.error is None and r.peer.engine_id not in broken_engines]
-    waiting = f"; waiting for {', '.join(peer.where for peer in pending)} to get an IP" if pending else ""
+    waiting = f"; waiting for {', '.join(_awaited(peer) for peer in pending)} to get an IP" if pending else ""
     if usable:
         names = ", ".join(peer.where for peer in usable)
         if refused:
@@ -269,7 +342,7 @@ def check_round(
     timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
 ) -> Outcome:
     """Handshake every peer among `pods` once and summarize."""
-    peers = peers_from_pods(pods, config)
+    peers = through_heads(peers_from_pods(pods, config))
     pending = [peer for peer in peers if peer.host is None]
     results = [
         PeerResult(peer, check_peer(config, local, peer, timeout_s=timeout_s))

@@ -162,6 +162,8 @@ class PodReporter:
         for refusal in outcome.refusals:
             assert refusal.error is not None
             self.post_event(pod, "Warning", refusal.error.reason, refusal_message(refusal), now)
+        for reason, message in outcome.warnings:
+            self.post_event(pod, "Warning", reason, message, now)
         recovered = previous is not None and previous.get("status") == "False" and outcome.status == "True"
         if recovered:
             self.post_event(pod, "Normal", outcome.reason, outcome.message, now)

@@ -44,6 +44,7 @@ from disagg.worker.kv.pod_contract import (
 from disagg.worker.reporting.peer_check import Outcome, check_round, peer_role
 from disagg.worker.reporting.pod_report import PodReporter, kube_client
 from disagg.worker.sidecar.config import SidecarConfig, from_env
+from disagg.worker.sidecar.republisher import Republisher
 
 log = logging.getLogger("disagg.worker.reporting.status_loop")
 DEFAULT_INTERVAL_S = 10.0
@@ -200,6 +201,8 @@ def run(env: Mapping[str, str], interval_s: float, num_blocks: int, stop: thread
         server = SideChannelServer(config.side_channel_host, config.side_channel_port)
         server.set_payload(config.pp_rank, config.tp_rank, local.handshake_payload())
         server.start()
+        # The head of a PP engine answers for every stage, as the transfer sidecar's head does.
+        republisher = Republisher(config, server).start()
         try:
             log.info(
                 "%s: %s engine %s (pp %d, tp %d) serves its side channel on %s:%d",
@@ -215,6 +218,7 @@ def run(env: Mapping[str, str], interval_s: float, num_blocks: int, stop: thread
             stop.wait()
             reporter.stop()
         finally:
+            republisher.stop()
             server.stop()
     return 0
 

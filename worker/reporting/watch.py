@@ -22,19 +22,22 @@ import os
 import signal
 import threading
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from types import FrameType
 from typing import Any
 
 from disagg.worker.connector.side_channel import (
     DEFAULT_HANDSHAKE_TIMEOUT_S,
     PeerHandshake,
+    fetch_payloads,
     handshake,
     handshake_targets,
 )
 from disagg.worker.kv import rules, wire
 from disagg.worker.kv.decode_checks import LocalRegion, PrefillRank, check_decode_agent
-from disagg.worker.kv.errors import DisaggError, WorkerConfigError
+from disagg.worker.kv.errors import CompatibilityHashMismatch, DisaggError, WorkerConfigError
 from disagg.worker.kv.layout import AttentionKind
+from disagg.worker.kv.payload_facts import PayloadFacts, payload_facts, prediction_differences
 from disagg.worker.kv.pod_contract import LOG_LEVEL_ENV, POD_NAME_ENV
 from disagg.worker.reporting.peer_check import (
     Outcome,
@@ -46,6 +49,7 @@ from disagg.worker.reporting.peer_check import (
     peers_from_pods,
     refusal_message,
     summarize,
+    through_heads,
 )
 from disagg.worker.reporting.status_loop import PeerReporter, pod_api_client
 from disagg.worker.sidecar.config import SidecarConfig, from_env
@@ -72,13 +76,70 @@ def check_own_engine(
 ) -> list[PeerHandshake]:
     """Handshake this pod's engine as a peer would: the spec's hash, the connector version, its engine id."""
     return handshake(
-        config.side_channel_host,
+        config.engine_host,
         config.side_channel_port,
         own_targets(config),
         expected_hash=config.compat_hash,
         expected_engine_id=config.engine_id,
         local_factors=config.compat_factors,
         timeout_s=timeout_s,
+    )
+
+
+@dataclass(frozen=True)
+class OwnEngine:
+    """What this pod's engine advertises on its ranks, and how that compares with the spec's prediction."""
+
+    ranks: list[PeerHandshake]
+    live: PayloadFacts
+    prediction_error: DisaggError | None
+    """The refusal the spec's predicted hash gives the live engine, or None when they agree."""
+
+
+def read_own_engine(config: SidecarConfig, *, timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S) -> OwnEngine:
+    """Fetch this pod's engine's ranks (at its head for a PP stage) and decode them with the engine's own
+    live hash, which is what its peers check; the spec's prediction is compared, not enforced."""
+    replies = fetch_payloads(
+        config.engine_host, config.side_channel_port, own_targets(config), timeout_s=timeout_s
+    )
+    facts = [payload_facts(reply.payload) for reply in replies]
+    hashes = sorted({fact.compatibility_hash for fact in facts})
+    if len(hashes) > 1:
+        raise CompatibilityHashMismatch(
+            f"the engine's ranks {[(r.pp_rank, r.tp_rank) for r in replies]} advertise different "
+            f"compatibility hashes {hashes}"
+        )
+    ranks = [
+        PeerHandshake(
+            reply.pp_rank,
+            reply.tp_rank,
+            wire.decode_handshake_payload(
+                reply.payload, expected_hash=None, expected_engine_id=config.engine_id
+            ),
+            reply.clock_offset_s,
+        )
+        for reply in replies
+    ]
+    prediction_error = None
+    if config.compat_hash is not None and hashes[0] != config.compat_hash:
+        try:
+            wire.decode_handshake_payload(
+                replies[0].payload, expected_hash=config.compat_hash, local_factors=config.compat_factors
+            )
+        except DisaggError as exc:
+            prediction_error = exc
+    return OwnEngine(ranks, facts[0], prediction_error)
+
+
+def prediction_warning(config: SidecarConfig, own: OwnEngine) -> tuple[str, str]:
+    """The Warning Event for an engine whose live hash its peers accept but the spec does not predict."""
+    factors = "; ".join(prediction_differences(config.compat_factors, own.live))
+    return (
+        "CompatibilityHashPredictionDiffers",
+        f"the engines agree (the peers that accept this engine advertise its compatibility hash "
+        f"{own.live.compatibility_hash}), but the spec predicts {config.compat_hash}: the prediction "
+        f"differs in {factors}; fix spec.engine (version, attention backend, model string) so the operator "
+        "predicts the hash the engines compute",
     )
 
 
@@ -139,6 +200,7 @@ def check_decode_peer(
     peer: Peer,
     *,
     timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+    live: PayloadFacts | None = None,
 ) -> DisaggError | None:
     """A prefill stage's check of one decode pod: handshake the decode ranks each of its engine's TP ranks
     writes to, and check each against that rank's own metadata (`own`, from `check_own_engine`)."""
@@ -150,7 +212,7 @@ def check_decode_peer(
     def check() -> None:
         wanted = {mine.tp_rank: handshake_targets(config.tp_size, mine.tp_rank, decode_tp, 1) for mine in own}
         targets = sorted({target for ranks in wanted.values() for target in ranks})
-        ranks = handshake_peer(config, peer, host, targets, timeout_s=timeout_s)
+        ranks = handshake_peer(config, peer, host, targets, timeout_s=timeout_s, live=live)
         by_target = {(rank.pp_rank, rank.tp_rank): rank.metadata for rank in ranks}
         for mine in own:
             for target in wanted[mine.tp_rank]:
@@ -172,24 +234,41 @@ def watch_round(
     with the engine's reason, whatever the peers say.
     """
     engine = own_engine(config, pod)
-    try:
-        own = check_own_engine(config, timeout_s=timeout_s)
-    except DisaggError as exc:
+
+    def refused(exc: DisaggError) -> Outcome:
         named = type(exc)(f"this pod's own engine {config.engine_id}: {exc.message}", reason=exc.reason)
         result = PeerResult(engine, named)
         return Outcome("False", named.reason, refusal_message(result), (result,))
-    peers = peers_from_pods(pods, config)
+
+    try:
+        own = read_own_engine(config, timeout_s=timeout_s)
+    except DisaggError as exc:
+        return refused(exc)
+    peers = through_heads(peers_from_pods(pods, config))
     pending = [peer for peer in peers if peer.host is None]
     results = []
     for peer in peers:
         if peer.host is None:
             continue
         if config.role == "prefill":
-            error = check_decode_peer(config, own, peer, timeout_s=timeout_s)
+            error = check_decode_peer(config, own.ranks, peer, timeout_s=timeout_s, live=own.live)
         else:
-            error = check_peer(config, None, peer, timeout_s=timeout_s)
+            error = check_peer(config, None, peer, timeout_s=timeout_s, live=own.live)
         results.append(PeerResult(peer, error))
-    return summarize(config, results, pending)
+    if own.prediction_error is None:
+        return summarize(config, results, pending)
+    if not results:
+        # No live peer to compare with yet: until one answers, the prediction is all there is.
+        factors = "; ".join(prediction_differences(config.compat_factors, own.live))
+        error = own.prediction_error
+        return refused(type(error)(f"{error.message}; the engine differs in {factors}", reason=error.reason))
+    outcome = summarize(config, results, pending)
+    warning = prediction_warning(config, own)
+    if outcome.status != "True":
+        return outcome
+    return replace(
+        outcome, reason=warning[0], message=f"{outcome.message}; {warning[1]}", warnings=(warning,)
+    )
 
 
 def run(env: Mapping[str, str], stop: threading.Event, *, interval_s: float = DEFAULT_INTERVAL_S) -> int:
@@ -218,7 +297,7 @@ def run(env: Mapping[str, str], stop: threading.Event, *, interval_s: float = DE
             config.role,
             config.engine_id,
             config.pp_rank,
-            config.side_channel_host,
+            config.engine_host,
             config.side_channel_port,
         )
         reporter.start()

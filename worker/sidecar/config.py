@@ -10,11 +10,20 @@ Environment (the operator's builders set these in the pod spec; names are stable
 - `DISAGG_TP_RANK`: this worker's tensor-parallel rank; default 0.
 - `DISAGG_SIDE_CHANNEL_HOST`: address the side channel binds and advertises; default `POD_IP`, else 127.0.0.1.
 - `DISAGG_SIDE_CHANNEL_PORT`: side channel port; default 5600.
+- `DISAGG_ENGINE_SIDE_CHANNEL_HOST`: where this pod's engine's side channel is served. A PP prefill engine has
+  one, on its head pod (stage 0), answering for every `(pp_rank, tp_rank)` (vLLM's EngineCore serves every
+  worker's payload from node rank 0): the builders set the head pod's DNS name on every stage; default
+  `DISAGG_SIDE_CHANNEL_HOST`.
+- `DISAGG_ENGINE_WORKERS`: JSON list of the engine's other workers (`[{"ppRank": 1, "tpRank": 0, "host":
+  ..., "port": ...}]`) whose payloads the head's transfer sidecar fetches and serves; default the topology's
+  `workers` entry for the role (the builders set it per prefill StatefulSet, whose stage pods have stable
+  DNS names).
 - `DISAGG_ENGINE_SOCKET`: the Unix socket the engine talks to; default `/dev/shm/disagg-engine.sock`.
 - `DISAGG_KV_POOL`: when set, the only KV pool path the engine may register.
 - `DISAGG_METRICS_HOST`, `DISAGG_METRICS_PORT`: the health and Prometheus HTTP server; `0.0.0.0`, 9090.
 - `DISAGG_COMPATIBILITY_HASH`: the NIXL compatibility hash; default the topology's `compatibilityHashes`
   entry for the role, else one derived from the topology's model (name and dtype), else the check is off.
+  Its factors are the topology's `compatibilityFactors` entry or the model's, whichever hashes to it.
 - `DISAGG_PIPELINE_PARALLEL_SIZE`, `DISAGG_TENSOR_PARALLEL_SIZE`, `DISAGG_BLOCK_SIZE`: optional cross-checks;
   each must equal the topology's value for this role.
 - `DISAGG_LOG_LEVEL`: `debug`, `info` (default), `warning` or `error`.
@@ -32,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import yaml
 
 from disagg.worker.connector.push import PushConfig
@@ -42,7 +52,9 @@ from disagg.worker.kv.pod_contract import (
     COMPATIBILITY_HASH_ENV,
     DEFAULT_SIDE_CHANNEL_PORT,
     ENGINE_ID_ENV,
+    ENGINE_SIDE_CHANNEL_HOST_ENV,
     ENGINE_SOCKET_ENV,
+    ENGINE_WORKERS_ENV,
     KV_POOL_ENV,
     LOG_LEVEL_ENV,
     METRICS_HOST_ENV,
@@ -95,6 +107,15 @@ class SidecarConfig:
     compat_factors: Mapping[str, Any] | None
     log_level: str
     topology: Topology
+    engine_side_channel_host: str = ""
+    """Where this pod's engine serves its side channel (the head pod of a PP prefill); "" means
+    `side_channel_host`."""
+    engine_workers: tuple[WorkerEndpoint, ...] | None = None
+    """The engine's workers from `DISAGG_ENGINE_WORKERS`; None means the topology's `workers`."""
+
+    @property
+    def engine_host(self) -> str:
+        return self.engine_side_channel_host or self.side_channel_host
 
     @property
     def pp_size(self) -> int:
@@ -113,7 +134,10 @@ class SidecarConfig:
     def republished_workers(self) -> tuple[WorkerEndpoint, ...]:
         if not self.serves_engine:
             return ()
-        return tuple(w for w in self.topology.workers.get(self.role, ()) if (w.pp_rank, w.tp_rank) != (0, 0))
+        workers = self.engine_workers
+        if workers is None:
+            workers = self.topology.workers.get(self.role, ())
+        return tuple(w for w in workers if (w.pp_rank, w.tp_rank) != (0, 0))
 
     def push_config(self) -> PushConfig:
         return PushConfig(
@@ -149,6 +173,25 @@ def _check_env_equals(env: Mapping[str, str], name: str, expected: int, what: st
         got = _env_int(env, name, None)
         if got != expected:
             raise WorkerConfigError(f"{name}={got} contradicts the topology file's {what} {expected}")
+
+
+def _factors_of(compat_hash: str | None, *candidates: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """The factors `compat_hash` is the hash of, among those known; None when none is."""
+    for factors in candidates:
+        if compat_hash is not None and factors is not None and wire.compat_hash(factors) == compat_hash:
+            return factors
+    return None
+
+
+def _engine_workers(raw: str | None) -> tuple[WorkerEndpoint, ...] | None:
+    if not raw:
+        return None
+    try:
+        return msgspec.json.decode(raw, type=tuple[WorkerEndpoint, ...], strict=True)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WorkerConfigError(
+            f"{ENGINE_WORKERS_ENV} must be a JSON list of {{ppRank, tpRank, host, port}}: {exc}"
+        ) from None
 
 
 def from_env(env: Mapping[str, str]) -> SidecarConfig:
@@ -197,6 +240,8 @@ def from_env(env: Mapping[str, str]) -> SidecarConfig:
     if log_level not in ("debug", "info", "warning", "error"):
         raise WorkerConfigError(f"{LOG_LEVEL_ENV}={log_level!r} is not debug, info, warning or error")
     return SidecarConfig(
+        engine_side_channel_host=env.get(ENGINE_SIDE_CHANNEL_HOST_ENV) or "",
+        engine_workers=_engine_workers(env.get(ENGINE_WORKERS_ENV)),
         role=role,
         engine_id=engine_id,
         pp_rank=pp_rank,
@@ -208,7 +253,7 @@ def from_env(env: Mapping[str, str]) -> SidecarConfig:
         metrics_port=_env_int(env, METRICS_PORT_ENV, DEFAULT_METRICS_PORT),
         kv_pool=env.get(KV_POOL_ENV) or None,
         compat_hash=compat_hash,
-        compat_factors=factors if compat_hash is not None and compat_hash == computed else None,
+        compat_factors=_factors_of(compat_hash, factors, topology.compatibility_factors.get(role)),
         log_level=log_level,
         topology=topology,
     )
