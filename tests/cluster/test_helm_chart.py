@@ -445,6 +445,16 @@ def test_operator_runs_on_the_charts_arguments_identity_and_certificate(
 
         poll(healthy, "the operator's /healthz")
 
+        def webhook_listening() -> bool:
+            # kopf starts its webhook server on its own task: /healthz can answer before the port is bound.
+            try:
+                socket.create_connection(("127.0.0.1", webhook_port), timeout=2).close()
+            except OSError:
+                return False
+            return True
+
+        poll(webhook_listening, "the operator's webhook port")
+
         # The webhook: the chart's CA verifies the operator's server under the Service's DNS name, and the
         # chart's path reaches the validation handler.
         tls = ssl.create_default_context(cafile=str(cert_dir / "ca.crt"))
