@@ -3,7 +3,7 @@
     PYTHONSAFEPATH=1 .venv-vllm/bin/python hack/vllm/cross_decode.py        # writes tests/golden/vllm/cross_decode.json
 
 The driver runs itself once per release (0.33.0 from the venv, others with PYTHONPATH=<extracted wheel>, default
-/work/.whl-cache/x/<version>; override with VLLM_EXTRACTED_ROOT) with --worker, which decodes every
+~/.cache/disagg/vllm-wheels/x/<version>; override with VLLM_EXTRACTED_ROOT) with --worker, which decodes every
 agent_metadata_*.msgpack and handshake_payload_*.msgpack under tests/golden/vllm/*/ with
 msgspec.msgpack.Decoder(NixlAgentMetadata / NixlHandshakePayload) of that release, re-encodes with
 msgspec.msgpack.Encoder(), and reports: ok / error, fields filled from defaults, unknown keys dropped, and whether
@@ -68,7 +68,7 @@ def worker() -> None:
 
 
 def main() -> int:
-    root = Path(os.environ.get("VLLM_EXTRACTED_ROOT", "/work/.whl-cache/x"))
+    root = Path(os.environ.get("VLLM_EXTRACTED_ROOT", "~/.cache/disagg/vllm-wheels/x")).expanduser()
     versions = sorted(p.name for p in GOLDEN.iterdir() if p.is_dir())
     import vllm as installed  # the venv's release runs without PYTHONPATH
 

@@ -5,8 +5,8 @@ on an extracted wheel of another release); it writes tests/golden/vllm/<version>
 
     bash hack/vllm/venv.sh
     PYTHONSAFEPATH=1 .venv-vllm/bin/python hack/vllm/golden.py                       # 0.33.0 (installed)
-    PYTHONSAFEPATH=1 PYTHONPATH=/work/.whl-cache/x/0.31.0 .venv-vllm/bin/python hack/vllm/golden.py
-    PYTHONSAFEPATH=1 PYTHONPATH=/work/.whl-cache/x/0.32.0 .venv-vllm/bin/python hack/vllm/golden.py
+    PYTHONSAFEPATH=1 PYTHONPATH=~/.cache/disagg/vllm-wheels/x/0.31.0 .venv-vllm/bin/python hack/vllm/golden.py
+    PYTHONSAFEPATH=1 PYTHONPATH=~/.cache/disagg/vllm-wheels/x/0.32.0 .venv-vllm/bin/python hack/vllm/golden.py
     (an extracted wheel: mkdir -p DIR && python3 -m zipfile -e vllm-X-*.whl DIR)
 
 Options: --out DIR (default tests/golden/vllm), --no-configs (skip VllmConfig-based cases: ~15 s each),

@@ -13,7 +13,8 @@
 # Settings (environment):
 #   VLLM_VENV          where the venv goes (default: <repo>/.venv-vllm)
 #   VLLM_VERSION       default 0.33.0 (other releases work the same way, but the requirements are pinned for 0.33)
-#   VLLM_WHEEL_CACHE   where the ~340 MB wheels are kept, one folder per version (default: <repo>/../.whl-cache)
+#   VLLM_WHEEL_CACHE   where the ~340 MB wheels are kept, one folder per version (default: ~/.cache/disagg/vllm-wheels,
+#                      beside the control plane's cache, so every checkout on a machine shares it)
 #   PYTHON             interpreter for the venv (default python3)
 #   VLLM_VENV_VERBOSE  1: show pip's output
 # The stamp file (<venv>/.installed) holds a digest of this script, the requirements and the version; the venv
@@ -25,7 +26,7 @@ VENV=${VLLM_VENV:-$ROOT/.venv-vllm}
 VLLM_VERSION=${VLLM_VERSION:-0.33.0}
 TORCH_PIN=torch==2.13.0
 REQS=$ROOT/hack/vllm/requirements.txt
-WHEEL_CACHE=${VLLM_WHEEL_CACHE:-$(dirname "$ROOT")/.whl-cache}
+WHEEL_CACHE=${VLLM_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/disagg/vllm-wheels}
 PYTHON=${PYTHON:-python3}
 STAMP=$VENV/.installed
 # The repository has an operator/ folder; with the working directory on sys.path (python -m, python -c) it would

@@ -5,12 +5,12 @@
 #
 #   bash hack/vllm/wheels.sh          # idempotent: <cache>/<v>/vllm-<v>-*.whl and <cache>/x/<v>/
 #
-# VLLM_WHEEL_CACHE is the cache (default: <repo>/../.whl-cache, as venv.sh). A fresh machine downloads about
+# VLLM_WHEEL_CACHE is the cache (default: ~/.cache/disagg/vllm-wheels, as venv.sh). A fresh machine downloads about
 # 650 MB (~10 s at 80 MB/s) and extracts it (~15 s); afterwards it returns at once.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-WHEEL_CACHE=${VLLM_WHEEL_CACHE:-$(dirname "$ROOT")/.whl-cache}
+WHEEL_CACHE=${VLLM_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/disagg/vllm-wheels}
 PYTHON=${PYTHON:-python3}
 RELEASES=(0.31.0 0.32.0)
 

@@ -25,8 +25,10 @@ REPLY_TIMEOUT_S = 240.0
 
 
 def wheel_cache() -> Path:
-    """Where hack/vllm/venv.sh and wheels.sh keep the wheels: VLLM_WHEEL_CACHE, else beside the checkout."""
-    return Path(os.environ.get("VLLM_WHEEL_CACHE") or ROOT.parent / ".whl-cache")
+    """Where hack/vllm/venv.sh and wheels.sh keep the wheels: VLLM_WHEEL_CACHE, else the user's cache."""
+    if os.environ.get("VLLM_WHEEL_CACHE"):
+        return Path(os.environ["VLLM_WHEEL_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "disagg" / "vllm-wheels"
 
 
 def extracted_release(version: str) -> Path:
