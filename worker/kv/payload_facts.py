@@ -17,6 +17,7 @@ from typing import Any, Final
 import msgspec
 
 from disagg.worker.kv import wire
+from disagg.worker.kv.releases import RELEASES
 from disagg.worker.kv.errors import WireFormatError
 
 # Hash factors a payload cannot show; named when what it shows does not explain a mismatch.
@@ -76,9 +77,8 @@ def payload_facts(payload: bytes) -> PayloadFacts:
     )
 
 
-# The releases a hash is tried against, each with the connector version it speaks. The release table
-# (spec.engine.version's rows) is the authority; this is the part of it a hash can be matched with.
-KNOWN_RELEASES: Final = (("0.31.0", 13), ("0.32.0", 14), ("0.33.0", 15))
+# The releases a hash is tried against, each with the connector version it speaks: the release table's rows.
+KNOWN_RELEASES: Final = tuple((release.tested, release.connector_version) for release in RELEASES)
 
 
 def identify_release(
