@@ -17,8 +17,8 @@ from typing import Any, Final
 import msgspec
 
 from disagg.worker.kv import wire
-from disagg.worker.kv.releases import RELEASES
 from disagg.worker.kv.errors import WireFormatError
+from disagg.worker.kv.releases import RELEASES
 
 # Hash factors a payload cannot show; named when what it shows does not explain a mismatch.
 _UNSEEN_FACTORS: Final = (
