@@ -74,4 +74,4 @@ control-plane-down:
 	bash hack/control-plane.sh stop
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-vllm build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
