@@ -30,6 +30,7 @@ from disagg.worker.kv.layout import ModelGeometry
 from disagg.worker.kv.rules import (
     RoleTopology,
     check_topology,
+    decode_context_parallel,
     mamba_state_not_transferred,
     prefill_context_parallel,
 )
@@ -181,6 +182,13 @@ def prefill_context_is_not_split(given: PolicyInput) -> Sequence[Violation]:
     return [] if violation is None else [violation]
 
 
+def decode_context_is_not_split(given: PolicyInput) -> Sequence[Violation]:
+    """A decode engine started with decode context parallelism (`--decode-context-parallel-size`)."""
+    size = flag_value(user_args(given.spec, "decode"), DCP_FLAGS)
+    violation = decode_context_parallel(int(size)) if size is not None and size.isdecimal() else None
+    return [] if violation is None else [violation]
+
+
 def worker_image_is_named(given: PolicyInput) -> Sequence[Violation]:
     return worker_image_violations(given.spec, given.installation)
 
@@ -231,6 +239,7 @@ _BEFORE_BUILD: Final[tuple[Policy, ...]] = (
     engine_release_is_supported,
     engine_arguments_agree,
     prefill_context_is_not_split,
+    decode_context_is_not_split,
     worker_image_is_named,
 )
 
@@ -244,6 +253,7 @@ REFUSAL_CHAIN: Final[tuple[Policy, ...]] = (
 # ---- the rules the policies apply ----------------------------------------------------------------------
 
 PCP_FLAGS: Final = ("--prefill-context-parallel-size", "-pcp")
+DCP_FLAGS: Final = ("--decode-context-parallel-size", "-dcp")
 
 
 def flag_value(args: Sequence[str], spellings: Sequence[str]) -> str | None:

@@ -317,6 +317,16 @@ def test_a_peer_with_prefill_context_parallelism_is_refused_by_either_side() -> 
     assert "prefill context parallel size is 4" in caught.value.message
 
 
+def test_a_peer_with_decode_context_parallelism_is_refused_by_either_side() -> None:
+    _, rank = prefill(DENSE_8)
+    _, remote = decoder(DENSE_8)
+    assert agent_refusal(rank, agent(remote, dcp_size=2)).reason == "DecodeContextParallel"
+    with pytest.raises(DisaggError) as caught:
+        check_agent("LBHNC", False, agent(remote, dcp_size=4))
+    assert caught.value.reason == "DecodeContextParallel"
+    assert "decode context parallel size is 4" in caught.value.message
+
+
 def test_a_packed_vllm_decoder_row_is_refused_with_its_own_reason() -> None:
     _, remote = decoder(DENSE_8)
     # vLLM's packed layout: one region per row, holding every layer's page of the block.

@@ -22,6 +22,7 @@ def test_the_chain_reads_top_to_bottom() -> None:
         "engine_release_is_supported",
         "engine_arguments_agree",
         "prefill_context_is_not_split",
+        "decode_context_is_not_split",
         "worker_image_is_named",
         "objects_build",
     ]
@@ -68,6 +69,20 @@ def test_prefill_context_parallelism_is_refused_before_any_pod() -> None:
         assert reasons == ["PrefillContextParallel"], args
     for args in (["--prefill-context-parallel-size", "1"], ["--max-model-len", "2"]):
         patch = {"engine": {"extraArgs": args}}
+        assert evaluate(spec(patch), REFUSAL_CHAIN, Installation(worker_image="w:1")).reasons == [], args
+
+
+def test_decode_context_parallelism_is_refused_before_any_pod() -> None:
+    for args in (
+        ["--decode-context-parallel-size", "2"],
+        ["--decode_context_parallel_size=4"],
+        ["-dcp", "2"],
+    ):
+        patch = {"decode": {"extraArgs": args}}
+        reasons = evaluate(spec(patch), REFUSAL_CHAIN, Installation(worker_image="w:1")).reasons
+        assert reasons == ["DecodeContextParallel"], args
+    for args in (["--decode-context-parallel-size", "1"], ["--max-model-len", "2"]):
+        patch = {"decode": {"extraArgs": args}}
         assert evaluate(spec(patch), REFUSAL_CHAIN, Installation(worker_image="w:1")).reasons == [], args
 
 

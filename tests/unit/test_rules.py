@@ -174,6 +174,13 @@ def test_prefill_context_parallel() -> None:
     assert "--prefill-context-parallel-size" in violation.message
 
 
+def test_decode_context_parallel() -> None:
+    assert rules.decode_context_parallel(1) is None
+    violation = rules.decode_context_parallel(2)
+    assert violation is not None and violation.reason == "DecodeContextParallel"
+    assert "--decode-context-parallel-size" in violation.message
+
+
 @pytest.mark.parametrize(
     ("prefill", "decode", "mla", "refused"),
     [

@@ -52,6 +52,8 @@ class AgentMetadata(RegionMetadata, Protocol):
     def ssm_sizes(self) -> tuple[int, int]: ...
     @property
     def pcp_size(self) -> int: ...
+    @property
+    def dcp_size(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -90,13 +92,14 @@ class PrefillRank:
 
 def check_agent(local_layout: str, is_mla: bool, remote: AgentMetadata) -> None:
     """What a peer's metadata must say, whichever side reads it: the same KV cache layout, no Mamba state
-    and no prefill context parallelism. Raises the connector's typed refusal."""
+    and no prefill or decode context parallelism. Raises the connector's typed refusal."""
     layout = rules.kv_cache_layout_mismatch(local_layout, remote.kv_cache_layout, is_mla)
     if layout is not None:
         raise KVCacheLayoutMismatch(layout.message)
     for violation in (
         rules.mamba_state_not_transferred(rules.PUSH, any(remote.ssm_sizes)),
         rules.prefill_context_parallel(remote.pcp_size),
+        rules.decode_context_parallel(remote.dcp_size),
     ):
         if violation is not None:
             raise HandshakeError(violation.message, reason=violation.reason)

@@ -178,6 +178,19 @@ def prefill_context_parallel(pcp_size: int) -> Violation | None:
     )
 
 
+def decode_context_parallel(dcp_size: int) -> Violation | None:
+    """disagg's push writes each block whole to a decode rank; it cannot shard a request's tokens over the
+    decode context-parallel ranks a DCP decoder splits its KV cache into."""
+    if dcp_size <= 1:
+        return None
+    return Violation(
+        "DecodeContextParallel",
+        f"decode context parallel size is {dcp_size}; disagg's push connector writes each KV block whole to "
+        "one decode rank per head slice and does not shard a request's tokens over DCP ranks, so such a "
+        "decoder would hold KV it does not own: remove --decode-context-parallel-size (or set it to 1)",
+    )
+
+
 _LAYOUT_ALIASES = {"HND": "LBHNC", "NHD": "LBNHC"}
 
 
