@@ -270,7 +270,7 @@ make_pki() {
 basicConstraints=CA:FALSE
 keyUsage=critical,digitalSignature,keyEncipherment
 extendedKeyUsage=serverAuth
-subjectAltName=IP:127.0.0.1,IP:10.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local
+subjectAltName=IP:127.0.0.1,IP:127.253.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local
 EOF
     openssl req -newkey rsa:2048 -nodes -keyout apiserver.key -out apiserver.csr -subj /CN=kube-apiserver 2>/dev/null
     openssl x509 -req -in apiserver.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 3650 \
@@ -355,6 +355,8 @@ cmd_start() {
     --listen-metrics-urls "" --log-level warn
   wait_for "etcd /health" 30 etcd curl -fsS "http://127.0.0.1:$ETCD_PORT/health"
 
+  # ClusterIPs from a loopback range: nothing here runs kube-proxy, so the rig's stand-in for it
+  # (rig/service_proxy.py) binds each Service's address on this host and forwards to the Service's pods.
   launch kube-apiserver "$BIN/kube-apiserver" \
     --etcd-servers "http://127.0.0.1:$ETCD_PORT" \
     --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$APISERVER_PORT" --insecure-port 0 \
@@ -363,7 +365,7 @@ cmd_start() {
     --service-account-issuer https://kubernetes.default.svc.cluster.local \
     --service-account-key-file "$PKI/sa.pub" --service-account-signing-key-file "$PKI/sa.key" \
     --api-audiences https://kubernetes.default.svc.cluster.local \
-    --authorization-mode RBAC --service-cluster-ip-range 10.0.0.0/24 --allow-privileged=true \
+    --authorization-mode RBAC --service-cluster-ip-range 127.253.0.0/24 --allow-privileged=true \
     --profiling=false --endpoint-reconciler-type none --v 1
   wait_for "kube-apiserver /readyz" 60 kube-apiserver \
     curl -fsS --cacert "$PKI/ca.crt" --cert "$PKI/admin.crt" --key "$PKI/admin.key" \

@@ -1,13 +1,19 @@
 """What a kubelet and a scheduler would do for a deployment's pods, on a control plane that has neither.
 
 The local control plane (`hack/control-plane.sh`) runs no kubelet, so its Pods stay Pending. `LocalKubelet`
-stands in for one, for the cluster tests and the control-plane demo: it binds each engine pod to a Node
-object (so the pod GC and Endpoints accept it), gives it its own loopback IP (`127.x.y.n`, so every pod's
-side channel listens on the port its spec names, as in a cluster), starts the pod's KV sidecar as a local
-process with the pod's downward-API environment and its topology ConfigMap written where the pod would
-mount it, and writes `pods/status` as a kubelet would: phase Running, IPs, container statuses, and `Ready`
-computed from the containers and the pod's readiness gates (only a kubelet enforces those).
-No engine runs: the engine container is reported running, so the sidecar's condition decides readiness.
+stands in for one, for the cluster tests and the demos: it binds each pod of one DisaggDeployment (engine
+pods and the router's) to a Node object (so the pod GC accepts it), gives it its own loopback IP (`127.x.y.n`,
+so every server listens on the port its spec names, as in a cluster) and writes `pods/status` as a kubelet
+would: phase Running, IPs, container statuses, container readiness from their HTTP readiness probes, and
+`Ready` from the containers and the pod's readiness gates (only a kubelet enforces those).
+
+What runs depends on the images. A pod whose every container is one of the project's images (the reference
+engine with its transfer sidecar, the router) runs each container's own command and arguments as a local
+process, with the container's environment (downward-API values filled in), its volume mounts mapped to a
+folder of the pod's (ConfigMaps written there), and the cluster DNS names of stage pods resolved to their
+IPs. A pod of another engine (vLLM, whose kernels need a GPU) runs only a reporting sidecar loop in place of
+its sidecar (a real NIXL agent and side channel, no engine), and its engine container is reported running.
+Servers bind the pod's IP (`DISAGG_HTTP_HOST`, `DISAGG_METRICS_HOST`): here the pods share one network.
 
 A `Fault` lets a caller start one pod's sidecar with a different view of the world (another engine version,
 other layer names), the way a wrong image would, to see the sidecars refuse it.
@@ -17,11 +23,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+import threading
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -34,22 +43,20 @@ from disagg.worker.kv.pod_contract import (
     COMPATIBILITY_HASH_ENV,
     DEFAULT_SIDE_CHANNEL_PORT,
     DEPLOYMENT_LABEL,
-    ENGINE_SIDE_CHANNEL_HOST_ENV,
     ENGINE_SOCKET_ENV,
     ENGINE_WORKERS_ENV,
+    HTTP_HOST_ENV,
     METRICS_HOST_ENV,
     PIPELINE_PARALLEL_SIZE_ENV,
     POD_NAME_ENV,
     ROLE_ENV,
     SIDE_CHANNEL_PORT_ENV,
     SIDECAR_CONTAINER,
-    TOPOLOGY_FILE_ENV,
 )
 from disagg.worker.reporting.pod_report import rfc3339
 
 NODE: Final = "disagg-local-node"
 FIELD_MANAGER: Final = "disagg-local-kubelet"
-TOPOLOGY_VOLUME: Final = "topology"
 
 Fault = Callable[[dict[str, Any], dict[str, str]], None]
 """Edits a copy of the pod's topology document and sidecar environment before its sidecar starts."""
@@ -92,13 +99,68 @@ def pod_ready(pod: Mapping[str, Any], containers_ready: bool) -> bool:
     return containers_ready and all(conditions.get(gate) == "True" for gate in gates)
 
 
+PROJECT_IMAGES: Final = frozenset({"disagg", "disagg-transfer"})
+"""The last path component of the project's image repositories (any registry, any tag)."""
+DEFAULT_ENTRYPOINT: Final = ("disagg",)
+"""The project images' entry point, used when a container names no command."""
+STAND_IN_LOG: Final = "sidecar.log"
+_VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)|\$\$")
+_POD_DNS = re.compile(r"\b([a-z0-9]([-a-z0-9]*[a-z0-9])?)\.[a-z0-9-]+\.[a-z0-9-]+\.svc(\.cluster\.local)?\b")
+
+
+def is_project_image(image: str) -> bool:
+    repository = image.split("@", 1)[0].rsplit("/", 1)[-1]
+    return repository.split(":", 1)[0] in PROJECT_IMAGES
+
+
+def expand(value: str, env: Mapping[str, str]) -> str:
+    """Kubernetes' `$(NAME)` expansion of command and args: unknown names stay as written, `$$` is `$`."""
+
+    def one(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        return env.get(match.group(1), match.group(0))
+
+    return _VAR.sub(one, value)
+
+
 @dataclass
 class LocalPod:
     name: str
     ip: str
     workdir: Path
-    process: subprocess.Popen[bytes]
+    processes: dict[str, subprocess.Popen[bytes]]
+    """By container name; a stand-in pod has one, named after its log (`STAND_IN_LOG`)."""
+    probes: dict[str, Callable[[], bool]] = field(default_factory=dict)
     fault: Fault | None = None
+
+    def exited(self) -> list[tuple[str, int]]:
+        return [
+            (container, code)
+            for container, process in self.processes.items()
+            if (code := process.poll()) is not None and code != 0
+        ]
+
+    def running(self, container: str | None = None) -> bool:
+        chosen = self.processes.values() if container is None else [self.processes[container]]
+        return all(process.poll() is None for process in chosen)
+
+    def ready(self, container: str) -> bool:
+        probe = self.probes.get(container)
+        return self.running(container) and (probe is None or probe())
+
+
+def http_probe(host: str, port: int, path: str) -> Callable[[], bool]:
+    """A kubelet's httpGet probe: any status from 200 to 399 within a second is a success."""
+
+    def probe() -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=1) as response:
+                return 200 <= int(response.status) < 400
+        except (OSError, ValueError):
+            return False
+
+    return probe
 
 
 @dataclass
@@ -107,7 +169,7 @@ class LocalKubelet:
 
     api: client.ApiClient
     kubeconfig: Path
-    """The sidecars' credentials: where a pod would mount its service account token."""
+    """The processes' credentials: where a pod would mount its service account token."""
     namespace: str
     deployment: str
     workdir: Path
@@ -118,10 +180,11 @@ class LocalKubelet:
         "--interval",
         "1",
     )
+    """What runs in place of the sidecar of a pod whose engine is not the project's."""
     faults: dict[str, Fault] = field(default_factory=dict)
     pods: dict[str, LocalPod] = field(default_factory=dict)
     ips: dict[str, str] = field(default_factory=dict)
-    """Pod IPs by pod name: a restarted sidecar keeps its pod's IP, as a restarted container does."""
+    """Pod IPs by pod name: a restarted pod keeps its IP, as a restarted container does."""
     _subnet: str = field(default_factory=lambda: f"127.{secrets.randbelow(250) + 1}.{secrets.randbelow(250)}")
     _next_host: int = 1
 
@@ -131,7 +194,7 @@ class LocalKubelet:
     # -- the loop --------------------------------------------------------------------------------------------
 
     def sync(self) -> None:
-        """Start sidecars for new pods, stop them for deleted ones, keep every pod's status kubelet-like."""
+        """Start new pods, stop deleted ones, keep every pod's status kubelet-like."""
         listed = _json(
             self.core.list_namespaced_pod(
                 self.namespace, label_selector=f"{DEPLOYMENT_LABEL}={self.deployment}", _preload_content=False
@@ -149,17 +212,18 @@ class LocalKubelet:
             local = self.pods.get(name)
             if local is None:
                 local = self._start(pod)
-            elif local.process.poll() is not None and local.process.returncode != 0:
+            elif failed := local.exited():
+                container, code = failed[0]
                 raise SidecarExited(
-                    f"the sidecar of pod {name} exited with {local.process.returncode}; "
-                    f"log: {local.workdir / 'sidecar.log'}:\n{self.log_tail(name)}"
+                    f"container {container} of pod {name} exited with {code}; "
+                    f"logs in {local.workdir}:\n{self.log_tail(name)}"
                 )
             self._write_status(pod, local)
         for name in set(self.pods) - seen:
             self._stop(name)
 
     def restart(self, name: str, fault: Fault | None = None) -> None:
-        """Restart one pod's sidecar, with `fault` applied (or none): the next `sync()` starts it again."""
+        """Restart one pod's processes with `fault` applied (or none): the next `sync()` starts them again."""
         if fault is None:
             self.faults.pop(name, None)
         else:
@@ -167,19 +231,22 @@ class LocalKubelet:
         self._stop(name)
 
     def stop_all(self) -> None:
-        # Signal every sidecar first: one stopped alone would wait out handshakes with peers already gone.
+        # Signal every process first: one stopped alone would wait out handshakes with peers already gone.
         for local in self.pods.values():
-            if local.process.poll() is None:
-                local.process.send_signal(signal.SIGTERM)
+            for process in local.processes.values():
+                if process.poll() is None:
+                    process.send_signal(signal.SIGTERM)
         for name in list(self.pods):
             self._stop(name)
 
     def log_tail(self, name: str, lines: int = 40) -> str:
         local = self.pods.get(name)
-        path = (local.workdir if local else self.workdir / name) / "sidecar.log"
-        if not path.exists():
-            return ""
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        folder = local.workdir if local else self.workdir / name
+        tails = []
+        for path in sorted(folder.glob("*.log")) if folder.is_dir() else ():
+            text = "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+            tails.append(text if path.name == STAND_IN_LOG else f"--- {path.stem}\n{text}")
+        return "\n".join(tails)
 
     # -- steps -----------------------------------------------------------------------------------------------
 
@@ -213,8 +280,8 @@ class LocalKubelet:
         return self.ips[name]
 
     def _engine_workers(self, env: dict[str, str]) -> dict[str, str]:
-        """A vLLM engine's head serves every stage's payload itself (EngineCore collects them); each local
-        pod is a disagg worker standing in for its engine, so its head is told the stage pods to republish."""
+        """A vLLM engine's head serves every stage's payload itself (EngineCore collects them); a stand-in
+        pod is a disagg worker in place of its engine, so its head is told the stage pods to republish."""
         pp = int(env.get(PIPELINE_PARALLEL_SIZE_ENV) or 1)
         name = env.get(POD_NAME_ENV, "")
         base, _, ordinal = name.rpartition("-")
@@ -226,25 +293,21 @@ class LocalKubelet:
         ]
         return {**env, ENGINE_WORKERS_ENV: json.dumps(workers)}
 
-    def _resolve_dns(self, env: dict[str, str]) -> dict[str, str]:
+    def _resolve_dns(self, text: str) -> str:
         """The cluster DNS's part: a stage pod's `<pod>.<service>.<namespace>.svc` name is its loopback IP."""
+        return _POD_DNS.sub(lambda match: self._ip(match.group(1)), text)
 
-        def ip_of(host: str) -> str:
-            return self._ip(host.split(".", 1)[0]) if host.endswith(".svc") else host
-
-        if env.get(ENGINE_SIDE_CHANNEL_HOST_ENV):
-            env[ENGINE_SIDE_CHANNEL_HOST_ENV] = ip_of(env[ENGINE_SIDE_CHANNEL_HOST_ENV])
-        if env.get(ENGINE_WORKERS_ENV):
-            workers = json.loads(env[ENGINE_WORKERS_ENV])
-            env[ENGINE_WORKERS_ENV] = json.dumps([{**w, "host": ip_of(w["host"])} for w in workers])
-        return env
-
-    def _topology(self, pod: Mapping[str, Any]) -> dict[str, Any]:
-        volumes = (pod.get("spec") or {}).get("volumes") or ()
-        source = next(v["configMap"]["name"] for v in volumes if v.get("name") == TOPOLOGY_VOLUME)
-        data = _json(self.core.read_namespaced_config_map(source, self.namespace, _preload_content=False))
-        documents: dict[str, Any] = data.get("data") or {}
-        return documents
+    def _config_maps(self, pod: Mapping[str, Any]) -> dict[str, dict[str, str]]:
+        """The data of every ConfigMap volume of the pod, by volume name."""
+        found: dict[str, dict[str, str]] = {}
+        for volume in (pod.get("spec") or {}).get("volumes") or ():
+            source = (volume.get("configMap") or {}).get("name")
+            if source:
+                data = _json(
+                    self.core.read_namespaced_config_map(source, self.namespace, _preload_content=False)
+                )
+                found[volume["name"]] = dict(data.get("data") or {})
+        return found
 
     def _start(self, pod: dict[str, Any]) -> LocalPod:
         name = pod["metadata"]["name"]
@@ -253,21 +316,111 @@ class LocalKubelet:
             pod = {**pod, "spec": {**pod["spec"], "nodeName": NODE}}
         ip = self._ip(name)
         pod = {**pod, "status": {**(pod.get("status") or {}), "podIP": ip}}
-        container = next(c for c in pod["spec"]["containers"] if c["name"] == SIDECAR_CONTAINER)
-        env = self._resolve_dns(self._engine_workers(resolve_env(pod, container)))
         workdir = self.workdir / name
         workdir.mkdir(parents=True, exist_ok=True)
-        documents = self._topology(pod)
         fault = self.faults.get(name)
-        for key, text in documents.items():
-            document = json.loads(text)
-            if fault is not None:
-                fault(document, env)
-            (workdir / key).write_text(json.dumps(document, indent=2))
-        # The pod mounts the ConfigMap at the folder the env names; here that folder is the pod's workdir.
-        env[TOPOLOGY_FILE_ENV] = str(workdir / Path(env[TOPOLOGY_FILE_ENV]).name)
-        env[ENGINE_SOCKET_ENV] = str(workdir / "engine.sock")
-        env[METRICS_HOST_ENV] = ip
+        # Every volume is a folder of the pod's; a ConfigMap's keys are files in it (faults edit the copy).
+        volumes: dict[str, Path] = {}
+        for volume in (pod.get("spec") or {}).get("volumes") or ():
+            volumes[volume["name"]] = workdir / "volumes" / volume["name"]
+            volumes[volume["name"]].mkdir(parents=True, exist_ok=True)
+        fault_env: dict[str, str] = {}
+        for volume, documents in self._config_maps(pod).items():
+            for key, text in documents.items():
+                if fault is not None:
+                    document = json.loads(text)
+                    fault(document, fault_env)
+                    text = json.dumps(document, indent=2)
+                (volumes[volume] / key).write_text(text)
+        containers = pod["spec"]["containers"]
+        local = LocalPod(name, ip, workdir, {}, fault=fault)
+        if all(is_project_image(c.get("image", "")) for c in containers):
+            for container in containers:
+                self._run_container(pod, container, local, volumes, fault_env)
+        else:
+            sidecar = next(c for c in containers if c["name"] == SIDECAR_CONTAINER)
+            env, _ = self._pod_env(pod, sidecar, local, volumes)
+            env = self._engine_workers(env)
+            env = {**env, **fault_env}
+            local.processes[STAND_IN_LOG] = self._spawn(
+                list(self.command), env, workdir / STAND_IN_LOG, workdir
+            )
+        self.pods[name] = local
+        return local
+
+    def _pod_env(
+        self,
+        pod: Mapping[str, Any],
+        container: Mapping[str, Any],
+        local: LocalPod,
+        volumes: Mapping[str, Path],
+    ) -> tuple[dict[str, str], dict[str, Path]]:
+        """The container's environment here, and its mounts (mount path to the pod's folder)."""
+        env = resolve_env(pod, container)
+        mounts = {
+            m["mountPath"].rstrip("/"): volumes[m["name"]]
+            for m in container.get("volumeMounts") or ()
+            if m.get("name") in volumes
+        }
+
+        def local_path(value: str) -> str:
+            for mount, folder in sorted(mounts.items(), key=lambda item: -len(item[0])):
+                if value == mount or value.startswith(mount + "/"):
+                    return str(folder) + value[len(mount) :]
+            return value
+
+        env = {key: local_path(self._resolve_dns(value)) for key, value in env.items()}
+        # The engine and its sidecar meet at one socket in the pod's shared memory, as in the pod.
+        shm = mounts.get("/dev/shm", local.workdir)
+        env[ENGINE_SOCKET_ENV] = (
+            local_path(env[ENGINE_SOCKET_ENV])
+            if ENGINE_SOCKET_ENV in env
+            else str(shm / "disagg-engine.sock")
+        )
+        env[METRICS_HOST_ENV] = local.ip
+        env[HTTP_HOST_ENV] = local.ip
+        return env, mounts
+
+    def _run_container(
+        self,
+        pod: Mapping[str, Any],
+        container: Mapping[str, Any],
+        local: LocalPod,
+        volumes: Mapping[str, Path],
+        fault_env: Mapping[str, str],
+    ) -> None:
+        env, mounts = self._pod_env(pod, container, local, volumes)
+        if container["name"] == SIDECAR_CONTAINER:
+            env = {**env, **fault_env}
+        argv = [
+            expand(part, env)
+            for part in [*(container.get("command") or DEFAULT_ENTRYPOINT), *(container.get("args") or ())]
+        ]
+
+        def local_arg(value: str) -> str:
+            value = self._resolve_dns(value)
+            for mount, folder in sorted(mounts.items(), key=lambda item: -len(item[0])):
+                if value.startswith(mount + "/"):
+                    return str(folder) + value[len(mount) :]
+            return value
+
+        argv = [local_arg(part) for part in argv]
+        if argv[0] == "disagg":
+            argv[0] = str(Path(sys.executable).with_name("disagg"))
+        log = local.workdir / f"{container['name']}.log"
+        local.processes[container["name"]] = self._spawn(argv, env, log, local.workdir)
+        probe = (container.get("readinessProbe") or {}).get("httpGet")
+        if probe:
+            port = probe["port"]
+            if not isinstance(port, int):
+                port = next(
+                    int(p["containerPort"]) for p in container.get("ports") or () if p.get("name") == port
+                )
+            local.probes[container["name"]] = http_probe(local.ip, port, probe.get("path", "/"))
+
+    def _spawn(
+        self, argv: list[str], env: Mapping[str, str], log: Path, cwd: Path
+    ) -> subprocess.Popen[bytes]:
         process_env = {
             **{k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG")},
             **env,
@@ -276,29 +429,24 @@ class LocalKubelet:
             "KUBECONFIG": str(self.kubeconfig),
             "PYTHONSAFEPATH": "1",
         }
-        with (workdir / "sidecar.log").open("ab") as log:
-            process = subprocess.Popen(
-                list(self.command),
-                env=process_env,
-                cwd=workdir,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
+        with log.open("ab") as out:
+            return subprocess.Popen(
+                argv, env=process_env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
             )
-        local = LocalPod(name, ip, workdir, process, fault)
-        self.pods[name] = local
-        return local
 
     def _stop(self, name: str) -> None:
         local = self.pods.pop(name, None)
-        if local is None or local.process.poll() is not None:
+        if local is None:
             return
-        local.process.send_signal(signal.SIGTERM)
-        try:
-            local.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            local.process.kill()
-            local.process.wait(timeout=20)
+        for process in local.processes.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in local.processes.values():
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=20)
 
     def _force_delete(self, name: str) -> None:
         try:
@@ -310,8 +458,11 @@ class LocalKubelet:
     def _write_status(self, pod: Mapping[str, Any], local: LocalPod) -> None:
         status = pod.get("status") or {}
         now = rfc3339(datetime.now(UTC))
-        running = local.process.poll() is None
-        ready = pod_ready(pod, running)
+        names = [c["name"] for c in pod["spec"]["containers"]]
+        stand_in = STAND_IN_LOG in local.processes
+        running = {n: local.running(None if stand_in else n) for n in names}
+        ready = {n: running[n] if stand_in else local.ready(n) for n in names}
+        pod_is_ready = pod_ready(pod, all(ready.values()))
         current = {c.get("type"): c for c in status.get("conditions") or ()}
 
         def condition(type_: str, value: bool) -> dict[str, Any]:
@@ -323,8 +474,8 @@ class LocalKubelet:
         wanted_conditions = [
             condition("PodScheduled", True),
             condition("Initialized", True),
-            condition("ContainersReady", running),
-            condition("Ready", ready),
+            condition("ContainersReady", all(ready.values())),
+            condition("Ready", pod_is_ready),
         ]
         started = status.get("startTime") or now
         containers = [
@@ -332,11 +483,11 @@ class LocalKubelet:
                 "name": c["name"],
                 "image": c["image"],
                 "imageID": "",
-                "ready": running,
-                "started": running,
+                "ready": ready[c["name"]],
+                "started": running[c["name"]],
                 "restartCount": 0,
                 "state": {"running": {"startedAt": started}}
-                if running
+                if running[c["name"]]
                 else {"waiting": {"reason": "Starting"}},
             }
             for c in pod["spec"]["containers"]
@@ -354,13 +505,51 @@ class LocalKubelet:
             status.get("phase") == "Running"
             and status.get("podIP") == local.ip
             and all((current.get(c["type"]) or {}).get("status") == c["status"] for c in wanted_conditions)
-            and [s.get("ready") for s in status.get("containerStatuses") or ()] == [running] * len(containers)
+            and [s.get("ready") for s in status.get("containerStatuses") or ()] == [ready[n] for n in names]
         )
         if unchanged:
             return
         self.core.patch_namespaced_pod_status(
             pod["metadata"]["name"], self.namespace, {"status": patch}, field_manager=FIELD_MANAGER
         )
+
+
+@dataclass
+class KubeletLoop:
+    """Runs `sync()` of a kubelet (and anything else, e.g. a `ServiceProxy`) every `interval_s` in a thread,
+    so a caller can block (a curl, a load run) while the pods keep their status. The first error stops the
+    loop; `check()` and `stop()` raise it."""
+
+    steps: Sequence[Callable[[], None]]
+    interval_s: float = 0.5
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _error: BaseException | None = None
+    _thread: threading.Thread | None = None
+
+    def start(self) -> KubeletLoop:
+        self._thread = threading.Thread(target=self._run, name="local-kubelet", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                for step in self.steps:
+                    step()
+            except BaseException as exc:  # handed to the caller by check() and stop()
+                self._error = exc
+                return
+            self._stop.wait(self.interval_s)
+
+    def check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+        self.check()
 
 
 def with_engine_hash(role: str, compat_hash: str) -> Fault:

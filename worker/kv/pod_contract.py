@@ -51,4 +51,7 @@ TP_RANK_ENV: Final = "DISAGG_TP_RANK"
 SIDE_CHANNEL_HOST_ENV: Final = "DISAGG_SIDE_CHANNEL_HOST"
 ENGINE_SOCKET_ENV: Final = "DISAGG_ENGINE_SOCKET"
 METRICS_HOST_ENV: Final = "DISAGG_METRICS_HOST"
+# The address the engine's and the router's HTTP servers bind; unset (a pod's own network) means all of them.
+# The local rig sets it to each pod's loopback address, its stand-in for a pod's network namespace.
+HTTP_HOST_ENV: Final = "DISAGG_HTTP_HOST"
 LOG_LEVEL_ENV: Final = "DISAGG_LOG_LEVEL"
