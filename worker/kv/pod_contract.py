@@ -14,6 +14,17 @@ from typing import Final
 DEPLOYMENT_LABEL: Final = "disagg.io/deployment"
 ROLE_LABEL: Final = "disagg.io/role"
 
+# Router pods carry the deployment label and this component label (value `ROUTER_COMPONENT`), not the role
+# label, so nothing that selects engine pods by role picks them up.
+ROUTER_COMPONENT_LABEL: Final = "disagg.io/component"
+ROUTER_COMPONENT: Final = "router"
+
+# The engine container and its OpenAI-compatible HTTP port (the prefill leg goes to a prefill engine's head
+# pod on it, the decode leg to a decode pod).
+ENGINE_CONTAINER: Final = "engine"
+ENGINE_HTTP_PORT_NAME: Final = "http"
+DEFAULT_ENGINE_HTTP_PORT: Final = 8000
+
 # The sidecar container, and the port NIXL's handshake side channel listens on (in whichever container moves
 # the KV: the engine for vLLM images, otherwise the sidecar).
 SIDECAR_CONTAINER: Final = "kv-worker"
@@ -22,6 +33,10 @@ DEFAULT_SIDE_CHANNEL_PORT: Final = 5600
 
 # The Pod condition the sidecar writes and the pod's readiness gate waits on.
 POD_CONDITION: Final = "disagg.io/kv-transfer-ready"
+
+# Every engine pod's sidecar writes its latest peer checks on its own Pod as this annotation
+# (`peer_report.PeerReport`, JSON), only when they changed; routers and the operator pair pods by it.
+PEER_REPORT_ANNOTATION: Final = "disagg.io/kv-peers"
 
 # The pod's identity, from the downward API.
 POD_NAME_ENV: Final = "POD_NAME"

@@ -16,7 +16,6 @@ other layers) is refused by every peer, so its own condition is False, naming th
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Final, Literal
@@ -32,24 +31,15 @@ from disagg.worker.connector.side_channel import (
     handshake_targets,
 )
 from disagg.worker.kv import wire
+from disagg.worker.kv.engine_pods import engine_pod
 from disagg.worker.kv.errors import CompatibilityHashMismatch, DisaggError
 from disagg.worker.kv.payload_facts import PayloadFacts, live_differences, payload_facts
-from disagg.worker.kv.pod_contract import (
-    DEFAULT_SIDE_CHANNEL_PORT,
-    ENGINE_ID_ENV,
-    PP_RANK_ENV,
-    ROLE_LABEL,
-    SIDE_CHANNEL_PORT_ENV,
-    SIDE_CHANNEL_PORT_NAME,
-    SIDECAR_CONTAINER,
-)
 from disagg.worker.kv.topology import Role
 from disagg.worker.sidecar.config import SidecarConfig
 
 MAX_MESSAGE_CHARS: Final = 4000
 
 Status = Literal["True", "False", "Unknown"]
-_ORDINAL: Final = re.compile(r"^(?P<base>.+)-(?P<ordinal>\d+)$")
 
 
 def peer_role(role: Role) -> Role:
@@ -81,52 +71,17 @@ class Peer:
         return f"{self.host}:{self.port}{through}"
 
 
-def _container_env(container: Mapping[str, Any], name: str) -> str | None:
-    for item in container.get("env") or ():
-        if item.get("name") == name and isinstance(item.get("value"), str):
-            value: str = item["value"]
-            return value
-    return None
-
-
-def _side_channel_port(containers: Sequence[Mapping[str, Any]]) -> int:
-    for container in containers:
-        for port in container.get("ports") or ():
-            if port.get("name") == SIDE_CHANNEL_PORT_NAME:
-                return int(port["containerPort"])
-    for container in containers:
-        if container.get("name") == SIDECAR_CONTAINER:
-            value = _container_env(container, SIDE_CHANNEL_PORT_ENV)
-            if value is not None and value.isdigit():
-                return int(value)
-    return DEFAULT_SIDE_CHANNEL_PORT
-
-
 def peer_from_pod(pod: Mapping[str, Any]) -> Peer | None:
     """A Pod (camelCase dict, as the API serves it) as a peer; None for a pod that is not an engine pod.
 
-    Engine ids and stages follow the sidecar's own defaults (`sidecar.config.from_env`): a prefill pod is
+    Engine ids and stages follow the sidecar's own defaults (`engine_pods.engine_pod`): a prefill pod is
     stage `<ordinal>` of engine `<StatefulSet name>`, a decode pod is an engine of its own, unless the sidecar
     container sets `DISAGG_ENGINE_ID` / `DISAGG_PP_RANK` explicitly.
     """
-    metadata = pod.get("metadata") or {}
-    name = str(metadata.get("name") or "")
-    role = (metadata.get("labels") or {}).get(ROLE_LABEL)
-    if role not in ("prefill", "decode") or not name:
+    found = engine_pod(pod)
+    if found is None:
         return None
-    containers = (pod.get("spec") or {}).get("containers") or []
-    sidecar: Mapping[str, Any] = next((c for c in containers if c.get("name") == SIDECAR_CONTAINER), {})
-    ordinal = _ORDINAL.match(name)
-    engine_id = _container_env(sidecar, ENGINE_ID_ENV) or (
-        ordinal.group("base") if role == "prefill" and ordinal else name
-    )
-    rank = _container_env(sidecar, PP_RANK_ENV)
-    if rank is not None and rank.isdigit():
-        stage = int(rank)
-    else:
-        stage = int(ordinal.group("ordinal")) if role == "prefill" and ordinal else 0
-    host = (pod.get("status") or {}).get("podIP") or None
-    return Peer(name, role, stage, engine_id, host, _side_channel_port(containers))
+    return Peer(found.name, found.role, found.stage, found.engine_id, found.host, found.side_channel_port)
 
 
 def through_heads(peers: Sequence[Peer]) -> list[Peer]:
