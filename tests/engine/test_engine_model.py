@@ -120,3 +120,17 @@ def test_pipeline_stages_compose_to_the_monolithic_prefill_bit_for_bit(model: Ti
             got = cache.gather(name, tables[cache.layout.group_of(name)], len(PROMPT))
             want = mono.gather(name, mono_tables[mono.layout.group_of(name)], len(PROMPT))
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), name
+
+
+@pytest.mark.parametrize("length", [1, 2, 17, 64, 300])
+def test_recomputing_the_last_prompt_token_gives_the_prefill_bits(model: TinyModel, length: int) -> None:
+    # A decoder that received a prompt's KV recomputes its last token (vLLM's rule for a full prompt hit)
+    # to get the first token: it must get the prefill's logits and rewrite the same KV bytes.
+    prompt = [(7 * i + 3) % 256 for i in range(length)]
+    kv = PagedKVCache(model.kv_layout(128))
+    tables = kv.allocate(length + 1)
+    logits = model.prefill(prompt, kv, tables)
+    pushed = kv.buffer.clone()
+    recomputed = model.decode_step(prompt[-1], length - 1, kv, tables)
+    assert torch.equal(recomputed, logits[-1])
+    assert torch.equal(kv.buffer, pushed)

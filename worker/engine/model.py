@@ -94,7 +94,16 @@ class TinyModel:
         the last layer, in which case it returns logits `[T, vocab_size]`.
         """
         positions = torch.arange(len(token_ids))
-        return self._forward(token_ids, positions, kv, block_tables, layers, hidden_in)
+        if len(token_ids) < 2:
+            return self._forward(token_ids, positions, kv, block_tables, layers, hidden_in)
+        # The last prompt token runs alone, exactly as a decode step runs it: a decoder that received this
+        # prompt's KV recomputes that token (vLLM's rule for a full prompt hit) and must get these bits, and
+        # CPU kernels round a one-row matmul differently from a many-row one.
+        head_in = None if hidden_in is None else hidden_in[:-1]
+        last_in = None if hidden_in is None else hidden_in[-1:].clone()
+        head = self._forward(token_ids[:-1], positions[:-1], kv, block_tables, layers, head_in)
+        last = self._forward(token_ids[-1:], positions[-1:], kv, block_tables, layers, last_in)
+        return torch.cat((head, last))
 
     def decode_step(
         self, token_id: int, position: int, kv: PagedKVCache, block_tables: BlockTables
