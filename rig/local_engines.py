@@ -1,4 +1,4 @@
-"""Reference engines as real processes on loopback: each worker a transfer sidecar and a `disagg engine serve`.
+"""Reference engines as real processes on loopback: per worker a transfer sidecar and `disagg engine serve`.
 
 A PP prefill engine (one sidecar and one engine process per stage; stage 0 serves HTTP and drives the others
 over gloo) and any number of decoders (one sidecar and one engine process each), configured as pods are: by
@@ -107,7 +107,7 @@ class LocalEngines:
         return f"disagg-tiny-{self.config.seed}"
 
     def decode_leg_params(self) -> dict[str, Any]:
-        """What a router puts in a decode leg's `kv_transfer_params` for this prefill engine (concurrent push)."""
+        """A decode leg's `kv_transfer_params` for this prefill engine, as a concurrent router sends them."""
         head = self.prefill[0].worker
         return {
             "do_remote_prefill": True,
@@ -183,7 +183,9 @@ class LocalEngines:
     def check_alive(self) -> None:
         for proc in self._sidecars + self._engines:
             if proc.popen.poll() is not None:
-                raise EnginesError(f"{proc.name} exited with {proc.popen.returncode}:\n{self.log_tail(proc.name)}")
+                raise EnginesError(
+                    f"{proc.name} exited with {proc.popen.returncode}:\n{self.log_tail(proc.name)}"
+                )
 
     def log_tail(self, name: str, chars: int = 4000) -> str:
         for proc in self._sidecars + self._engines:
@@ -235,4 +237,3 @@ def metric(text: str, name: str, labels: str = "") -> float:
         if line.startswith(wanted + " "):
             return float(line.split()[-1])
     raise KeyError(f"no sample {wanted}")
-

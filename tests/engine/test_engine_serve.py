@@ -28,7 +28,9 @@ pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
 CONFIG = TinyConfig()
 LEASE_S = 4.0
-REGISTRATION_TIMEOUT_S = 12.0  # past the sidecar's 5 s handshake timeout, so an unreachable prefill fails first
+REGISTRATION_TIMEOUT_S = (
+    12.0  # past the sidecar's 5 s handshake timeout, so an unreachable prefill fails first
+)
 PROMPTS = [
     "Hello!",
     "Disaggregated serving moves the KV cache from prefill to decode, layer by layer and block by block.",
@@ -37,7 +39,10 @@ PROMPTS = [
 ]
 MESSAGES = [
     {"role": "system", "content": "You are a tiny model."},
-    {"role": "user", "content": [{"type": "text", "text": "Push the KV, "}, {"type": "text", "text": "please."}]},
+    {
+        "role": "user",
+        "content": [{"type": "text", "text": "Push the KV, "}, {"type": "text", "text": "please."}],
+    },
 ]
 
 
@@ -99,7 +104,12 @@ def nothing_leaks(engines: LocalEngines) -> Iterator[None]:
 
 
 def body(endpoint: str, prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
-    common = {"model": "disagg-tiny-1234", "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
+    common = {
+        "model": "disagg-tiny-1234",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
     if endpoint == "chat":
         return {**common, "messages": MESSAGES, **extra}
     return {**common, "prompt": prompt, **extra}
@@ -139,8 +149,12 @@ def streamed_tokens(endpoint: str, chunks: list[dict[str, Any]]) -> tuple[list[i
 async def prefill_leg(
     session: aiohttp.ClientSession, engines: LocalEngines, endpoint: str, prompt: str, rid: str
 ) -> dict[str, Any]:
-    request = body(endpoint, prompt, 1, kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
-    async with session.post(engines.prefill_url + path(endpoint), json=request, headers={"X-Request-Id": rid}) as r:
+    request = body(
+        endpoint, prompt, 1, kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False}
+    )
+    async with session.post(
+        engines.prefill_url + path(endpoint), json=request, headers={"X-Request-Id": rid}
+    ) as r:
         answer: dict[str, Any] = await r.json()
         assert r.status == 200, answer
         return answer
@@ -176,14 +190,19 @@ async def decode_leg(
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 @pytest.mark.parametrize("stream", [False, True])
-def test_both_legs_at_once_equal_the_monolithic_run(engines: LocalEngines, endpoint: str, stream: bool) -> None:
+def test_both_legs_at_once_equal_the_monolithic_run(
+    engines: LocalEngines, endpoint: str, stream: bool
+) -> None:
     max_tokens = 12
 
     async def run() -> None:
         async with aiohttp.ClientSession() as session:
             rids = [uuid.uuid4().hex for _ in PROMPTS]
             results = await asyncio.gather(
-                *(prefill_leg(session, engines, endpoint, p, rid) for p, rid in zip(PROMPTS, rids, strict=True)),
+                *(
+                    prefill_leg(session, engines, endpoint, p, rid)
+                    for p, rid in zip(PROMPTS, rids, strict=True)
+                ),
                 *(
                     decode_leg(session, engines, endpoint, p, rid, max_tokens, stream)
                     for p, rid in zip(PROMPTS, rids, strict=True)
@@ -209,7 +228,9 @@ def test_both_legs_at_once_equal_the_monolithic_run(engines: LocalEngines, endpo
     asyncio.run(run())
 
 
-def test_prefill_first_then_decode_with_its_params_and_decode_first_then_prefill(engines: LocalEngines) -> None:
+def test_prefill_first_then_decode_with_its_params_and_decode_first_then_prefill(
+    engines: LocalEngines,
+) -> None:
     prompt, max_tokens = PROMPTS[1], 10
     expected = reference(encode(prompt), max_tokens)
 
@@ -221,7 +242,14 @@ def test_prefill_first_then_decode_with_its_params_and_decode_first_then_prefill
             held = blocks(engines.prefill_url)
             assert held["held_for_push"] == 1 and held["free"] < held["usable"]
             status, tokens, _, answer = await decode_leg(
-                session, engines, "completions", prompt, rid, max_tokens, False, prefilled["kv_transfer_params"]
+                session,
+                engines,
+                "completions",
+                prompt,
+                rid,
+                max_tokens,
+                False,
+                prefilled["kv_transfer_params"],
             )
             assert status == 200 and tokens == expected, answer
             # The decoder registers first and the prefill comes a while later.
@@ -291,14 +319,15 @@ def test_a_decode_leg_whose_prefill_cannot_be_reached_fails_cleanly(
 def test_a_decode_leg_whose_prefill_never_comes_times_out_and_frees_its_blocks(engines: LocalEngines) -> None:
     async def run() -> tuple[int, dict[str, Any]]:
         async with aiohttp.ClientSession() as session:
-            status, _, _, answer = await decode_leg(
-                session, engines, "chat", "", uuid.uuid4().hex, 8, False
-            )
+            status, _, _, answer = await decode_leg(session, engines, "chat", "", uuid.uuid4().hex, 8, False)
             return status, answer
 
     status, answer = asyncio.run(run())
     assert status == 504, answer
-    assert answer["error"]["type"] == "GatewayTimeoutError" and "RegistrationTimeout" in answer["error"]["message"]
+    assert (
+        answer["error"]["type"] == "GatewayTimeoutError"
+        and "RegistrationTimeout" in answer["error"]["message"]
+    )
 
 
 def test_a_client_that_leaves_frees_the_decode_blocks(engines: LocalEngines) -> None:
@@ -307,10 +336,17 @@ def test_a_client_that_leaves_frees_the_decode_blocks(engines: LocalEngines) -> 
     async def leave_mid_stream() -> None:
         async with aiohttp.ClientSession() as session:
             rid = uuid.uuid4().hex
-            request = body("completions", prompt, 900, stream=True, kv_transfer_params={
-                **engines.decode_leg_params(), "remote_request_id": "cmpl-" + rid})
+            request = body(
+                "completions",
+                prompt,
+                900,
+                stream=True,
+                kv_transfer_params={**engines.decode_leg_params(), "remote_request_id": "cmpl-" + rid},
+            )
             decoding = asyncio.ensure_future(
-                session.post(engines.decode_urls[0] + "/v1/completions", json=request, headers={"X-Request-Id": rid})
+                session.post(
+                    engines.decode_urls[0] + "/v1/completions", json=request, headers={"X-Request-Id": rid}
+                )
             )
             await prefill_leg(session, engines, "completions", prompt, rid)
             response = await decoding
@@ -325,8 +361,12 @@ def test_a_client_that_leaves_frees_the_decode_blocks(engines: LocalEngines) -> 
 
     async def leave_before_the_kv() -> None:
         async with aiohttp.ClientSession() as session:
-            request = body("completions", prompt, 8, kv_transfer_params={
-                **engines.decode_leg_params(), "remote_request_id": "cmpl-gone"})
+            request = body(
+                "completions",
+                prompt,
+                8,
+                kv_transfer_params={**engines.decode_leg_params(), "remote_request_id": "cmpl-gone"},
+            )
             with pytest.raises(asyncio.TimeoutError):
                 await session.post(
                     engines.decode_urls[0] + "/v1/completions",
@@ -371,12 +411,16 @@ def test_monolithic_requests_and_the_other_endpoints(engines: LocalEngines) -> N
     assert status == 404 and "headless" in json.loads(text)["error"]["message"]
 
 
-def post(url: str, route: str, payload: Any, headers: dict[str, str] | None = None, raw: bytes | None = None) -> tuple[int, str]:
+def post(
+    url: str, route: str, payload: Any, headers: dict[str, str] | None = None, raw: bytes | None = None
+) -> tuple[int, str]:
     import urllib.error
     import urllib.request
 
     data = raw if raw is not None else json.dumps(payload).encode()
-    request = urllib.request.Request(url + route, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    request = urllib.request.Request(
+        url + route, data=data, headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return int(response.status), response.read().decode()
@@ -421,7 +465,10 @@ def test_hostile_bodies_get_a_400_and_the_server_serves_on(
 
 def test_bad_request_ids_and_routes_are_refused(engines: LocalEngines) -> None:
     status, text = post(
-        engines.decode_urls[0], "/v1/completions", body("completions", "x", 2), headers={"X-Request-Id": "a,b"}
+        engines.decode_urls[0],
+        "/v1/completions",
+        body("completions", "x", 2),
+        headers={"X-Request-Id": "a,b"},
     )
     assert status == 400 and json.loads(text)["error"]["param"] == "X-Request-Id"
     status, text = post(engines.decode_urls[0], "/v1/nothing", {})

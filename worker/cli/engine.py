@@ -35,7 +35,7 @@ def register(subparsers: Any) -> None:
     commands = engine.add_subparsers(dest="engine_command", required=True)
     serve = commands.add_parser(
         "serve",
-        help="serve the reference engine's OpenAI-compatible API (configured by DISAGG_* environment variables)",
+        help="serve the reference engine's OpenAI-compatible API (configured by DISAGG_* variables)",
         description=(
             "Serve the reference engine behind /v1/completions, /v1/chat/completions, /v1/models, /healthz, "
             "/readyz and /metrics, with vLLM's push kv_transfer_params; its transfer sidecar moves the KV. "
@@ -75,7 +75,11 @@ def settings_from_env(
     from disagg.worker.sidecar.config import from_env
 
     config = from_env(env)
-    for name, value, low in (("--port", port, 1), ("--master-port", master_port, 1), ("--num-blocks", num_blocks, 2)):
+    for name, value, low in (
+        ("--port", port, 1),
+        ("--master-port", master_port, 1),
+        ("--num-blocks", num_blocks, 2),
+    ):
         if not low <= value <= (65535 if "port" in name else 1 << 20):
             raise WorkerConfigError(f"{name} {value} is out of range")
     return ServeSettings(

@@ -35,7 +35,10 @@ class EngineMetrics:
             registry=r,
         )
         self.kv_events = Counter(
-            "disagg_engine_kv_events", "Sidecar events received, by kind and reason", ["event", "reason"], registry=r
+            "disagg_engine_kv_events",
+            "Sidecar events received, by kind and reason",
+            ["event", "reason"],
+            registry=r,
         )
         self.tokens = Counter("disagg_engine_generated_tokens", "Tokens generated", registry=r)
 

@@ -92,7 +92,9 @@ def _content(message: dict[str, Any], index: int) -> str:
     if isinstance(content, list):
         parts = []
         for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            if not (
+                isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            ):
                 raise bad_request(
                     f"messages[{index}].content parts must be {{'type': 'text', 'text': str}}",
                     f"messages[{index}].content",
@@ -231,8 +233,10 @@ class Output:
                 self.finish_reason, self.stop_reason = "stop", stop.decode()
                 self._held = []
                 return self._emit(pending[: len(pending) - len(stop)], final=True)
-        keep = max((n for n in range(1, len(pending) + 1) if any(s.startswith(tail[-n:]) for s in self.stop)),
-                   default=0)
+        keep = max(
+            (n for n in range(1, len(pending) + 1) if any(s.startswith(tail[-n:]) for s in self.stop)),
+            default=0,
+        )
         if self.generated >= self.max_tokens:
             self.finish_reason = "length"
             self._held = []

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import threading
@@ -129,7 +130,9 @@ def model_config(topology: Topology, role: Role) -> TinyConfig:
             block_size=topology.block_size,
         )
     except DisaggError as exc:
-        raise WorkerConfigError(f"the reference engine cannot serve the topology's model: {exc.message}") from None
+        raise WorkerConfigError(
+            f"the reference engine cannot serve the topology's model: {exc.message}"
+        ) from None
     if config.geometry != geometry:
         raise WorkerConfigError(
             f"the reference engine serves {config.geometry}, the topology's model is {geometry}"
@@ -346,7 +349,9 @@ class Engine:
             except asyncio.CancelledError:
                 # The allocation runs anyway: give its ids back once it has.
                 job.add_done_callback(
-                    lambda f: self.release(request_id) if not f.cancelled() and f.exception() is None else None
+                    lambda f: (
+                        self.release(request_id) if not f.cancelled() and f.exception() is None else None
+                    )
                 )
                 raise
 
@@ -366,8 +371,9 @@ class Engine:
         token = first
         yield token
         for step in range(max_tokens - 1):
-            position = num_prompt + step
-            token = await self.model_thread.run(lambda t=token, p=position: self._step(t, p, tables))
+            token = await self.model_thread.run(
+                functools.partial(self._step, token, num_prompt + step, tables)
+            )
             self.metrics.tokens.inc()
             yield token
 
@@ -394,7 +400,9 @@ class Engine:
         """The first token and the `kv_transfer_params` for the decoder; the blocks stay held."""
         s = self.settings
         if s.role != "prefill":
-            raise bad_request("this engine decodes: a prefill leg goes to a prefill engine", "kv_transfer_params")
+            raise bad_request(
+                "this engine decodes: a prefill leg goes to a prefill engine", "kv_transfer_params"
+            )
         n = len(req.prompt)
         tables = await self._admit(request_id, n, "prefilling", waiting_on=range(s.pp_size))
         self._on_terminal[request_id] = lambda event: self._stage_done(request_id, 0)
@@ -420,7 +428,9 @@ class Engine:
         try:
             first = await asyncio.shield(asyncio.wrap_future(future))
         except DisaggError as exc:
-            raise ApiError(502, f"the sidecar refused the finished prefill ({exc.reason}): {exc.message}") from None
+            raise ApiError(
+                502, f"the sidecar refused the finished prefill ({exc.reason}): {exc.message}"
+            ) from None
         except RuntimeError as exc:
             if self.pipeline is None:
                 raise
@@ -443,7 +453,9 @@ class Engine:
     async def decode_leg(self, req: GenerationRequest, request_id: str, leg: DecodeLeg) -> AsyncIterator[int]:
         s = self.settings
         if s.role != "decode":
-            raise bad_request("this engine prefills: a decode leg goes to a decode engine", "kv_transfer_params")
+            raise bad_request(
+                "this engine prefills: a decode leg goes to a decode engine", "kv_transfer_params"
+            )
         n = len(req.prompt)
         if leg.remote_num_tokens is not None and leg.remote_num_tokens != n:
             raise bad_request(
@@ -460,7 +472,9 @@ class Engine:
                 ready.set_result(event)
 
         self._on_terminal[request_id] = on_event
-        prefill = PrefillEngine(leg.remote_engine_id, leg.remote_host, leg.remote_port, leg.tp_size, leg.pp_size)
+        prefill = PrefillEngine(
+            leg.remote_engine_id, leg.remote_host, leg.remote_port, leg.tp_size, leg.pp_size
+        )
         blocks = stages.prompt_block_ids(tables, n, self.config.block_size)
         assert self.link is not None
         call = asyncio.ensure_future(asyncio.to_thread(self.link.expect_request, request_id, blocks, prefill))
@@ -473,7 +487,9 @@ class Engine:
         except DisaggError as exc:
             self._expect_refused(request_id)
             status = 400 if exc.reason in _CLIENT_REASONS else 502
-            raise ApiError(status, f"the sidecar refused the decode leg ({exc.reason}): {exc.message}") from None
+            raise ApiError(
+                status, f"the sidecar refused the decode leg ({exc.reason}): {exc.message}"
+            ) from None
         try:
             timeout = s.topology.push_registration_timeout_s + KV_WAIT_GRACE_S
             event = await asyncio.wait_for(asyncio.shield(ready), timeout)
@@ -541,7 +557,9 @@ def _json(body: dict[str, Any], status: int = 200) -> web.Response:
 
 
 @web.middleware
-async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+async def _errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
     try:
         return await handler(request)
     except web.HTTPException as exc:
@@ -625,7 +643,9 @@ class Server:
         return response
 
     async def _start_stream(self, request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         await response.prepare(request)
         return response
 
@@ -731,7 +751,9 @@ class HeadlessStage:
         try:
             torch.set_num_threads(1)
             model = TinyModel(self.config)
-            kv = map_kv_cache(model, s.num_blocks, s.kv_pool, pp_rank=s.pp_rank, pp_size=s.pp_size, create=True)
+            kv = map_kv_cache(
+                model, s.num_blocks, s.kv_pool, pp_rank=s.pp_rank, pp_size=s.pp_size, create=True
+            )
             self.not_ready = "registering the KV pool with the sidecar"
             message = register_layout_message(
                 engine_id=s.engine_id,

@@ -5,9 +5,9 @@
   `do_remote_prefill: true, do_remote_decode: false, remote_block_ids, remote_engine_id, remote_request_id,
   remote_host, remote_port, tp_size, dcp_size, pp_size, remote_num_tokens, transfer_mode: "push"`.
 - Decode leg: `do_remote_prefill: true` with `remote_engine_id`, `remote_host`, `remote_port`, `tp_size`,
-  `remote_request_id` (vLLM reads these without defaults) and `pp_size`. vLLM defaults a missing `pp_size` to 1,
-  and a decoder told 1 by a PP2 prefill takes stage 0's layers for the whole KV; this engine refuses the
-  request instead. `remote_block_ids` is ignored (push: the prefill learns the decoder's blocks from its
+  `remote_request_id` (vLLM reads these without defaults) and `pp_size`. vLLM defaults a missing `pp_size`
+  to 1, and a decoder told 1 by a PP2 prefill takes stage 0's layers for the whole KV; this engine refuses
+  the request instead. `remote_block_ids` is ignored (push: the prefill learns the decoder's blocks from its
   registration); `remote_num_tokens`, `transfer_mode` and `dcp_size`, when given, are checked.
 - Pairing is by request id: both legs' internal id is `cmpl-<X-Request-Id>` (completions) or
   `chatcmpl-<X-Request-Id>` (chat), so a router sends one `X-Request-Id` on both legs, to one endpoint family.
