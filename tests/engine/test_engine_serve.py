@@ -52,6 +52,8 @@ def engines() -> Iterator[LocalEngines]:
         pp_size=2, decoders=1, kv_lease_s=LEASE_S, registration_timeout_s=REGISTRATION_TIMEOUT_S
     ) as started:
         yield started
+    # Every engine and sidecar left cleanly on SIGTERM (a headless stage when its head ended the pipeline).
+    assert set(started.exit_codes.values()) == {0}, started.exit_codes
 
 
 _REFERENCE_MODEL: list[TinyModel] = []

@@ -88,6 +88,7 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 KV_WAIT_GRACE_S = 30.0
 """Past the registration timeout, how long a decode leg still waits for its sidecar's verdict."""
 LINK_REPLY_TIMEOUT_S = 60.0
+SHUTDOWN_S = 5.0
 # The sidecar refused the decode leg's parameters (the client's fault), rather than failing to serve them.
 _CLIENT_REASONS = {"EngineProtocolError", "UnsupportedPeerTopology", "DuplicateRequest", "BlockIdOutOfRange"}
 
@@ -412,7 +413,12 @@ class Engine:
             if self.pipeline is not None:
                 first = self.pipeline.prefill(request_id, req.prompt, tables)
             else:
-                first = self._prefill_first(req.prompt, tables)
+                try:
+                    first = self._prefill_first(req.prompt, tables)
+                except Exception:
+                    self._on_terminal.pop(request_id, None)
+                    self.release(request_id)
+                    raise
             try:
                 assert self.link is not None
                 self.link.request_finished(request_id, blocks)
@@ -803,7 +809,8 @@ class HeadlessStage:
 
 
 async def _serve_app(app: web.Application, host: str, port: int) -> web.AppRunner:
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # Requests still in flight at SIGTERM get a few seconds, not aiohttp's 60: a pod's grace period is 30.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_S)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return runner
