@@ -2,6 +2,8 @@
 
     disagg engine serve --port 8000 [--master-addr HOST --master-port 29500] [--num-blocks N] [--host ADDR]
 
+It binds `--host`, else `DISAGG_HTTP_HOST` (the local rig's per-pod address), else every address.
+
 Everything else comes from the pod's environment, read as the transfer sidecar next to it reads it
 (`disagg.worker.sidecar.config.from_env`): role, engine id, PP rank (a prefill pod's StatefulSet ordinal),
 the topology file (model geometry, block size, lease and registration timeout; the served model name is its
@@ -20,9 +22,13 @@ import logging
 import os
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from disagg.worker.kv.errors import DisaggError
+from disagg.worker.kv.pod_contract import HTTP_HOST_ENV, LOG_LEVEL_ENV
+
+if TYPE_CHECKING:
+    from disagg.worker.engine.serve import ServeSettings
 
 DEFAULT_PORT = 8000
 DEFAULT_MASTER_PORT = 29500
@@ -43,7 +49,9 @@ def register(subparsers: Any) -> None:
         ),
     )
     serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"HTTP port (default {DEFAULT_PORT})")
-    serve.add_argument("--host", default="0.0.0.0", help="HTTP bind address (default 0.0.0.0)")
+    serve.add_argument(
+        "--host", default=None, help=f"HTTP bind address (default ${HTTP_HOST_ENV}, else every address)"
+    )
     serve.add_argument(
         "--master-addr", default="127.0.0.1", help="PP prefill: the head stage's address (gloo rendezvous)"
     )
@@ -68,7 +76,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def settings_from_env(
     env: Mapping[str, str], *, port: int, host: str, master_addr: str, master_port: int, num_blocks: int
-) -> Any:
+) -> ServeSettings:
     """The server's settings from the sidecar's configuration of this pod and the flags."""
     from disagg.worker.engine.serve import ServeSettings
     from disagg.worker.kv.errors import WorkerConfigError
@@ -104,7 +112,7 @@ def settings_from_env(
 
 def main(
     port: int = DEFAULT_PORT,
-    host: str = "0.0.0.0",
+    host: str | None = None,
     master_addr: str = "127.0.0.1",
     master_port: int = DEFAULT_MASTER_PORT,
     num_blocks: int = DEFAULT_NUM_BLOCKS,
@@ -114,6 +122,7 @@ def main(
 
     env = os.environ if env is None else env
     log = logging.getLogger("disagg.worker.engine")
+    host = host or env.get(HTTP_HOST_ENV) or "0.0.0.0"
     try:
         settings = settings_from_env(
             env, port=port, host=host, master_addr=master_addr, master_port=master_port, num_blocks=num_blocks
@@ -125,7 +134,7 @@ def main(
         configure_logging("info")
         event(log, logging.ERROR, "invalid engine configuration", reason=exc.reason, error=exc.message)
         return 2
-    configure_logging(env.get("DISAGG_LOG_LEVEL", "info").lower())
+    configure_logging(env.get(LOG_LEVEL_ENV, "info").lower())
     from disagg.worker.engine.serve import run
 
     code = run(settings)
