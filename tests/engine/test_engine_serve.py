@@ -405,6 +405,14 @@ def test_monolithic_requests_and_the_other_endpoints(engines: LocalEngines) -> N
     status, text = post(engines.prefill_url, "/v1/completions", body("completions", PROMPTS[1], 9))
     assert status == 400 and "prefill legs" in json.loads(text)["error"]["message"]
 
+    # A streamed prefill leg: one chunk with the first token and the params, then [DONE].
+    leg = body("completions", PROMPTS[1], 1, stream=True, kv_transfer_params={"do_remote_decode": True})
+    status, text = post(engines.prefill_url, "/v1/completions", leg)
+    events = [line for line in text.splitlines() if line]
+    assert status == 200 and events[-1] == "data: [DONE]" and len(events) == 2, text
+    chunk = json.loads(events[0][len("data: ") :])
+    assert chunk["choices"][0]["token_ids"] == expected[:1] and chunk["kv_transfer_params"]["pp_size"] == 2
+
     status, text = get(engines.prefill_url + "/v1/models")
     assert status == 200 and json.loads(text)["data"][0]["id"] == engines.model_name
     for worker in [*engines.prefill, *engines.decode]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import codecs
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -349,10 +348,6 @@ def models_response(model: str, created: int, max_model_len: int) -> dict[str, A
             }
         ],
     }
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return math.ceil(num_tokens / block_size)
 
 
 def api_error_of(exc: BaseException) -> ApiError:

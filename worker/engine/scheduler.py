@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from disagg.worker.engine.kv_cache import BlockPool, BlockTables, OutOfBlocks, allocate_block_tables
+from disagg.worker.engine.kv_cache import BlockPool, BlockTables, allocate_block_tables
 from disagg.worker.kv.errors import DuplicateRequest
 
 State = Literal["prefilling", "held_for_push", "awaiting_kv", "decoding", "running"]
@@ -95,6 +95,3 @@ class BlockScheduler:
     def counts(self) -> Counter[State]:
         # Read from the HTTP thread for metrics while the model thread mutates: copy first (atomic in C).
         return Counter(entry.state for entry in list(self._entries.values()))
-
-
-__all__ = ["STATES", "BlockScheduler", "OutOfBlocks", "State"]

@@ -10,9 +10,9 @@ registers it with the sidecar (`link_events`), and then serves:
 
 The legs, as vLLM's push connector runs them:
 - prefill leg (`do_remote_decode`): the head prefills the prompt on every stage (`stages`), each stage tells
-  its sidecar `RequestFinished` for its own layers, and the response carries the first token and the
-  `kv_transfer_params` a decoder needs. The blocks are held until every stage's sidecar reports the push
-  done or the lease over (`scheduler`).
+  its sidecar `RequestFinished` for its own layers, and the response carries the first token (one token,
+  whatever `max_tokens` asks: vLLM's routers send 1) and the `kv_transfer_params` a decoder needs. The
+  blocks are held until every stage's sidecar reports the push done or the lease over (`scheduler`).
 - decode leg (`do_remote_prefill`): the decoder allocates blocks for the prompt and the output, sends
   `ExpectRequest` naming the prefill engine, and waits for `KVReady`. Then it recomputes the last prompt
   token from the received KV, as vLLM does after a full prompt hit, which yields the first token (the model
