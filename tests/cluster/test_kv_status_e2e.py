@@ -200,7 +200,24 @@ def routing_when(
         raise AssertionError(f"{error}\nlast routing: {last}") from None
 
 
-def test_the_sidecars_peer_reports_pair_the_pods_and_a_skewed_decoder_is_excluded(
+def routable_condition(
+    cluster: Cluster, kubelet: LocalKubelet, ns: str, status: str, message_start: str
+) -> dict[str, Any]:
+    """Play kubelet until the deployment's Routable condition has this status and its message starts so."""
+
+    def probe() -> dict[str, Any] | None:
+        kubelet.sync()
+        found = cluster.condition(ns, NAME, "Routable")
+        wanted = found and found["status"] == status and found["message"].startswith(message_start)
+        return found if wanted else None
+
+    try:
+        return wait_for(f"Routable={status} ({message_start})", probe, timeout=TIMEOUT_S, interval=0.3)
+    except AssertionError as error:
+        raise AssertionError(f"{error}\nlast Routable: {cluster.condition(ns, NAME, 'Routable')}") from None
+
+
+def test_the_peer_reports_pair_the_pods_and_a_skewed_decoder_is_excluded_in_the_status(
     cluster: Cluster, ns: str, kubelet: LocalKubelet
 ) -> None:
     spec = deploy(cluster, ns)
@@ -220,6 +237,9 @@ def test_the_sidecars_peer_reports_pair_the_pods_and_a_skewed_decoder_is_exclude
     assert [(d.pod, d.engine_id, d.host) for d in routing.decodes] == [
         (d, d, kubelet.ips[d]) for d in decoders
     ]
+    healthy = routable_condition(cluster, kubelet, ns, "True", "2 of 2 prefill/decode pairs routable")
+    assert healthy["reason"] == "PairsRoutable"
+    since = healthy["lastTransitionTime"]
     # What the sidecars wrote, as the router and the operator read it.
     written = pods(cluster, ns)[decoders[0]]["metadata"]["annotations"][PEER_REPORT_ANNOTATION]
     report = decode_peer_report(written)
@@ -240,6 +260,11 @@ def test_the_sidecars_peer_reports_pair_the_pods_and_a_skewed_decoder_is_exclude
 
     routing = routing_when(cluster, kubelet, ns, f"{bad} excluded for its hash", bad_excluded_for_its_hash)
     assert [(p.prefill.head_pod, p.decode.pod) for p in routing.pairs] == [(head, good)]
+    routable = routable_condition(
+        cluster, kubelet, ns, "True", f"1 of 2 prefill/decode pairs routable; excluded: {head} \u2194 {bad}: "
+    )
+    assert "CompatibilityHashMismatch" in routable["message"], routable
+    assert (cluster.get(ns, NAME) or {})["status"]["routablePairs"] == "1/2"
     (exclusion,) = routing.exclusions
     assert exclusion.prefill == head
     assert (
@@ -251,6 +276,7 @@ def test_the_sidecars_peer_reports_pair_the_pods_and_a_skewed_decoder_is_exclude
         in exclusion.message
     )
     assert other_version[:12] in exclusion.message
+    assert routable["lastTransitionTime"] == since, "still True: the transition time stays"
 
 
 def test_the_reporter_writes_the_peer_report_annotation_only_when_it_changed(
