@@ -627,13 +627,18 @@ class DisaggDeploymentStatus(ApiModel):
     conditions: list[Condition] | None = Field(
         default=None,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
-        description="Compatible, Available, Progressing and KVTransferReady.",
+        description="Compatible, Available, Progressing, KVTransferReady and Routable.",
     )
     prefill: RoleStatus | None = Field(default=None, description="Observed prefill pods.")
     decode: RoleStatus | None = Field(default=None, description="Observed decode pods.")
     topology: TopologyStatus | None = Field(default=None, description="Computed stage-to-layer topology.")
     compatibility_hashes: RoleHashes | None = Field(
         default=None, description="Compatibility hashes per role."
+    )
+    routable_pairs: str | None = Field(
+        default=None,
+        max_length=64,
+        description="Routable (prefill engine, decode pod) pairs of all pairs, e.g. 3/4 (see Routable).",
     )
 
 

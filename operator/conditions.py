@@ -16,8 +16,9 @@ COMPATIBLE: Final = "Compatible"
 AVAILABLE: Final = "Available"
 PROGRESSING: Final = "Progressing"
 KV_TRANSFER_READY: Final = "KVTransferReady"
+ROUTABLE: Final = "Routable"
 # The order in which conditions are listed, so the stored list (and `kubectl describe`) never reshuffles.
-CONDITION_TYPES: Final = (COMPATIBLE, AVAILABLE, PROGRESSING, KV_TRANSFER_READY)
+CONDITION_TYPES: Final = (COMPATIBLE, AVAILABLE, PROGRESSING, KV_TRANSFER_READY, ROUTABLE)
 
 
 def find(conditions: Iterable[Condition], type_: str) -> Condition | None:

@@ -296,6 +296,12 @@ PRINTER_COLUMNS: Final[tuple[dict[str, Any], ...]] = (
     _condition_column("KV", "KVTransferReady", "Whether every prefill stage handshook every decode pod."),
     _condition_column("Ready", "Available", "Whether the deployment serves requests."),
     {
+        "name": "Pairs",
+        "type": "string",
+        "jsonPath": ".status.routablePairs",
+        "description": "Routable prefill/decode pairs of all pairs (the Routable condition names the rest).",
+    },
+    {
         "name": "Stages",
         "type": "integer",
         "jsonPath": ".spec.prefill.pipelineParallelSize",

@@ -1,4 +1,4 @@
-"""`KVTransferReady`: the sidecars' handshake results, aggregated from their Pods. Pure.
+"""`KVTransferReady` and `Routable`: the sidecars' handshake results, aggregated from their Pods. Pure.
 
 Each sidecar writes the outcome of its handshakes to its own Pod as the condition
 `disagg.io/kv-transfer-ready` (the readiness gate the builders declare), with a CamelCase reason such as
@@ -6,22 +6,29 @@ Each sidecar writes the outcome of its handshakes to its own Pod as the conditio
 failure's reason and a message naming every failing stage and pod, so `kubectl describe` says which stage
 failed against which decode pod, and why. Engines whose live hashes agree but differ from the spec's
 prediction are True with reason `CompatibilityHashPredictionDiffers`, naming the likely factor.
+
+`Routable` counts the (prefill engine, decode pod) pairs the router may send requests to, by the same
+`pairing.routing_from_pods` over the same pods (their `disagg.io/kv-peers` reports), and names each excluded
+pair with its reason, so `kubectl get disagg` says which pair gets no traffic and why.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
 from disagg.operator.api import REASON_PATTERN, ConditionStatus
 from disagg.worker.kv.layout import natural_sort_key
-from disagg.worker.kv.pod_contract import POD_CONDITION, ROLE_LABEL
+from disagg.worker.kv.pairing import Exclusion, Routing
+from disagg.worker.kv.pod_contract import PEER_REPORT_ANNOTATION, POD_CONDITION, ROLE_LABEL
 
 _ROLE_ORDER: Final = {"prefill": 0, "decode": 1}
 # A sidecar's True with this reason: its engine's peers accept it, the spec's predicted hash does not.
 PREDICTION_DIFFERS: Final = "CompatibilityHashPredictionDiffers"
+# The Routable message lists excluded pairs up to about this many characters (a condition holds 32768).
+MAX_ROUTABLE_MESSAGE: Final = 8000
 
 
 @dataclass(frozen=True)
@@ -107,6 +114,55 @@ def aggregate(pods: Iterable[PodKV]) -> KVVerdict:
         "HandshakesSucceeded",
         f"all {len(ordered)} sidecars completed their KV handshakes with their peers",
     )
+
+
+def routable_pairs(routing: Routing) -> str:
+    """`routable/all` (prefill engine, decode pod) pairs: `status.routablePairs`, the Pairs column."""
+    return f"{len(routing.pairs)}/{len(routing.pairs) + len(routing.exclusions)}"
+
+
+def peers_reported(pods: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether any engine pod carries a peer report (`disagg.io/kv-peers`) yet."""
+    return any(
+        PEER_REPORT_ANNOTATION in ((pod.get("metadata") or {}).get("annotations") or {}) for pod in pods
+    )
+
+
+def routable(routing: Routing, reported: bool) -> KVVerdict:
+    """`Routable`: the pairs the router may use (`pairing.routing_from_pods`, the router's own function), and
+    every excluded pair with its reason. True while at least one pair is routable; Unknown while there is
+    no pair to judge or no pod has reported its peer checks; False otherwise."""
+    total = len(routing.pairs) + len(routing.exclusions)
+    if total == 0:
+        return KVVerdict(
+            ConditionStatus.UNKNOWN, "NoPairs", "no prefill engine and decode pod exist together yet"
+        )
+    if not routing.pairs and not reported:
+        return KVVerdict(
+            ConditionStatus.UNKNOWN,
+            "AwaitingPeerReports",
+            f"none of the {total} prefill/decode pairs' sidecars has reported its peer checks yet",
+        )
+    head = f"{len(routing.pairs)} of {total} prefill/decode pairs routable"
+    excluded = _exclusions(routing.exclusions)
+    message = f"{head}; excluded: {excluded}" if excluded else head
+    if routing.pairs:
+        return KVVerdict(ConditionStatus.TRUE, "PairsRoutable", message)
+    return KVVerdict(ConditionStatus.FALSE, "NoRoutablePair", message)
+
+
+def _exclusions(exclusions: Sequence[Exclusion]) -> str:
+    """`prefill ↔ decode: Reason: message; ...`, cut to `MAX_ROUTABLE_MESSAGE` with a count of the rest."""
+    parts: list[str] = []
+    size = 0
+    for index, exclusion in enumerate(exclusions):
+        part = f"{exclusion.prefill} \u2194 {exclusion.decode}: {exclusion.reason}: {exclusion.message}"
+        if parts and size + len(part) > MAX_ROUTABLE_MESSAGE:
+            parts.append(f"and {len(exclusions) - index} more")
+            break
+        parts.append(part if len(part) <= MAX_ROUTABLE_MESSAGE else part[: MAX_ROUTABLE_MESSAGE - 3] + "...")
+        size += len(part) + 2
+    return "; ".join(parts)
 
 
 def _reason(raw: object) -> str:

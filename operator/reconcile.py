@@ -24,10 +24,11 @@ from disagg.operator.api import ConditionStatus, DisaggDeploymentSpec
 from disagg.operator.builders import Installation, Owner, build
 from disagg.operator.compat import CompatReport, evaluate
 from disagg.operator.k8s_apply import Kube
-from disagg.operator.kv_status import pod_kv
+from disagg.operator.kv_status import peers_reported, pod_kv
 from disagg.operator.policies import REFUSAL_CHAIN
 from disagg.operator.status import compute, incompatibility_message, to_json, workload
 from disagg.worker.kv.errors import Violation
+from disagg.worker.kv.pairing import routing_from_pods
 
 _LOG = logging.getLogger("disagg.operator.status")
 
@@ -122,13 +123,16 @@ def _write_status(
         return _write_invalid(kube, body, verdict)
     workloads = [workload(child) for child in children if child["kind"] in ("StatefulSet", "Deployment")]
     current = dict(body.get("status") or {})
+    pods = kube.pods(metadata["namespace"], metadata["name"])
     status = compute(
         generation=int(metadata.get("generation") or 1),
         previous=cond.parse(current.get("conditions")),
         violations=verdict.violations,
         report=verdict.report,
         workloads=workloads,
-        pods=[pod_kv(pod) for pod in kube.pods(metadata["namespace"], metadata["name"])],
+        pods=[pod_kv(pod) for pod in pods],
+        routing=routing_from_pods(pods),
+        reported=peers_reported(pods),
         now=datetime.now(UTC),
     )
     rendered = to_json(status)

@@ -22,8 +22,9 @@ from disagg.operator.api import (
 )
 from disagg.operator.builders import COMPONENT_LABEL, GENERATION_ANNOTATION
 from disagg.operator.compat import CompatReport
-from disagg.operator.kv_status import PodKV, aggregate
+from disagg.operator.kv_status import PodKV, aggregate, routable, routable_pairs
 from disagg.worker.kv.errors import Violation
+from disagg.worker.kv.pairing import Routing
 
 
 @dataclass(frozen=True)
@@ -78,9 +79,12 @@ def compute(
     report: CompatReport,
     workloads: Sequence[Workload],
     pods: Sequence[PodKV],
+    routing: Routing,
+    reported: bool,
     now: datetime,
 ) -> DisaggDeploymentStatus:
-    """The whole status; `violations` are every refusal (pre-flight rules and engine-argument conflicts)."""
+    """The whole status; `violations` are every refusal (pre-flight rules and engine-argument conflicts);
+    `routing` is `pairing.routing_from_pods` of the pods, `reported` whether any pod has a peer report."""
     updates: list[Condition] = []
     applied = sorted({w.generation for w in workloads if w.generation is not None})
     if violations:
@@ -138,6 +142,8 @@ def compute(
     updates.append(_available(workloads, violations, now))
     verdict = aggregate(pods)
     updates.append(cond.desired(cond.KV_TRANSFER_READY, verdict.status, verdict.reason, verdict.message, now))
+    pairs = routable(routing, reported)
+    updates.append(cond.desired(cond.ROUTABLE, pairs.status, pairs.reason, pairs.message, now))
     return DisaggDeploymentStatus(
         observed_generation=generation,
         conditions=cond.merge(previous, updates, generation=generation, now=now),
@@ -145,6 +151,7 @@ def compute(
         decode=_role_status(workloads, "decode"),
         topology=report.plan.to_status() if report.plan is not None else None,
         compatibility_hashes=RoleHashes(prefill=report.hashes["prefill"], decode=report.hashes["decode"]),
+        routable_pairs=routable_pairs(routing),
     )
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -25,9 +26,11 @@ from disagg.operator.api import DisaggDeploymentSpec
 from disagg.operator.compat import role_factors
 from disagg.rig.local_kubelet import LocalKubelet, with_engine_hash, with_layer_names
 from disagg.worker.kv import wire
-from disagg.worker.kv.errors import MissingLayers
-from disagg.worker.kv.pod_contract import POD_CONDITION
-from disagg.worker.reporting.peer_check import Outcome, Peer, PeerResult
+from disagg.worker.kv.errors import MissingLayers, PeerUnreachable
+from disagg.worker.kv.pairing import Routing, routing_from_pods
+from disagg.worker.kv.peer_report import decode_peer_report
+from disagg.worker.kv.pod_contract import PEER_REPORT_ANNOTATION, POD_CONDITION
+from disagg.worker.reporting.peer_check import Outcome, Peer, PeerResult, peer_report
 from disagg.worker.reporting.pod_report import PodReporter
 
 NAME = "kv"
@@ -177,6 +180,137 @@ def test_a_decoder_on_another_engine_version_turns_it_false_until_it_is_fixed(
     recovered = pod_conditions(pods(cluster, ns)[bad])
     assert recovered[POD_CONDITION]["status"] == "True"
     assert recovered["Ready"]["status"] == "True"
+
+
+def routing_when(
+    cluster: Cluster, kubelet: LocalKubelet, ns: str, what: str, wanted: Callable[[Routing], bool]
+) -> Routing:
+    """Play kubelet until `routing_from_pods` over the deployment's live pods satisfies `wanted`."""
+    last: list[Routing] = []
+
+    def probe() -> Routing | None:
+        kubelet.sync()
+        routing = routing_from_pods(pods(cluster, ns).values())
+        last[:] = [routing]
+        return routing if wanted(routing) else None
+
+    try:
+        return wait_for(what, probe, timeout=TIMEOUT_S, interval=0.3)
+    except AssertionError as error:
+        raise AssertionError(f"{error}\nlast routing: {last}") from None
+
+
+def routable_condition(
+    cluster: Cluster, kubelet: LocalKubelet, ns: str, status: str, message_start: str
+) -> dict[str, Any]:
+    """Play kubelet until the deployment's Routable condition has this status and its message starts so."""
+
+    def probe() -> dict[str, Any] | None:
+        kubelet.sync()
+        found = cluster.condition(ns, NAME, "Routable")
+        wanted = found and found["status"] == status and found["message"].startswith(message_start)
+        return found if wanted else None
+
+    try:
+        return wait_for(f"Routable={status} ({message_start})", probe, timeout=TIMEOUT_S, interval=0.3)
+    except AssertionError as error:
+        raise AssertionError(f"{error}\nlast Routable: {cluster.condition(ns, NAME, 'Routable')}") from None
+
+
+def test_the_peer_reports_pair_the_pods_and_a_skewed_decoder_is_excluded_in_the_status(
+    cluster: Cluster, ns: str, kubelet: LocalKubelet
+) -> None:
+    spec = deploy(cluster, ns)
+    head, stage1 = f"{NAME}-prefill-0-0", f"{NAME}-prefill-0-1"
+    routing = routing_when(cluster, kubelet, ns, "both pairs routable", lambda r: len(r.pairs) == 2)
+    decoders = role_pods(cluster, ns, "decode")
+    prefill_hash = wire.compat_hash(role_factors(spec, "prefill"))
+    assert [(p.prefill.head_pod, p.decode.pod) for p in routing.pairs] == [(head, d) for d in decoders]
+    (prefill,) = routing.prefills
+    assert (prefill.engine_id, prefill.host, prefill.pp_size, prefill.stage_pods) == (
+        f"{NAME}-prefill-0",
+        kubelet.ips[head],
+        2,
+        (head, stage1),
+    )
+    assert prefill.kv_hash == prefill_hash
+    assert [(d.pod, d.engine_id, d.host) for d in routing.decodes] == [
+        (d, d, kubelet.ips[d]) for d in decoders
+    ]
+    healthy = routable_condition(cluster, kubelet, ns, "True", "2 of 2 prefill/decode pairs routable")
+    assert healthy["reason"] == "PairsRoutable"
+    since = healthy["lastTransitionTime"]
+    # What the sidecars wrote, as the router and the operator read it.
+    written = pods(cluster, ns)[decoders[0]]["metadata"]["annotations"][PEER_REPORT_ANNOTATION]
+    report = decode_peer_report(written)
+    assert [(v.pod, v.engine_id, v.ok, v.kv_hash) for v in report.peers] == [
+        (head, f"{NAME}-prefill-0", True, prefill_hash),
+        (stage1, f"{NAME}-prefill-0", True, prefill_hash),
+    ]
+
+    bad, good = decoders
+    other_version = wire.compat_hash({**role_factors(spec, "decode"), "vllm_version": "0.32.0"})
+    kubelet.restart(bad, with_engine_hash("decode", other_version))
+
+    def bad_excluded_for_its_hash(routing: Routing) -> bool:
+        # Until the restarted decoder's first round, only the stages' refusals are on record.
+        return [(e.decode, e.reason) for e in routing.exclusions] == [
+            (bad, "CompatibilityHashMismatch")
+        ] and (f"decode pod {bad} reports" in routing.exclusions[0].message)
+
+    routing = routing_when(cluster, kubelet, ns, f"{bad} excluded for its hash", bad_excluded_for_its_hash)
+    assert [(p.prefill.head_pod, p.decode.pod) for p in routing.pairs] == [(head, good)]
+    routable = routable_condition(
+        cluster, kubelet, ns, "True", f"1 of 2 prefill/decode pairs routable; excluded: {head} \u2194 {bad}: "
+    )
+    assert "CompatibilityHashMismatch" in routable["message"], routable
+    assert (cluster.get(ns, NAME) or {})["status"]["routablePairs"] == "1/2"
+    (exclusion,) = routing.exclusions
+    assert exclusion.prefill == head
+    assert (
+        f"decode pod {bad} reports CompatibilityHashMismatch from prefill stage 0 (pod {head})"
+        in exclusion.message
+    )
+    assert (
+        f"prefill stage 1 (pod {stage1}) reports CompatibilityHashMismatch from decode pod {bad}"
+        in exclusion.message
+    )
+    assert other_version[:12] in exclusion.message
+    assert routable["lastTransitionTime"] == since, "still True: the transition time stays"
+
+
+def test_the_reporter_writes_the_peer_report_annotation_only_when_it_changed(
+    control_plane: ControlPlane, namespace: str
+) -> None:
+    core = client.CoreV1Api(control_plane.api_client)
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "decode-a", "annotations": {"someone.else/note": "kept"}},
+        "spec": {"containers": [{"name": "kv-worker", "image": "disagg"}]},
+    }
+    core.create_namespaced_pod(namespace, pod)
+    reporter = PodReporter(control_plane.api_client, namespace, "decode-a", clock=lambda: T0)
+    stage = Peer("stage-0", "prefill", 0, "p", "10.0.0.9", 5600)
+    report = peer_report("decode-a-1a2b3c4d", "aa", [PeerResult(stage, None, "p-5e6f7a8b", "aa")])
+    outcome = Outcome("True", "HandshakesSucceeded", "handshakes succeeded with stage-0", report=report)
+
+    def stored() -> tuple[str, dict[str, str]]:
+        found = json.loads(core.read_namespaced_pod("decode-a", namespace, _preload_content=False).data)
+        return found["metadata"]["resourceVersion"], found["metadata"]["annotations"]
+
+    assert reporter.report(outcome)
+    version, annotations = stored()
+    assert decode_peer_report(annotations[PEER_REPORT_ANNOTATION]) == report, "kept through pods/status"
+    assert annotations["someone.else/note"] == "kept"
+    assert not reporter.report(outcome), "an unchanged report is not written again"
+    assert stored()[0] == version
+    refused = PeerResult(stage, PeerUnreachable("gone"))
+    changed = replace(outcome, report=peer_report("decode-a-1a2b3c4d", "aa", [refused]))
+    assert reporter.report(changed), "a changed verdict alone is a write"
+    version_after, annotations = stored()
+    assert version_after != version
+    assert decode_peer_report(annotations[PEER_REPORT_ANNOTATION]).peers[0].reason == "PeerUnreachable"
 
 
 def test_a_prefill_stage_whose_layers_do_not_match_turns_it_false_until_it_is_fixed(

@@ -43,8 +43,16 @@ from test_topology_interop import (
 from test_watch_sidecar import DEPLOYMENT, create_pod, kv_condition
 
 from disagg.rig.local import free_port
+from disagg.worker.kv.peer_report import PeerReport, decode_peer_report
+from disagg.worker.kv.pod_contract import PEER_REPORT_ANNOTATION
 
 pytestmark = pytest.mark.vllm
+
+
+def peer_report(core: client.CoreV1Api, namespace: str, pod: str) -> PeerReport:
+    """The `disagg.io/kv-peers` annotation the watch sidecar wrote on its Pod."""
+    found = json.loads(core.read_namespaced_pod(pod, namespace, _preload_content=False).data)
+    return decode_peer_report(found["metadata"]["annotations"][PEER_REPORT_ANNOTATION])
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +94,13 @@ def test_a_watch_sidecar_facing_vllm_reports_true_then_the_release_mismatch(
         "DISAGG_DEPLOYMENT": DEPLOYMENT,
         "KUBECONFIG": str(control_plane.kubeconfig),
     }
-    prefill = vllm_payloads(new, PREFILL_ENGINE, PREFILL_RANKS, prediction.digest)
+    # Live engine ids, as the operator's launcher draws them: the stable prefix and a per-start suffix.
+    prefill_id, decode_id, restarted_id = (
+        f"{PREFILL_ENGINE}-0a1b2c3d",
+        f"{DECODE_POD}-4e5f6a7b",
+        f"{DECODE_POD}-8c9d0e1f",
+    )
+    prefill = vllm_payloads(new, prefill_id, PREFILL_RANKS, prediction.digest)
     log_path = tmp_path / "watch.log"
     command = [sys.executable, "-m", "disagg.operator.cli", "worker", "sidecar", "--mode", "watch"]
     with vllm_listener(new, prefill, prefill_port) as prefill_listener, open(log_path, "wb") as log:
@@ -94,7 +108,7 @@ def test_a_watch_sidecar_facing_vllm_reports_true_then_the_release_mismatch(
             [*command, "--interval", "1"], env=env, stdout=log, stderr=subprocess.STDOUT
         )
         try:
-            decode = vllm_payloads(new, DECODE_POD, DECODE_RANKS, prediction.digest)
+            decode = vllm_payloads(new, decode_id, DECODE_RANKS, prediction.digest)
             with vllm_listener(new, decode, decode_port):
                 ready = wait_for(
                     "the watch sidecar's True condition",
@@ -102,8 +116,14 @@ def test_a_watch_sidecar_facing_vllm_reports_true_then_the_release_mismatch(
                 )
             assert ready["reason"] == "HandshakesSucceeded", log_path.read_text()
             assert f"prefill stage 1 (pod {STAGE1_POD})" in ready["message"]
+            report = peer_report(core, namespace, DECODE_POD)
+            assert (report.engine_id, report.kv_hash) == (decode_id, prediction.digest)
+            assert [(v.pod, v.engine_id, v.ok, v.kv_hash) for v in report.peers] == [
+                (HEAD_POD, prefill_id, True, prediction.digest),
+                (STAGE1_POD, prefill_id, True, prediction.digest),
+            ]
 
-            decode = vllm_payloads(old, DECODE_POD, DECODE_RANKS, old_hash.digest)
+            decode = vllm_payloads(old, restarted_id, DECODE_RANKS, old_hash.digest)
             with vllm_listener(old, decode, decode_port):
                 refused = wait_for(
                     "the watch sidecar's False condition",
@@ -111,6 +131,12 @@ def test_a_watch_sidecar_facing_vllm_reports_true_then_the_release_mismatch(
                 )
             assert refused["reason"] == "CompatibilityHashMismatch", log_path.read_text()
             assert "this engine runs vLLM 0.32.0, the peer vLLM 0.33.0" in refused["message"]
+            report = peer_report(core, namespace, DECODE_POD)
+            assert (report.engine_id, report.kv_hash) == (restarted_id, old_hash.digest)
+            assert [(v.pod, v.ok, v.reason, v.kv_hash) for v in report.peers] == [
+                (HEAD_POD, False, "CompatibilityHashMismatch", prediction.digest),
+                (STAGE1_POD, False, "CompatibilityHashMismatch", prediction.digest),
+            ]
             events = core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={DECODE_POD}")
             assert any(
                 e.reason == "CompatibilityHashMismatch" and "vLLM 0.32.0" in (e.message or "")

@@ -57,6 +57,14 @@ def test_a_decode_pod_with_a_healthy_engine_and_prefill_stage_is_ready(tmp_path:
     assert [(rank.pp_rank, rank.tp_rank, rank.metadata.engine_id) for rank in own] == [(0, 0, DECODE_POD)]
     assert (outcome.status, outcome.reason) == ("True", "HandshakesSucceeded")
     assert f"prefill stage 1 (pod {PREFILL_POD})" in outcome.message
+    # The Pod's peer report: its engine as the side channel answers for it, and what each stage advertised.
+    report = outcome.report
+    assert report is not None
+    assert (report.engine_id, report.kv_hash) == (DECODE_POD, engine.compat_hash)
+    assert [(v.pod, v.engine_id, v.ok, v.reason, v.kv_hash) for v in report.peers] == [
+        (HEAD_POD, head.engine_id, True, "HandshakesSucceeded", head.compat_hash),
+        (PREFILL_POD, stage.engine_id, True, "HandshakesSucceeded", stage.compat_hash),
+    ]
 
 
 def test_a_prefill_stage_with_a_matching_decoder_is_ready(tmp_path: Path) -> None:
@@ -100,6 +108,10 @@ def test_the_prefill_stage_refuses_a_decoder_as_the_transfer_sidecar_would(
     assert watched.reason == planned.reason == reason
     assert (outcome.status, outcome.reason) == ("False", reason)
     assert f"decode pod {DECODE_POD} at {HOST}:{decode.side_channel_port}" in outcome.message
+    assert outcome.report is not None
+    assert [(v.pod, v.engine_id, v.ok, v.reason) for v in outcome.report.peers] == [
+        (DECODE_POD, DECODE_POD, False, reason)
+    ]
 
 
 def test_an_engine_on_another_version_than_the_spec_makes_the_pod_unready(tmp_path: Path) -> None:
@@ -122,6 +134,10 @@ def test_an_engine_on_another_version_than_the_spec_makes_the_pod_unready(tmp_pa
     assert [result.error.reason for result in outcome.refusals if result.error] == [
         "CompatibilityHashMismatch"
     ]
+    # Its live engine still vouches for the stage it accepts, with the hash it really advertises: pairing
+    # then finds the stage's side disagreeing, whatever the spec predicted.
+    assert outcome.report is not None
+    assert (outcome.report.engine_id, outcome.report.kv_hash) == (DECODE_POD, stray)
 
 
 def test_an_engine_on_connector_version_11_is_a_version_mismatch(tmp_path: Path) -> None:
@@ -154,6 +170,7 @@ def test_an_engine_that_does_not_answer_is_unreachable_and_named(tmp_path: Path)
     assert (outcome.status, outcome.reason) == ("False", "PeerUnreachable")
     assert f"{HOST}:{watcher.side_channel_port}" in outcome.message
     assert f"this pod's own engine {DECODE_POD}" in outcome.message
+    assert outcome.report is not None and outcome.report.peers == (), "nothing is vouched for"
 
 
 def test_a_healthy_engine_without_peers_waits_for_them(tmp_path: Path) -> None:

@@ -71,6 +71,7 @@ def test_names_scope_and_version() -> None:
     assert list(columns)[:3] == ["Compatible", "KV", "Ready"] and "Age" in columns
     assert columns["Compatible"]["jsonPath"] == '.status.conditions[?(@.type=="Compatible")].status'
     assert columns["KV"]["jsonPath"] == '.status.conditions[?(@.type=="KVTransferReady")].status'
+    assert columns["Pairs"]["jsonPath"] == ".status.routablePairs"
 
 
 @pytest.mark.parametrize("with_cel", [False, True])

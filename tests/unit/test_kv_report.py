@@ -13,16 +13,18 @@ from disagg.operator import builders
 from disagg.operator.api import DisaggDeploymentSpec
 from disagg.operator.compat import evaluate
 from disagg.rig.local_kubelet import pod_ready, resolve_env
-from disagg.worker.kv.errors import CompatibilityHashMismatch, MissingLayers
-from disagg.worker.kv.pod_contract import POD_CONDITION, SIDECAR_CONTAINER
+from disagg.worker.kv.errors import CompatibilityHashMismatch, DisaggError, MissingLayers, PeerUnreachable
+from disagg.worker.kv.peer_report import MAX_PEERS, decode_peer_report, encode_peer_report
+from disagg.worker.kv.pod_contract import PEER_REPORT_ANNOTATION, POD_CONDITION, SIDECAR_CONTAINER
 from disagg.worker.reporting.peer_check import (
     Outcome,
     Peer,
     PeerResult,
+    peer_report,
     peers_from_pods,
     summarize,
 )
-from disagg.worker.reporting.pod_report import condition_patch, event_body, event_name
+from disagg.worker.reporting.pod_report import annotation_patch, condition_patch, event_body, event_name
 from disagg.worker.sidecar.config import SidecarConfig, from_env
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pp2-hma.yaml"
@@ -183,3 +185,35 @@ def test_the_local_kubelet_resolves_the_downward_api_and_enforces_readiness_gate
     pod["status"]["conditions"] = [{"type": POD_CONDITION, "status": "True"}]
     assert pod_ready(pod, containers_ready=True)
     assert not pod_ready(pod, containers_ready=False)
+
+
+def test_a_rounds_results_become_the_pods_peer_report() -> None:
+    mismatch = CompatibilityHashMismatch("NIXL compatibility hash mismatch: local aa, remote bb")
+    results = [
+        PeerResult(decoder("d-1"), None, "d-1-1a2b3c4d", "aa"),
+        PeerResult(decoder("d-2"), mismatch, "d-2-5e6f7a8b", "bb"),
+        # A peer's answer is untrusted: what does not fit the report is unknown, not a broken report.
+        PeerResult(decoder("d-3"), DisaggError("odd", reason="not camel case"), "x" * 1000, "h" * 1000),
+        PeerResult(decoder("d-4"), PeerUnreachable("did not answer")),
+    ]
+    report = peer_report("gemma-prefill-0-0a0b0c0d", "aa", results)
+    assert decode_peer_report(encode_peer_report(report)) == report
+    assert (report.version, report.engine_id, report.kv_hash) == (1, "gemma-prefill-0-0a0b0c0d", "aa")
+    assert [(v.pod, v.engine_id, v.ok, v.reason, v.kv_hash) for v in report.peers] == [
+        ("d-1", "d-1-1a2b3c4d", True, "HandshakesSucceeded", "aa"),
+        ("d-2", "d-2-5e6f7a8b", False, "CompatibilityHashMismatch", "bb"),
+        ("d-3", "", False, "HandshakeFailed", ""),
+        ("d-4", "", False, "PeerUnreachable", ""),
+    ]
+    many = [PeerResult(decoder(f"d-{i}"), None, f"d-{i}", "aa") for i in range(MAX_PEERS + 5)]
+    assert len(peer_report("e", "aa", many).peers) == MAX_PEERS
+
+
+def test_the_peer_report_annotation_is_written_only_when_it_changed() -> None:
+    report = peer_report("e-1", "aa", [PeerResult(decoder("d-1"), None, "d-1", "aa")])
+    patch = annotation_patch({"other": "kept"}, report)
+    assert patch == {"metadata": {"annotations": {PEER_REPORT_ANNOTATION: encode_peer_report(report)}}}
+    assert annotation_patch({PEER_REPORT_ANNOTATION: encode_peer_report(report)}, report) is None
+    assert annotation_patch(None, None) is None, "a round without a report leaves the annotation alone"
+    changed = peer_report("e-1", "aa", [PeerResult(decoder("d-1"), PeerUnreachable("gone"), "", "")])
+    assert annotation_patch({PEER_REPORT_ANNOTATION: encode_peer_report(report)}, changed) is not None

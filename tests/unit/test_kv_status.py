@@ -1,4 +1,4 @@
-"""KVTransferReady aggregation from the sidecars' Pod conditions."""
+"""KVTransferReady aggregation from the sidecars' Pod conditions, and the Routable verdict's message."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ from typing import Any
 import pytest
 
 from disagg.operator.api import ConditionStatus
-from disagg.operator.kv_status import aggregate, pod_kv
+from disagg.operator.kv_status import MAX_ROUTABLE_MESSAGE, aggregate, pod_kv, routable, routable_pairs
 from disagg.worker.kv import errors
+from disagg.worker.kv.pairing import Exclusion, Routing
 from disagg.worker.kv.pod_contract import POD_CONDITION
 
 HANDSHAKE_REASONS = [
@@ -124,3 +125,21 @@ def test_engines_that_agree_against_the_prediction_are_ready_with_a_warning_reas
     verdict = aggregate(pod_kv(p) for p in pods)
     assert (verdict.status, verdict.reason) == (ConditionStatus.TRUE, "CompatibilityHashPredictionDiffers")
     assert f"decode pod d-1: {note}" in verdict.message
+
+
+def test_the_routable_message_names_excluded_pairs_within_a_bound() -> None:
+    exclusions = tuple(
+        Exclusion(
+            "g-prefill-0-0", f"g-decode-{i}", "PodNotReady", f"decode pod g-decode-{i} is not Ready " * 5
+        )
+        for i in range(2000)
+    )
+    verdict = routable(Routing((), (), (), exclusions), reported=True)
+    assert (verdict.status, verdict.reason) == (ConditionStatus.FALSE, "NoRoutablePair")
+    assert verdict.message.startswith(
+        "0 of 2000 prefill/decode pairs routable; excluded: g-prefill-0-0 \u2194 g-decode-0: PodNotReady: "
+    )
+    assert len(verdict.message) < MAX_ROUTABLE_MESSAGE + 300
+    shown = verdict.message.count("\u2194")
+    assert verdict.message.endswith(f"; and {2000 - shown} more")
+    assert routable_pairs(Routing((), (), (), exclusions)) == "0/2000"

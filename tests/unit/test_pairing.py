@@ -315,3 +315,38 @@ def test_hostile_annotations_and_odd_pods_never_raise(
     }.get(field, broken)
     where[field] = junk
     routing_from_pods([*pods.values(), broken, junk])
+
+
+def test_during_a_rolling_version_change_old_pairs_with_old_and_new_with_new() -> None:
+    old, new = ("gemma-prefill-0-0", "gemma-prefill-0-1"), ("gemma-prefill-1-0", "gemma-prefill-1-1")
+    ids = {"gemma-prefill-0": "gemma-prefill-0" + SUFFIX, "gemma-prefill-1": "gemma-prefill-1-5e6f7a8b"}
+    hashes = {D1: HASH, D2: OTHER_HASH, **dict.fromkeys(old, HASH), **dict.fromkeys(new, OTHER_HASH)}
+
+    def engine(name: str) -> str:
+        return ids[name.rsplit("-", 1)[0]] if "prefill" in name else name + SUFFIX
+
+    def seen(judge: str, peer: str) -> PeerVerdict:
+        ok = hashes[judge] == hashes[peer]
+        reason = "HandshakesSucceeded" if ok else "CompatibilityHashMismatch"
+        return PeerVerdict(pod=peer, engine_id=engine(peer), ok=ok, reason=reason, kv_hash=hashes[peer])
+
+    def reporting(name: str, peers: tuple[str, ...]) -> dict[str, Any]:
+        body = PeerReport(
+            version=PEER_REPORT_VERSION,
+            engine_id=engine(name),
+            kv_hash=hashes[name],
+            peers=tuple(seen(name, peer) for peer in peers),
+        )
+        return pod(name, annotation=encode_peer_report(body))
+
+    pods = [reporting(name, (D1, D2)) for name in (*old, *new)]
+    pods += [reporting(name, (*old, *new)) for name in (D1, D2)]
+    routing = routing_from_pods(pods)
+    assert [(p.prefill.head_pod, p.prefill.engine_id, p.decode.pod) for p in routing.pairs] == [
+        (old[0], ids["gemma-prefill-0"], D1),
+        (new[0], ids["gemma-prefill-1"], D2),
+    ]
+    assert [(e.prefill, e.decode, e.reason) for e in routing.exclusions] == [
+        (old[0], D2, "CompatibilityHashMismatch"),
+        (new[0], D1, "CompatibilityHashMismatch"),
+    ]

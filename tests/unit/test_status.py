@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from dd_specs import spec
+from test_pairing import D1, D2, STAGES, annotate, healthy, report, verdict
 
 from disagg.operator import conditions as cond
 from disagg.operator.api import ConditionStatus, DisaggDeploymentStatus
 from disagg.operator.compat import evaluate
-from disagg.operator.kv_status import PodKV
+from disagg.operator.kv_status import PodKV, peers_reported
 from disagg.operator.status import Workload, compute, incompatibility_message, to_json, workload
 from disagg.worker.kv.errors import Violation
+from disagg.worker.kv.pairing import routing_from_pods
 
 T0 = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
 
@@ -31,6 +35,7 @@ def status_of(
     generation: int = 1,
     previous: DisaggDeploymentStatus | None = None,
     now: datetime = T0,
+    engine_pods: Sequence[dict[str, Any]] = (),
 ) -> DisaggDeploymentStatus:
     return compute(
         generation=generation,
@@ -39,6 +44,8 @@ def status_of(
         report=evaluate(spec()),
         workloads=workloads,
         pods=list(pods),
+        routing=routing_from_pods(engine_pods),
+        reported=peers_reported(engine_pods),
         now=now,
     )
 
@@ -54,7 +61,9 @@ def test_fresh_compatible_deployment_is_rolling_out() -> None:
         "Available": ("False", "AwaitingPods"),
         "Progressing": ("True", "RollingOut"),
         "KVTransferReady": ("Unknown", "NoPods"),
+        "Routable": ("Unknown", "NoPairs"),
     }
+    assert status.routable_pairs == "0/0"
     assert status.observed_generation == 1
     assert status.prefill is not None and status.prefill.replicas == 2
     assert status.topology is not None and len(status.topology.stages) == 2
@@ -117,6 +126,7 @@ def test_json_is_what_the_api_server_stores() -> None:
         "Available",
         "Progressing",
         "KVTransferReady",
+        "Routable",
     }
     assert all(c["lastTransitionTime"] == "2026-11-30T09:00:00Z" for c in rendered["conditions"])
     assert "phase" not in rendered
@@ -138,3 +148,52 @@ def test_workload_reads_apps_v1_status() -> None:
     )
     assert observed == Workload("StatefulSet", "g-prefill-0", "prefill", 2, 2, 1, 2, True, 2)
     assert not observed.done
+
+
+def test_routable_counts_the_pairs_and_flips_only_when_no_pair_is_left() -> None:
+    # The same pods and reports the router pairs by (`test_pairing`): PP2 prefill, two decoders.
+    pods = healthy()
+    before = status_of([sts(2), deploy(2)], engine_pods=list(pods.values()))
+    routable = cond.find(before.conditions or [], "Routable")
+    assert routable is not None
+    assert (routable.status, routable.reason) == (ConditionStatus.TRUE, "PairsRoutable")
+    assert routable.message == "2 of 2 prefill/decode pairs routable"
+    assert (before.routable_pairs, routable.observed_generation) == ("2/2", 1)
+
+    mismatch = "CompatibilityHashMismatch"
+    annotate(pods, D2, report(D2, *(verdict(s, ok=False, reason=mismatch) for s in STAGES)))
+    later = T0 + timedelta(minutes=1)
+    degraded = status_of([sts(2), deploy(2)], engine_pods=list(pods.values()), previous=before, now=later)
+    routable = cond.find(degraded.conditions or [], "Routable")
+    assert routable is not None
+    assert (routable.status, routable.reason) == (ConditionStatus.TRUE, "PairsRoutable")
+    assert routable.message.startswith(
+        f"1 of 2 prefill/decode pairs routable; excluded: {STAGES[0]} \u2194 {D2}: {mismatch}: prefill engine"
+    )
+    assert degraded.routable_pairs == "1/2"
+    assert routable.last_transition_time == T0, "still True: the transition time stays"
+
+    annotate(pods, D1, report(D1, verdict(STAGES[0]), verdict(STAGES[1], ok=False, reason="MissingLayers")))
+    latest = T0 + timedelta(minutes=2)
+    broken = status_of([sts(2), deploy(2)], engine_pods=list(pods.values()), previous=degraded, now=latest)
+    routable = cond.find(broken.conditions or [], "Routable")
+    assert routable is not None
+    assert (routable.status, routable.reason) == (ConditionStatus.FALSE, "NoRoutablePair")
+    assert routable.message.startswith("0 of 2 prefill/decode pairs routable; excluded: ")
+    assert f"{D1}: MissingLayers" in routable.message and f"{D2}: {mismatch}" in routable.message
+    assert routable.last_transition_time == latest
+    assert broken.routable_pairs == "0/2"
+
+
+def test_routable_is_unknown_until_a_pod_reports_and_false_after() -> None:
+    pods = healthy()
+    for name in pods:
+        annotate(pods, name, None)
+    waiting = status_of([sts(2), deploy(2)], engine_pods=list(pods.values()))
+    assert by_type(waiting)["Routable"] == ("Unknown", "AwaitingPeerReports")
+    assert waiting.routable_pairs == "0/2"
+    annotate(pods, D1, report(D1, *(verdict(s) for s in STAGES)))
+    assert by_type(status_of([sts(2), deploy(2)], engine_pods=list(pods.values())))["Routable"] == (
+        "False",
+        "NoRoutablePair",
+    )

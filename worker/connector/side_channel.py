@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -261,10 +261,14 @@ def handshake(
     expected_engine_id: str | None,
     local_factors: Mapping[str, Any] | None = None,
     timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+    observe: Callable[[RankReply], None] | None = None,
 ) -> list[PeerHandshake]:
-    """Fetch and decode (hash first, then metadata, then engine id) every target's payload."""
+    """Fetch and decode (hash first, then metadata, then engine id) every target's payload; `observe` sees
+    each reply before its checks, so a caller learns what a refused peer advertised."""
     out = []
     for reply in fetch_payloads(host, port, targets, timeout_s=timeout_s):
+        if observe is not None:
+            observe(reply)
         metadata = wire.decode_handshake_payload(
             reply.payload,
             expected_hash=expected_hash,

@@ -105,6 +105,11 @@ class _Reported:
     report: PeerReport | None
     problem: str | None
     """`InvalidPeerReport`'s message, or None (no report at all when `report` is None too)."""
+    verdicts: Mapping[str, PeerVerdict]
+    """The report's verdicts by peer pod: a deployment's pairs look them up pods × pods times."""
+
+    def verdict(self, pod: str) -> PeerVerdict | None:
+        return self.verdicts.get(pod)
 
 
 @dataclass(frozen=True)
@@ -124,11 +129,12 @@ class _Engine:
 def _reported(pod: EnginePod) -> _Reported:
     text = pod.annotations.get(PEER_REPORT_ANNOTATION)
     if text is None:
-        return _Reported(pod, None, None)
+        return _Reported(pod, None, None, {})
     try:
-        return _Reported(pod, decode_peer_report(text), None)
+        report = decode_peer_report(text)
     except PeerReportError as exc:
-        return _Reported(pod, None, exc.message)
+        return _Reported(pod, None, exc.message, {})
+    return _Reported(pod, report, None, {verdict.pod: verdict for verdict in report.peers})
 
 
 def _short(kv_hash: str) -> str:
@@ -232,11 +238,11 @@ def _refusals(engine: _Engine, decode: _Reported) -> list[tuple[str, str]]:
     out = []
     for stage, found in sorted(engine.stages.items()):
         where = _where(stage, found.pod.name)
-        seen = decode.report.verdict(found.pod.name) if decode.report is not None else None
+        seen = decode.verdict(found.pod.name)
         if seen is not None and not seen.ok:
             sentence = f"decode pod {decode.pod.name} reports {seen.reason} from {where}"
             out.append((seen.reason, sentence + _hashes(decode.report, seen)))
-        saw = found.report.verdict(decode.pod.name) if found.report is not None else None
+        saw = found.verdict(decode.pod.name)
         if saw is not None and not saw.ok:
             sentence = f"{where} reports {saw.reason} from decode pod {decode.pod.name}"
             out.append((saw.reason, sentence + _hashes(found.report, saw)))
@@ -244,7 +250,7 @@ def _refusals(engine: _Engine, decode: _Reported) -> list[tuple[str, str]]:
 
 
 def _hashes(judge: PeerReport | None, verdict: PeerVerdict) -> str:
-    """` (hash x here, y there)` when the refusal's two hashes are known and differ."""
+    """` (its hash x, the peer's y)` when the refusal's two hashes are known and differ."""
     if judge is None or not judge.kv_hash or not verdict.kv_hash or judge.kv_hash == verdict.kv_hash:
         return ""
     return f" (its hash {_short(judge.kv_hash)}, the peer's {_short(verdict.kv_hash)})"
@@ -265,9 +271,9 @@ def _reports(engine: _Engine, decode: _Reported) -> tuple[list[str], list[str]]:
     for stage, found in sorted(engine.stages.items()):
         assert found.report is not None
         where = _where(stage, found.pod.name)
-        if decode.report.verdict(found.pod.name) is None:
+        if decode.verdict(found.pod.name) is None:
             missing.append(f"decode pod {decode.pod.name} has not checked {where} yet")
-        if found.report.verdict(decode.pod.name) is None:
+        if found.verdict(decode.pod.name) is None:
             missing.append(f"{where} has not checked decode pod {decode.pod.name} yet")
     return invalid, missing
 
@@ -291,8 +297,8 @@ def _checks(engine: _Engine, decode: _Reported) -> list[_Check]:
     out = []
     for stage, found in sorted(engine.stages.items()):
         where = _where(stage, found.pod.name)
-        on_stage = decode.report.verdict(found.pod.name)
-        on_decode = found.report.verdict(decode.pod.name) if found.report is not None else None
+        on_stage = decode.verdict(found.pod.name)
+        on_decode = found.verdict(decode.pod.name)
         assert found.report is not None and on_stage is not None and on_decode is not None
         out.append(_Check(decoder, where, found.report, on_stage, decode.report))
         out.append(_Check(where, decoder, decode.report, on_decode, found.report))

@@ -16,6 +16,7 @@ other layers) is refused by every peer, so its own condition is False, naming th
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Final, Literal
@@ -25,6 +26,7 @@ from disagg.worker.connector.push import LocalKV, as_disagg_error
 from disagg.worker.connector.side_channel import (
     DEFAULT_HANDSHAKE_TIMEOUT_S,
     PeerHandshake,
+    RankReply,
     fetch_payloads,
     handshake,
     handshake_target_tp_ranks,
@@ -32,8 +34,19 @@ from disagg.worker.connector.side_channel import (
 )
 from disagg.worker.kv import wire
 from disagg.worker.kv.engine_pods import engine_pod
-from disagg.worker.kv.errors import CompatibilityHashMismatch, DisaggError
+from disagg.worker.kv.errors import CompatibilityHashMismatch, DisaggError, HandshakeError
 from disagg.worker.kv.payload_facts import PayloadFacts, live_differences, payload_facts
+from disagg.worker.kv.peer_report import (
+    MAX_ENGINE_ID_CHARS,
+    MAX_HASH_CHARS,
+    MAX_PEERS,
+    MAX_REASON_CHARS,
+    OK_REASON,
+    PEER_REPORT_VERSION,
+    REASON_PATTERN,
+    PeerReport,
+    PeerVerdict,
+)
 from disagg.worker.kv.topology import Role
 from disagg.worker.sidecar.config import SidecarConfig
 
@@ -69,6 +82,25 @@ class Peer:
     def address(self) -> str:
         through = f" (the side channel of its head pod {self.head})" if self.head else ""
         return f"{self.host}:{self.port}{through}"
+
+
+@dataclass
+class Advertised:
+    """What a peer's side channel advertised during one check (its first reply's hash and engine id), noted
+    before the checks run so that a refusal still says what the peer offered."""
+
+    engine_id: str = ""
+    kv_hash: str = ""
+
+    def note(self, reply: RankReply) -> None:
+        if self.kv_hash or self.engine_id:
+            return
+        try:
+            facts = payload_facts(reply.payload)
+        except DisaggError:
+            return
+        self.kv_hash = facts.compatibility_hash
+        self.engine_id = facts.engine_id or ""
 
 
 def peer_from_pod(pod: Mapping[str, Any]) -> Peer | None:
@@ -123,14 +155,16 @@ def handshake_peer(
     *,
     timeout_s: float,
     live: PayloadFacts | None = None,
+    advertised: Advertised | None = None,
 ) -> list[PeerHandshake]:
     """Handshake `targets` of `peer` at `host` expecting this sidecar's compatibility hash and the peer's
     engine id, as the connector would; with `live` (what this pod's own engine advertises), expecting the
     engine's live hash instead, which is what vLLM itself checks. `peer.engine_id` is the stable prefix the
     operator's engine launcher extends with a per-start suffix; `wire.engine_id_matches` accepts the prefix
-    plus one such suffix."""
+    plus one such suffix. `advertised` notes what the peer offered."""
+    observe = advertised.note if advertised is not None else None
     if live is not None:
-        return live_handshake(config, live, peer, host, targets, timeout_s=timeout_s)
+        return live_handshake(config, live, peer, host, targets, timeout_s=timeout_s, observe=observe)
     return handshake(
         host,
         peer.port,
@@ -139,6 +173,7 @@ def handshake_peer(
         expected_engine_id=peer.engine_id,
         local_factors=config.compat_factors,
         timeout_s=timeout_s,
+        observe=observe,
     )
 
 
@@ -150,11 +185,14 @@ def live_handshake(
     targets: Sequence[tuple[int, int]],
     *,
     timeout_s: float,
+    observe: Callable[[RankReply], None] | None = None,
 ) -> list[PeerHandshake]:
     """vLLM's check between two live engines: every rank's advertised hash against this engine's, then the
     peer's engine id. A mismatch names both engines and what the payloads show of the difference."""
     out = []
     for reply in fetch_payloads(host, peer.port, targets, timeout_s=timeout_s):
+        if observe is not None:
+            observe(reply)
         facts = payload_facts(reply.payload)
         if facts.compatibility_hash != live.compatibility_hash:
             raise CompatibilityHashMismatch(
@@ -189,6 +227,7 @@ def check_peer(
     *,
     timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
     live: PayloadFacts | None = None,
+    advertised: Advertised | None = None,
 ) -> DisaggError | None:
     """Handshake one peer as the connector would; the refusal, or None when it would be accepted.
 
@@ -206,12 +245,13 @@ def check_peer(
     def check() -> None:
         if local is not None and config.role == "prefill":
             targets = handshake_targets(config.tp_size, config.tp_rank, topology.decode_tp, 1)
-            for rank in handshake_peer(config, peer, host, targets, timeout_s=timeout_s):
+            ranks = handshake_peer(config, peer, host, targets, timeout_s=timeout_s, advertised=advertised)
+            for rank in ranks:
                 plan_decode_rank(local, rank.metadata, topology.decode_tp, rank.tp_rank)
         else:
             tp_ranks = handshake_target_tp_ranks(config.tp_size, config.tp_rank, topology.prefill_tp)
             targets = [(peer.stage, tp) for tp in tp_ranks]
-            handshake_peer(config, peer, host, targets, timeout_s=timeout_s, live=live)
+            handshake_peer(config, peer, host, targets, timeout_s=timeout_s, live=live, advertised=advertised)
 
     return peer_refusal(peer, check)
 
@@ -220,6 +260,10 @@ def check_peer(
 class PeerResult:
     peer: Peer
     error: DisaggError | None
+    engine_id: str = ""
+    """The live engine id the peer's side channel answered with ("" if it did not answer)."""
+    kv_hash: str = ""
+    """The compatibility hash the peer advertised ("" if it did not answer)."""
 
 
 @dataclass(frozen=True)
@@ -232,6 +276,8 @@ class Outcome:
     refusals: tuple[PeerResult, ...] = ()
     warnings: tuple[tuple[str, str], ...] = ()
     """(reason, message) pairs posted as Warning Events without failing the condition."""
+    report: PeerReport | None = None
+    """The round's peer report for the Pod's annotation; None leaves the annotation as it is."""
 
 
 def _clip(text: str) -> str:
@@ -299,9 +345,50 @@ def check_round(
     """Handshake every peer among `pods` once and summarize."""
     peers = through_heads(peers_from_pods(pods, config))
     pending = [peer for peer in peers if peer.host is None]
-    results = [
-        PeerResult(peer, check_peer(config, local, peer, timeout_s=timeout_s))
-        for peer in peers
-        if peer.host is not None
-    ]
-    return summarize(config, results, pending)
+    results = []
+    for peer in peers:
+        if peer.host is not None:
+            seen = Advertised()
+            error = check_peer(config, local, peer, timeout_s=timeout_s, advertised=seen)
+            results.append(PeerResult(peer, error, seen.engine_id, seen.kv_hash))
+    engine_id, kv_hash = own_identity(config, local)
+    return replace(summarize(config, results, pending), report=peer_report(engine_id, kv_hash, results))
+
+
+def own_identity(config: SidecarConfig, local: LocalKV | None) -> tuple[str, str]:
+    """(live engine id, compatibility hash) this pod's worker advertises: what its registered KV's payload
+    says, as a peer reads it; the configuration's before the engine registered."""
+    if local is None:
+        return config.engine_id, config.compat_hash or ""
+    facts = payload_facts(local.handshake_payload())
+    return facts.engine_id or config.engine_id, facts.compatibility_hash
+
+
+def _bounded(text: str, limit: int) -> str:
+    # A peer's answer is untrusted: a value too long for the report is unknown, not an unreadable report.
+    return text if len(text) <= limit else ""
+
+
+def peer_report(engine_id: str, kv_hash: str, results: Sequence[PeerResult]) -> PeerReport:
+    """The annotation's report of one round: a verdict per peer handshaken (not those still without an IP),
+    at most `MAX_PEERS`. Pure."""
+    verdicts = []
+    for result in results[:MAX_PEERS]:
+        reason = OK_REASON if result.error is None else result.error.reason
+        if len(reason) > MAX_REASON_CHARS or not re.fullmatch(REASON_PATTERN, reason):
+            reason = HandshakeError.reason
+        verdicts.append(
+            PeerVerdict(
+                pod=result.peer.pod,
+                engine_id=_bounded(result.engine_id, MAX_ENGINE_ID_CHARS),
+                ok=result.error is None,
+                reason=reason,
+                kv_hash=_bounded(result.kv_hash, MAX_HASH_CHARS),
+            )
+        )
+    return PeerReport(
+        version=PEER_REPORT_VERSION,
+        engine_id=engine_id[:MAX_ENGINE_ID_CHARS],
+        kv_hash=_bounded(kv_hash, MAX_HASH_CHARS),
+        peers=tuple(verdicts),
+    )

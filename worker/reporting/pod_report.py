@@ -1,4 +1,5 @@
-"""The sidecar's Kubernetes reporter: its own Pod's `disagg.io/kv-transfer-ready` condition, and Events.
+"""The sidecar's Kubernetes reporter: its own Pod's `disagg.io/kv-transfer-ready` condition, its peer report
+(the `disagg.io/kv-peers` annotation), and Events.
 
 The operator's builders declare a readiness gate on that condition type; the sidecar owns the condition and
 writes it with a strategic-merge patch on `pods/status` (merged by `type`, so the kubelet's own conditions are
@@ -9,7 +10,12 @@ Every refusal by a peer is posted as a Warning Event on the Pod with the refusal
 are one Event whose `count` grows (as the kubelet's probe events do): its name is derived from the reason and
 message, so even a restarted sidecar finds and bumps the Event it posted before.
 
-The pure parts (`condition_patch`, `event_name`, `event_body`) are separate from the client calls.
+The round's peer report (`peer_report.PeerReport`: this engine's live id and hash, a verdict per peer) is
+written as the annotation in the same `pods/status` patch, only when its text changed, so routers and the
+operator, which pair pods by it (`pairing`), see a write only when a verdict, a hash or an engine id changes.
+
+The pure parts (`condition_patch`, `annotation_patch`, `event_name`, `event_body`) are separate from the
+client calls.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from typing import Any, Final
 
 from kubernetes import client, config
 
-from disagg.worker.kv.pod_contract import POD_CONDITION
+from disagg.worker.kv.peer_report import PeerReport, PeerReportError, encode_peer_report
+from disagg.worker.kv.pod_contract import PEER_REPORT_ANNOTATION, POD_CONDITION
 from disagg.worker.reporting.peer_check import Outcome, refusal_message
 
 COMPONENT: Final = "disagg-kv-worker"
@@ -64,6 +71,23 @@ def condition_patch(
         "lastTransitionTime": since,
     }
     return {"status": {"conditions": [condition]}}
+
+
+def annotation_patch(
+    annotations: Mapping[str, str] | None, report: PeerReport | None
+) -> dict[str, Any] | None:
+    """The patch that writes `report` as the Pod's `disagg.io/kv-peers` annotation, or None when it is already
+    there (or there is no report this round, or it cannot be encoded)."""
+    if report is None:
+        return None
+    try:
+        text = encode_peer_report(report)
+    except PeerReportError as exc:
+        log.warning("the peer report is not written: %s", exc.message)
+        return None
+    if (annotations or {}).get(PEER_REPORT_ANNOTATION) == text:
+        return None
+    return {"metadata": {"annotations": {PEER_REPORT_ANNOTATION: text}}}
 
 
 def event_name(pod: str, reason: str, message: str) -> str:
@@ -147,17 +171,33 @@ class PodReporter:
         return _json(self.core.read_namespaced_pod_status(self.pod, self.namespace, _preload_content=False))
 
     def report(self, outcome: Outcome) -> bool:
-        """Record `outcome` on the Pod and post its refusals (and a recovery) as Events; True if it wrote."""
+        """Record `outcome` on the Pod (its condition, and its peer report as the annotation) and post its
+        refusals (and a recovery) as Events; True if it wrote to the Pod."""
         now = self._clock()
         pod = self.read_pod()
         previous = find_condition((pod.get("status") or {}).get("conditions"))
         patch = condition_patch((pod.get("status") or {}).get("conditions"), outcome, now)
-        if patch is not None:
+        annotation = annotation_patch((pod.get("metadata") or {}).get("annotations"), outcome.report)
+        if patch is not None or annotation is not None:
+            # One write through pods/status, which keeps metadata changes (the API server's pod status
+            # strategy resets only the spec, deletion timestamp and owner references): the worker's Role
+            # needs no write on the Pod itself.
             self.core.patch_namespaced_pod_status(
-                self.pod, self.namespace, patch, field_manager=FIELD_MANAGER
+                self.pod, self.namespace, {**(patch or {}), **(annotation or {})}, field_manager=FIELD_MANAGER
             )
+        if patch is not None:
             log.info(
                 "%s: %s=%s (%s) %s", self.pod, POD_CONDITION, outcome.status, outcome.reason, outcome.message
+            )
+        if annotation is not None and outcome.report is not None:
+            vouched = sum(verdict.ok for verdict in outcome.report.peers)
+            log.info(
+                "%s: %s: engine %s vouches for %d of %d peers",
+                self.pod,
+                PEER_REPORT_ANNOTATION,
+                outcome.report.engine_id,
+                vouched,
+                len(outcome.report.peers),
             )
         for refusal in outcome.refusals:
             assert refusal.error is not None
@@ -167,7 +207,7 @@ class PodReporter:
         recovered = previous is not None and previous.get("status") == "False" and outcome.status == "True"
         if recovered:
             self.post_event(pod, "Normal", outcome.reason, outcome.message, now)
-        return patch is not None
+        return patch is not None or annotation is not None
 
     def post_event(
         self, pod: Mapping[str, Any], event_type: str, reason: str, message: str, now: datetime

@@ -4,11 +4,12 @@
 the pod's downward-API identity and the topology file), lays out and registers a KV pool of its own with a
 real NIXL agent (no engine attaches to it), serves that worker's payload on the side channel as the connector
 does, and then, every `--interval` seconds, handshakes the other role's pods of its deployment (`peer_check`)
-and writes the result to its own Pod (`pod_report`). The cluster tests and the control-plane demo run one per
-pod, as the sidecar would run in it. A transferring sidecar in a pod (`pod_api_client`,
-`disagg.worker.cli.transfer`) runs the same `PeerReporter` beside its main loop, with the `LocalKV` the engine
-registered; a watching sidecar
-(`disagg.worker.reporting.watch`) runs it with a round that handshakes its own engine first.
+and writes the result to its own Pod (`pod_report`: the condition, and the peer report annotation
+`disagg.io/kv-peers` the router and the operator pair pods by). The cluster tests and the control-plane demo
+run one per pod, as the sidecar would run in it. A transferring sidecar in a pod (`pod_api_client`,
+`disagg.worker.cli.transfer`) runs the same `PeerReporter` beside its main loop, with the `LocalKV` the
+engine registered; a watching sidecar (`disagg.worker.reporting.watch`) runs it with a round that handshakes
+its own engine first.
 """
 
 from __future__ import annotations

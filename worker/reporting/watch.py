@@ -38,14 +38,17 @@ from disagg.worker.kv.decode_checks import LocalRegion, PrefillRank, check_decod
 from disagg.worker.kv.errors import CompatibilityHashMismatch, DisaggError, WorkerConfigError
 from disagg.worker.kv.layout import AttentionKind
 from disagg.worker.kv.payload_facts import PayloadFacts, payload_facts, prediction_differences
+from disagg.worker.kv.peer_report import PeerReport
 from disagg.worker.kv.pod_contract import LOG_LEVEL_ENV, POD_NAME_ENV
 from disagg.worker.reporting.peer_check import (
+    Advertised,
     Outcome,
     Peer,
     PeerResult,
     check_peer,
     handshake_peer,
     peer_refusal,
+    peer_report,
     peers_from_pods,
     refusal_message,
     summarize,
@@ -201,6 +204,7 @@ def check_decode_peer(
     *,
     timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
     live: PayloadFacts | None = None,
+    advertised: Advertised | None = None,
 ) -> DisaggError | None:
     """A prefill stage's check of one decode pod: handshake the decode ranks each of its engine's TP ranks
     writes to, and check each against that rank's own metadata (`own`, from `check_own_engine`)."""
@@ -212,7 +216,9 @@ def check_decode_peer(
     def check() -> None:
         wanted = {mine.tp_rank: handshake_targets(config.tp_size, mine.tp_rank, decode_tp, 1) for mine in own}
         targets = sorted({target for ranks in wanted.values() for target in ranks})
-        ranks = handshake_peer(config, peer, host, targets, timeout_s=timeout_s, live=live)
+        ranks = handshake_peer(
+            config, peer, host, targets, timeout_s=timeout_s, live=live, advertised=advertised
+        )
         by_target = {(rank.pp_rank, rank.tp_rank): rank.metadata for rank in ranks}
         for mine in own:
             for target in wanted[mine.tp_rank]:
@@ -235,34 +241,40 @@ def watch_round(
     """
     engine = own_engine(config, pod)
 
-    def refused(exc: DisaggError) -> Outcome:
+    def refused(exc: DisaggError, report: PeerReport) -> Outcome:
         named = type(exc)(f"this pod's own engine {config.engine_id}: {exc.message}", reason=exc.reason)
         result = PeerResult(engine, named)
-        return Outcome("False", named.reason, refusal_message(result), (result,))
+        return Outcome("False", named.reason, refusal_message(result), (result,), report=report)
 
     try:
         own = read_own_engine(config, timeout_s=timeout_s)
     except DisaggError as exc:
-        return refused(exc)
+        # Nothing is vouched for while the pod's own engine does not answer as expected.
+        return refused(exc, peer_report(config.engine_id, "", []))
     peers = through_heads(peers_from_pods(pods, config))
     pending = [peer for peer in peers if peer.host is None]
     results = []
     for peer in peers:
         if peer.host is None:
             continue
+        seen = Advertised()
         if config.role == "prefill":
-            error = check_decode_peer(config, own.ranks, peer, timeout_s=timeout_s, live=own.live)
+            error = check_decode_peer(
+                config, own.ranks, peer, timeout_s=timeout_s, live=own.live, advertised=seen
+            )
         else:
-            error = check_peer(config, None, peer, timeout_s=timeout_s, live=own.live)
-        results.append(PeerResult(peer, error))
+            error = check_peer(config, None, peer, timeout_s=timeout_s, live=own.live, advertised=seen)
+        results.append(PeerResult(peer, error, seen.engine_id, seen.kv_hash))
+    report = peer_report(own.live.engine_id or config.engine_id, own.live.compatibility_hash, results)
     if own.prediction_error is None:
-        return summarize(config, results, pending)
+        return replace(summarize(config, results, pending), report=report)
     if not results:
         # No live peer to compare with yet: until one answers, the prediction is all there is.
         factors = "; ".join(prediction_differences(config.compat_factors, own.live))
         error = own.prediction_error
-        return refused(type(error)(f"{error.message}; the engine differs in {factors}", reason=error.reason))
-    outcome = summarize(config, results, pending)
+        message = f"{error.message}; the engine differs in {factors}"
+        return refused(type(error)(message, reason=error.reason), report)
+    outcome = replace(summarize(config, results, pending), report=report)
     warning = prediction_warning(config, own)
     if outcome.status != "True":
         return outcome
