@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from disagg.operator import conditions as cond
 from disagg.operator.api import ConditionStatus, DisaggDeploymentSpec
 from disagg.operator.builders import Installation, Owner, build
+from disagg.operator.builders_router import endpoint_of
 from disagg.operator.compat import CompatReport, evaluate
 from disagg.operator.k8s_apply import Kube
 from disagg.operator.kv_status import peers_reported, pod_kv
@@ -134,6 +135,7 @@ def _write_status(
         routing=routing_from_pods(pods),
         reported=peers_reported(pods),
         now=datetime.now(UTC),
+        endpoint=endpoint_of(children),
     )
     rendered = to_json(status)
     if rendered == current:

@@ -101,6 +101,8 @@ def test_free_form_only_where_the_core_api_owns_the_shape() -> None:
         ".spec.decode.scheduling.tolerations[]",
         ".spec.prefill.scheduling.affinity",
         ".spec.decode.scheduling.affinity",
+        ".spec.router.scheduling.tolerations[]",
+        ".spec.router.scheduling.affinity",
     }
 
 
