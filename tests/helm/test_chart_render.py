@@ -116,6 +116,8 @@ WORKLOAD_RULES = {
     ("", "events"): {"create", "patch"},
     ("", "serviceaccounts"): {"get", "list", "watch", "create", "patch", "delete"},
     ("rbac.authorization.k8s.io", "rolebindings"): {"get", "list", "watch", "create", "patch", "delete"},
+    # Each router's Role (get/list/watch pods, which the operator holds itself, so no `escalate`).
+    ("rbac.authorization.k8s.io", "roles"): {"get", "list", "watch", "create", "patch", "delete"},
     # Only to bind the worker ClusterRole to each deployment's sidecars (resourceNames: that one role).
     ("rbac.authorization.k8s.io", f"clusterroles[{RELEASE}-disagg-worker]"): {"bind"},
 }
@@ -237,6 +239,8 @@ def test_operator_command_probes_and_mounts_match_the_operator_cli(helm_bin: Pat
     assert env["DISAGG_WORKER_IMAGE"] == f"ghcr.io/disagg/disagg-worker:{CHART_META['appVersion']}"
     # The same name the workload role may bind and the worker ClusterRole carries.
     assert env["DISAGG_WORKER_CLUSTERROLE"] == f"{RELEASE}-disagg-worker"
+    # The router runs from the operator's own (light) image.
+    assert env["DISAGG_ROUTER_IMAGE"] == container["image"]
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
     assert mounts[CERT_DIR]["readOnly"] is True
     assert "/tmp" in mounts  # the only writable path under a read-only root filesystem
@@ -268,6 +272,7 @@ def test_values_reach_the_deployment(helm_bin: Path) -> None:
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["DISAGG_LOG_LEVEL"] == "debug"
     assert env["DISAGG_WORKER_IMAGE"] == "registry.example/worker:9.9"
+    assert env["DISAGG_ROUTER_IMAGE"] == "registry.example/op:1.2.3"
     assert pod["nodeSelector"] == {"pool": "system"}
     assert pod["tolerations"] == [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}]
     assert container["resources"]["requests"]["cpu"] == "1"
