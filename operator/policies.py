@@ -458,7 +458,6 @@ def worker_image_violations(spec: DisaggDeploymentSpec, installation: Installati
 # the block size and the model name it serves; everything else that would change what it computes or how its
 # KV is laid out is refused here, before any pod exists.
 
-REFERENCE_ENGINE_REASON: Final = "ReferenceEngineUnsupported"
 # TinyConfig.num_heads: grouped-query attention needs the KV heads to divide them.
 REFERENCE_QUERY_HEADS: Final = 4
 REFERENCE_ENGINE_FLAGS: Final = ("--num-blocks",)
@@ -466,7 +465,7 @@ REFERENCE_ENGINE_FLAGS: Final = ("--num-blocks",)
 
 def _reference_refusal(problem: str) -> Violation:
     return Violation(
-        REFERENCE_ENGINE_REASON,
+        "ReferenceEngineUnsupported",
         f"the image is the project's reference engine (disagg-transfer), which {problem}",
     )
 

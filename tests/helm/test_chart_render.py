@@ -173,6 +173,17 @@ def test_rbac_grants_exactly_the_operators_needs_without_wildcards(helm_bin: Pat
     assert one(objs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == account
 
 
+def test_the_operator_holds_every_permission_it_grants_a_router(helm_bin: Path) -> None:
+    """The API server lets the operator create the router's Role only with permissions it holds itself."""
+    from disagg.operator.builders_router import ROUTER_RULES
+
+    granted = flatten_rules(by_kind(render(helm_bin), "ClusterRole")[f"{RELEASE}-disagg-workloads"])
+    router = flatten_rules({"metadata": {"name": "router"}, "rules": list(ROUTER_RULES)})
+    assert router == {("", "pods"): {"get", "list", "watch"}}
+    for resource, verbs in router.items():
+        assert verbs <= granted[resource], resource
+
+
 def test_watch_namespaces_bind_the_workload_role_only_in_those_namespaces(helm_bin: Path) -> None:
     objs = render(helm_bin, {"watchNamespaces": ["team-a", "team-b"]})
     bindings = [o for o in objs if o["kind"] == "RoleBinding"]

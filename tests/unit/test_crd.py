@@ -72,6 +72,7 @@ def test_names_scope_and_version() -> None:
     assert columns["Compatible"]["jsonPath"] == '.status.conditions[?(@.type=="Compatible")].status'
     assert columns["KV"]["jsonPath"] == '.status.conditions[?(@.type=="KVTransferReady")].status'
     assert columns["Pairs"]["jsonPath"] == ".status.routablePairs"
+    assert columns["Endpoint"]["jsonPath"] == ".status.endpoint" and columns["Endpoint"]["priority"] == 1
 
 
 @pytest.mark.parametrize("with_cel", [False, True])
