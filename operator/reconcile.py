@@ -140,7 +140,10 @@ def _write_status(
     rendered = to_json(status)
     if rendered == current:
         return False
-    kube.patch_status(metadata["namespace"], metadata["name"], rendered)
+    # A merge patch keeps what it does not name: a field the status no longer has (the router's endpoint once
+    # it is disabled) is removed by naming it null.
+    removed = {key: None for key in current if key not in rendered}
+    kube.patch_status(metadata["namespace"], metadata["name"], {**removed, **rendered})
     return True
 
 
