@@ -36,7 +36,7 @@ from disagg.operator.builders_engine import arg_violations, is_reference_engine_
 from disagg.operator.plan import TopologyPlan, model_geometry, plan_topology
 from disagg.worker.kv import releases
 from disagg.worker.kv.errors import LayoutError, Violation
-from disagg.worker.kv.layout import DEFAULT_LAYER_NAME_TEMPLATE, ModelGeometry, full_attention_period
+from disagg.worker.kv.layout import DEFAULT_LAYER_NAME_TEMPLATE, AttentionKind, ModelGeometry, pp_partition
 from disagg.worker.kv.rules import (
     RoleTopology,
     check_topology,
@@ -453,14 +453,19 @@ def worker_image_violations(spec: DisaggDeploymentSpec, installation: Installati
 # ---- the reference engine ----------------------------------------------------------------------------------
 #
 # `disagg engine serve` runs the reference model (`disagg.worker.engine.config.TinyConfig`): float32, one TP
-# rank per pod, 4 query heads, a fixed 32-token sliding window. From the spec it honours the number of layers,
-# the KV heads, the head size, the layer pattern (full attention every N layers, sliding window between),
-# the block size and the model name it serves; everything else that would change what it computes or how its
-# KV is laid out is refused here, before any pod exists.
+# rank per pod, 4 query heads, full attention every third layer with a fixed 32-token sliding window between,
+# layers split evenly over the stages. From the topology it takes the number of layers, the KV heads, the head
+# size, the block size, the pipeline size and the model name it serves (`disagg.worker.engine.serve`'s
+# `model_config` checks the rest); everything else that would change what it computes or how its KV is laid
+# out is refused here, before any pod exists.
 
 # TinyConfig.num_heads: grouped-query attention needs the KV heads to divide them.
 REFERENCE_QUERY_HEADS: Final = 4
+# TinyConfig.full_every: the reference engine builds its layer pattern, not the topology's.
+REFERENCE_FULL_EVERY: Final = 3
 REFERENCE_ENGINE_FLAGS: Final = ("--num-blocks",)
+# `disagg engine serve --num-blocks`: a pool of at least two blocks, at most 2**20.
+REFERENCE_NUM_BLOCKS: Final = range(2, (1 << 20) + 1)
 
 
 def _reference_refusal(problem: str) -> Violation:
@@ -494,8 +499,11 @@ def reference_extra_args(args: Sequence[str]) -> Violation | None:
         if not has_inline:
             value = args[index] if index < len(args) else ""
             index += 1
-        if not (value.isdecimal() and int(value) > 0):
-            return _reference_refusal(f"needs a positive whole number after {name}, not {value[:100]!r}")
+        if not (value.isdecimal() and int(value) in REFERENCE_NUM_BLOCKS):
+            return _reference_refusal(
+                f"needs a whole number from {REFERENCE_NUM_BLOCKS.start} to {REFERENCE_NUM_BLOCKS.stop - 1} "
+                f"after {name}, not {value[:100]!r}"
+            )
     return None
 
 
@@ -525,19 +533,32 @@ def reference_engine_violations(spec: DisaggDeploymentSpec) -> list[Violation]:
         found.append(reference_extra_args(user_args(spec, role)))
     model = spec.model
     kinds = tuple(kind.to_layout() for kind in model.layer_kinds())
-    if full_attention_period(kinds) is None:
+    pattern = tuple(
+        AttentionKind.FULL if (i + 1) % REFERENCE_FULL_EVERY == 0 else AttentionKind.SLIDING_WINDOW
+        for i in range(model.num_layers)
+    )
+    if kinds != pattern:
         found.append(
             _reference_refusal(
-                "has full-attention and sliding-window layers only, full attention every N layers (layer i "
-                "is full iff (i + 1) % N == 0): give spec.model.layerPattern with otherKind SlidingWindow, "
-                "or attentionKinds of that pattern"
+                f"has full attention every {REFERENCE_FULL_EVERY}rd layer and sliding-window layers between "
+                f"(layer i is full iff (i + 1) % {REFERENCE_FULL_EVERY} == 0): set spec.model.layerPattern "
+                f"to {{fullEvery: {REFERENCE_FULL_EVERY}}}"
             )
         )
-    elif spec.engine.hybrid_kv_cache_manager is HybridKVCacheManager.DISABLED and len(set(kinds)) > 1:
+    if spec.engine.hybrid_kv_cache_manager is HybridKVCacheManager.DISABLED:
         found.append(
             _reference_refusal(
                 "pools its sliding-window and full-attention layers as the hybrid KV cache manager does: set "
                 "spec.engine.hybridKvCacheManager to Enabled"
+            )
+        )
+    partition = spec.prefill.layer_partition
+    even = [len(stage) for stage in pp_partition(model.num_layers, spec.prefill.pipeline_parallel_size)]
+    if partition is not None and list(partition) != even:
+        found.append(
+            _reference_refusal(
+                f"splits its layers over the pipeline stages evenly ({even}): remove "
+                "spec.prefill.layerPartition"
             )
         )
     if REFERENCE_QUERY_HEADS % model.num_kv_heads:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 from dd_specs import DELETE, EXAMPLES, load, patched
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from kubernetes.config import incluster_config
 from pydantic import ValidationError
@@ -20,11 +21,16 @@ from disagg.operator.builders_router import ROUTER_CONTAINER, endpoint_of, route
 from disagg.operator.compat import evaluate
 from disagg.operator.k8s_apply import CHILD_APIS, _owned_by
 from disagg.operator.plan import model_geometry
-from disagg.operator.policies import REFERENCE_QUERY_HEADS, REFUSAL_CHAIN, reference_tensor_parallel
+from disagg.operator.policies import (
+    REFERENCE_FULL_EVERY,
+    REFERENCE_QUERY_HEADS,
+    REFUSAL_CHAIN,
+    reference_tensor_parallel,
+)
 from disagg.operator.status import Workload, compute
 from disagg.worker.engine.config import TinyConfig
-from disagg.worker.kv.layout import AttentionKind, full_attention_period
 from disagg.worker.kv.pod_contract import POD_CONDITION, ROLE_LABEL, SIDECAR_CONTAINER
+from disagg.worker.kv.topology import decode_topology
 from disagg.worker.sidecar.config import from_env
 
 OWNER = Owner(name="gemma-pp2", namespace="ns1", uid="0f0e-uid", generation=7)
@@ -397,13 +403,21 @@ REFUSALS = [
         "layerPattern",
     ),
     ({"model": {"layerPattern": {"fullEvery": 3, "otherKind": "MLA"}}}, "layerPattern"),
+    ({"model": {"layerPattern": {"fullEvery": 1}}}, "layerPattern"),
+    ({"model": {"layerPattern": {"fullEvery": 6}}}, "layerPattern"),
     ({"engine": {"hybridKvCacheManager": "Disabled"}}, "hybridKvCacheManager"),
+    (
+        {"model": {"layerPattern": DELETE}, "engine": {"hybridKvCacheManager": "Disabled"}},
+        "hybridKvCacheManager",
+    ),
+    ({"prefill": {"layerPartition": [4, 5]}}, "layerPartition"),
     ({"model": {"numKvHeads": 3}}, "numKvHeads"),
     ({"model": {"headSize": 15}}, "headSize"),
     ({"model": {"layerNameTemplate": "layers.{i}.attn"}}, "layerNameTemplate"),
     ({"engine": {"kvCacheLayout": "BlockOutermost"}}, "kvCacheLayout"),
     ({"engine": {"extraArgs": ["--max-model-len", "512"]}}, "--max-model-len"),
-    ({"decode": {"extraArgs": ["--num-blocks", "0"]}}, "--num-blocks"),
+    ({"decode": {"extraArgs": ["--num-blocks", "1"]}}, "--num-blocks"),
+    ({"decode": {"extraArgs": [f"--num-blocks={(1 << 20) + 1}"]}}, "--num-blocks"),
     ({"prefill": {"extraArgs": ["--num-blocks"]}}, "--num-blocks"),
     ({"prefill": {"extraArgs": ["--master-port", "1"]}}, "--master-port"),
 ]
@@ -436,9 +450,9 @@ def test_a_pull_connector_is_refused_for_the_reference_engine() -> None:
     "patch",
     [
         {"engine": {"extraArgs": ["--num-blocks=128"]}},
-        {"decode": {"extraArgs": ["--num-blocks", "7"]}},
-        {"model": {"layerPattern": {"fullEvery": 1}}},
-        {"model": {"layerPattern": DELETE}, "engine": {"hybridKvCacheManager": "Disabled"}},
+        {"decode": {"extraArgs": ["--num-blocks", "2"]}},
+        {"model": {"layerPattern": DELETE, "attentionKinds": ["SlidingWindow", "SlidingWindow", "Full"] * 3}},
+        {"prefill": {"layerPartition": [5, 4]}},
         {"model": {"numKvHeads": 4, "headSize": 8, "numLayers": 12}},
         {"prefill": {"blockSize": 32}, "decode": {"blockSize": 32, "replicas": 1}},
         {"prefill": {"pipelineParallelSize": 3, "layerPartition": [3, 3, 3]}},
@@ -458,46 +472,31 @@ def test_the_same_spec_with_another_engine_image_is_not_judged_as_the_reference_
     num_layers=st.integers(1, 40),
     kv_heads=st.sampled_from([1, 2, 4]),
     half_head=st.integers(1, 32),
-    period=st.integers(1, 41),
+    pp_size=st.integers(1, 4),
     block_size=st.integers(1, 64),
 )
-def test_every_accepted_geometry_is_one_the_reference_model_builds(
-    num_layers: int, kv_heads: int, half_head: int, period: int, block_size: int
+@settings(max_examples=40, deadline=None)
+def test_every_accepted_geometry_is_one_the_reference_engine_serves(
+    num_layers: int, kv_heads: int, half_head: int, pp_size: int, block_size: int
 ) -> None:
-    """What the operator accepts, `TinyConfig` can be made of (from the topology's geometry), exactly."""
+    """What the operator accepts, `disagg engine serve` builds its model from: its own check of the topology
+    the operator writes (`serve.model_config`) passes for both roles."""
+    from disagg.worker.engine.serve import model_config
+
     spec = reference(
         {
-            "model": {
-                "numLayers": num_layers,
-                "numKvHeads": kv_heads,
-                "headSize": 2 * half_head,
-                "layerPattern": {"fullEvery": period},
-            },
-            "prefill": {"blockSize": block_size, "pipelineParallelSize": 1},
+            "model": {"numLayers": num_layers, "numKvHeads": kv_heads, "headSize": 2 * half_head},
+            "prefill": {"blockSize": block_size, "pipelineParallelSize": min(pp_size, num_layers)},
             "decode": {"blockSize": block_size},
         }
     )
-    assert "ReferenceEngineUnsupported" not in reasons(spec)
-    geometry = model_geometry(spec)
-    full_every = full_attention_period(geometry.kinds)
-    assert full_every is not None
-    tiny = TinyConfig(
-        num_layers=num_layers,
-        num_kv_heads=kv_heads,
-        head_size=2 * half_head,
-        full_every=full_every,
-        block_size=block_size,
-    )
-    assert tiny.geometry == geometry
-    assert tiny.num_heads == REFERENCE_QUERY_HEADS
+    assert reasons(spec) == []
+    objects = built(spec, owner=Owner("tiny-pp2", "ns1", "u", 1))
+    topology = decode_topology(json.loads(objects["ConfigMap", "tiny-pp2-topology"]["data"][TOPOLOGY_KEY]))
+    for role in ("prefill", "decode"):
+        assert model_config(topology, role).geometry == model_geometry(spec)
 
 
-def test_full_attention_period_finds_the_pattern_or_none() -> None:
-    full, sliding = AttentionKind.FULL, AttentionKind.SLIDING_WINDOW
-    assert full_attention_period([sliding, sliding, full] * 3) == 3
-    assert full_attention_period([full] * 4) == 1
-    assert full_attention_period([sliding] * 4) == 5
-    assert full_attention_period([sliding, full, full]) is None
-    assert full_attention_period([sliding, sliding, full, sliding]) == 3
-    assert full_attention_period([full, AttentionKind.MLA]) is None
-    assert full_attention_period([]) is None
+def test_the_policy_constants_are_the_reference_models() -> None:
+    tiny = TinyConfig()
+    assert (tiny.num_heads, tiny.full_every) == (REFERENCE_QUERY_HEADS, REFERENCE_FULL_EVERY)

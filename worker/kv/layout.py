@@ -189,20 +189,6 @@ class ModelGeometry:
         return 2 * block_size * self.heads_per_rank(tp_size) * self.head_size * self.dtype_bytes
 
 
-def full_attention_period(kinds: Sequence[AttentionKind]) -> int | None:
-    """The `period` of `ModelGeometry.with_full_every` (sliding-window layers between) that gives `kinds`, or
-    None when no period does: the one layer pattern the reference engine's model (`TinyConfig.full_every`)
-    can express. No full-attention layer at all is the period one past the last layer."""
-    if not kinds or any(kind not in (AttentionKind.FULL, AttentionKind.SLIDING_WINDOW) for kind in kinds):
-        return None
-    period = next((i + 1 for i, kind in enumerate(kinds) if kind is AttentionKind.FULL), len(kinds) + 1)
-    expected = [
-        AttentionKind.FULL if (i + 1) % period == 0 else AttentionKind.SLIDING_WINDOW
-        for i in range(len(kinds))
-    ]
-    return period if list(kinds) == expected else None
-
-
 def kv_cache_groups(geometry: ModelGeometry) -> tuple[tuple[str, ...], ...]:
     """vLLM's global `kv_cache_groups` (layer names per group, model order inside a group), §1.2."""
     kinds = geometry.effective_kinds()
