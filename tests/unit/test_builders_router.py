@@ -29,6 +29,7 @@ from disagg.operator.policies import (
 )
 from disagg.operator.status import Workload, compute
 from disagg.worker.engine.config import TinyConfig
+from disagg.worker.kv.pairing import routing_from_pods
 from disagg.worker.kv.pod_contract import POD_CONDITION, ROLE_LABEL, SIDECAR_CONTAINER
 from disagg.worker.kv.topology import decode_topology
 from disagg.worker.sidecar.config import from_env
@@ -271,6 +272,8 @@ def test_available_counts_the_engines_and_progressing_waits_for_the_router() -> 
         report=report,
         workloads=[*engines, router],
         pods=[],
+        routing=routing_from_pods([]),
+        reported=False,
         now=datetime(2026, 12, 1, tzinfo=UTC),
         endpoint="http://gemma-pp2-router.ns1.svc:8000",
     )
