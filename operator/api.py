@@ -517,6 +517,41 @@ class WorkerSpec(ApiModel):
     )
 
 
+# A router binds its port as a non-root user, which cannot bind below 1024 without a capability.
+MIN_ROUTER_PORT: Final = 1024
+MAX_ROUTER_REPLICAS: Final = 64
+
+
+class RouterSpec(ApiModel):
+    """The OpenAI-compatible request router in front of the engines (`disagg router run`): a Deployment and a
+    ClusterIP Service named `<name>-router`, sending each request to a prefill engine and a decoder whose
+    sidecars report a successful KV handshake with each other."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Create the router; false leaves it out (and removes one that exists), for a router of "
+        "your own.",
+    )
+    replicas: int = Field(
+        default=1, ge=0, le=MAX_ROUTER_REPLICAS, description="Router pods behind the Service."
+    )
+    image: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=512,
+        description="Router container image. Default: the operator's DISAGG_ROUTER_IMAGE (the Helm chart "
+        "sets the operator's own image), else the sidecar image (every disagg image has the router).",
+    )
+    port: int = Field(
+        default=8000,
+        ge=MIN_ROUTER_PORT,
+        le=65535,
+        description="Port of the router's Service and container; 1024 or above (the router is not root).",
+    )
+    resources: Resources | None = Field(default=None, description="Router container resources (core/v1).")
+    scheduling: SchedulingSpec | None = Field(default=None, description="Node selection for the router pods.")
+
+
 class DisaggDeploymentSpec(ApiModel):
     """A prefill/decode pair serving one model, with KV pushed from prefill stages to decode."""
 
@@ -533,6 +568,11 @@ class DisaggDeploymentSpec(ApiModel):
         default_factory=lambda: WorkerSpec(),
         json_schema_extra={"default": {}},
         description="The KV-transfer worker sidecar.",
+    )
+    router: RouterSpec = Field(
+        default_factory=lambda: RouterSpec(),
+        json_schema_extra={"default": {}},
+        description="The OpenAI-compatible router in front of the engines (on by default).",
     )
 
     def role(self, role: Role) -> RoleSpec:
@@ -639,6 +679,12 @@ class DisaggDeploymentStatus(ApiModel):
         default=None,
         max_length=64,
         description="Routable (prefill engine, decode pod) pairs of all pairs, e.g. 3/4 (see Routable).",
+    )
+    endpoint: str | None = Field(
+        default=None,
+        max_length=512,
+        description="URL of the router's Service, the deployment's OpenAI-compatible API "
+        "(http://<name>-router.<namespace>.svc:<port>); absent while no router Service exists.",
     )
 
 

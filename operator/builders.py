@@ -26,6 +26,7 @@ from disagg.operator.api import API_VERSION, KIND, DisaggDeploymentSpec, KVPoolM
 from disagg.operator.builders_engine import (
     HTTP_PORT,
     engine_container,
+    is_reference_engine_image,
     is_vllm_image,
     role_image,
     role_release,
@@ -78,6 +79,7 @@ KV_POOL_DIR: Final = "/dev/hugepages"
 KV_POOL_FILE: Final = f"{KV_POOL_DIR}/kv-pool"
 ENGINE_CONTAINER: Final = "engine"
 WORKER_IMAGE_ENV: Final = "DISAGG_WORKER_IMAGE"
+ROUTER_IMAGE_ENV: Final = "DISAGG_ROUTER_IMAGE"
 WORKER_CLUSTER_ROLE_ENV: Final = "DISAGG_WORKER_CLUSTERROLE"
 DEFAULT_WORKER_CLUSTER_ROLE: Final = "disagg-worker"
 # The API server credentials the sidecar's in-cluster client reads (token, ca.crt, namespace), projected as
@@ -138,17 +140,25 @@ class Installation:
     worker_cluster_role: str = DEFAULT_WORKER_CLUSTER_ROLE
     # The sidecar image of a spec that names none.
     worker_image: str | None = None
+    # The router image of a spec that names none.
+    router_image: str | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> Installation:
         return cls(
             worker_cluster_role=environ.get(WORKER_CLUSTER_ROLE_ENV) or DEFAULT_WORKER_CLUSTER_ROLE,
             worker_image=environ.get(WORKER_IMAGE_ENV) or None,
+            router_image=environ.get(ROUTER_IMAGE_ENV) or None,
         )
 
     def sidecar_image(self, spec: DisaggDeploymentSpec) -> str | None:
         """The spec's sidecar image, else this installation's default; None when neither names one."""
         return spec.worker.image or self.worker_image
+
+    def router_image_of(self, spec: DisaggDeploymentSpec) -> str | None:
+        """The spec's router image, else this installation's default, else the sidecar image (every disagg
+        image has `disagg router run`), so a spec the sidecar can run needs nothing new for its router."""
+        return spec.router.image or self.router_image or self.sidecar_image(spec)
 
 
 def child_name(owner: str, *parts: str) -> str:
@@ -264,6 +274,9 @@ def build(
     factors: Mapping[Role, Mapping[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """Every object the deployment needs, in apply order (what the pods mount or run as comes first)."""
+    # Imported here: builders_router builds on this module's helpers.
+    from disagg.operator.builders_router import router_objects
+
     topology = encode_topology(topology_document(spec, owner, plan, hashes, factors))
     checksum = hashlib.sha256(topology.encode()).hexdigest()[:16]
     objects: list[dict[str, Any]] = [
@@ -281,6 +294,7 @@ def build(
     name = decode_name(owner.name)
     objects.append(_service(spec, owner, name, selector_labels(owner.name, "decode"), "decode"))
     objects.append(_deployment(spec, owner, plan, hashes["decode"], checksum, installation))
+    objects += router_objects(spec, owner, installation)
     return objects
 
 
@@ -554,6 +568,18 @@ def _pod_template(
         engine_container_spec["command"] = list(engine.command)
     if engine.args:
         engine_container_spec["args"] = list(engine.args)
+    if is_reference_engine_image(role_image(spec, role)):
+        # `disagg engine serve` advertises the hash its sidecar checks peers against.
+        engine_container_spec["env"].append({"name": COMPATIBILITY_HASH_ENV, "value": compat_hash})
+        if role == "decode":
+            # A decoder takes requests once its server is up. Not on prefill: the StatefulSet's template is
+            # every stage's, and only the head serves HTTP (the other stages run headless).
+            engine_container_spec["readinessProbe"] = {
+                "httpGet": {"path": "/readyz", "port": "http"},
+                "periodSeconds": 5,
+                "timeoutSeconds": 3,
+                "failureThreshold": 3,
+            }
     # The engine writes its caches (torch.compile, Triton, model downloads) under its root filesystem.
     engine_container_spec["securityContext"] = _copy(_MOVES_KV if engine_moves_kv else _UNPRIVILEGED)
     sidecar = {

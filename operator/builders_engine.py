@@ -16,7 +16,12 @@ pod. A watcher knows only the prefix and accepts an engine id that is the prefix
 (`wire.engine_id_matches`); the full id is what the side channel answers. vLLM broadcasts TP rank 0's id
 over the TP and PP groups, so every stage of a prefill engine advertises the head's id.
 
-A user's extra arguments are kept; one that repeats an owned flag with
+The project's own reference engine (`is_reference_engine_image`) runs `disagg engine serve` (the
+OpenAI-compatible server of `disagg.worker.engine`), configured by the same pod environment and topology
+file as its transfer sidecar; the builders add only its port and, on the stages of a PP prefill engine, the
+head pod's rendezvous address (`policies.reference_engine_can_run` refuses what it cannot run).
+
+A user's extra arguments to vLLM are kept; one that repeats an owned flag with
 the spec's own value is dropped as redundant, and one that contradicts the spec is refused with a violation,
 never silently overridden. Other engines receive the user's arguments and the `DISAGG_*` environment only.
 
@@ -115,6 +120,23 @@ def is_vllm_image(image: str) -> bool:
     repository = image.split("@", 1)[0]
     last = repository.rsplit("/", 1)[-1].split(":", 1)[0]
     return "vllm" in last.lower()
+
+
+REFERENCE_ENGINE_REPOSITORY: Final = "disagg-transfer"
+
+
+def is_reference_engine_image(image: str) -> bool:
+    """The project's own engine image: its repository's last path component is `disagg-transfer` (any
+    registry, any tag or digest)."""
+    repository = image.split("@", 1)[0]
+    last = repository.rsplit("/", 1)[-1]
+    return last.split(":", 1)[0] == REFERENCE_ENGINE_REPOSITORY
+
+
+def reference_engine_args(spec: DisaggDeploymentSpec, role: Role, master: str | None) -> tuple[str, ...]:
+    """`disagg engine serve`'s arguments; `master` is the head pod's DNS name on a PP prefill engine."""
+    rendezvous = ("--master-addr", master, "--master-port", str(MASTER_PORT)) if master is not None else ()
+    return ("engine", "serve", "--port", str(HTTP_PORT), *rendezvous, *user_args(spec, role))
 
 
 def role_image(spec: DisaggDeploymentSpec, role: Role) -> str:
@@ -306,9 +328,11 @@ def engine_container(
     """Command, args and env of the engine container; `stage_service` is the DNS name of stage 0 (PP > 1)."""
     env = list(identity_env)
     args = user_args(spec, role)
+    master = stage_service if _multi_node(spec, role) else None
+    if is_reference_engine_image(role_image(spec, role)):
+        return EngineContainer(("disagg",), reference_engine_args(spec, role, master), tuple(env))
     if not is_vllm_image(role_image(spec, role)):
         return EngineContainer(command=(), args=args, env=tuple(env))
-    master = stage_service if _multi_node(spec, role) else None
     owned = _owned_flags(spec, role, master)
     kept, violations = _split_user_args(args, owned, role)
     if violations:

@@ -153,15 +153,32 @@ def _summary_lines(dd: DisaggDeployment, report: CompatReport) -> list[str]:
     else:
         lines.append(f"  compatibility hash vLLM computes: prefill {report.hashes['prefill']}")
         lines.append(f"                                    decode  {report.hashes['decode']}")
+    lines.append(_router_text(dd))
     return lines
 
 
+def _router_text(dd: DisaggDeployment) -> str:
+    from disagg.operator.builders_router import router_endpoint, router_name
+
+    router = dd.spec.router
+    if not router.enabled:
+        return "  router: none (spec.router.enabled is false)"
+    replicas = _plural(router.replicas, "replica")
+    if not dd.metadata.name:
+        return f"  router: {replicas}, port {router.port}"
+    url = router_endpoint(router_name(dd.metadata.name), _plan_namespace(dd), router.port)
+    return f"  router: {replicas} behind {url} (OpenAI-compatible API)"
+
+
 def _engine_text(spec: DisaggDeploymentSpec, role: Role) -> str:
+    from disagg.operator.builders_engine import is_reference_engine_image, role_image
     from disagg.worker.kv.releases import release_of
 
     version = spec.effective(role, "version", spec.engine.version)
     release = release_of(version)
     known = f"NIXL connector version {release.connector_version}" if release else "not a supported release"
+    if is_reference_engine_image(role_image(spec, role)):
+        return f"the reference engine (disagg engine serve) as vLLM {version} ({known})"
     return f"vLLM {version} ({known})"
 
 

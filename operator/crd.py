@@ -323,6 +323,13 @@ PRINTER_COLUMNS: Final[tuple[dict[str, Any], ...]] = (
         "priority": 1,
     },
     _condition_column("Reason", "Compatible", "Why the pair is (in)compatible.", field="reason", priority=1),
+    {
+        "name": "Endpoint",
+        "type": "string",
+        "jsonPath": ".status.endpoint",
+        "description": "The router's URL: the deployment's OpenAI-compatible API.",
+        "priority": 1,
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 )
 

@@ -28,6 +28,7 @@ CHILD_APIS: Final = {
     "Service": ("core", "service"),
     "ConfigMap": ("core", "config_map"),
     "ServiceAccount": ("core", "service_account"),
+    "Role": ("rbac", "role"),
     "RoleBinding": ("rbac", "role_binding"),
 }
 

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from disagg.operator import conditions as cond
 from disagg.operator.api import ConditionStatus, DisaggDeploymentSpec
 from disagg.operator.builders import Installation, Owner, build
+from disagg.operator.builders_router import endpoint_of
 from disagg.operator.compat import CompatReport, evaluate
 from disagg.operator.k8s_apply import Kube
 from disagg.operator.kv_status import peers_reported, pod_kv
@@ -134,11 +135,15 @@ def _write_status(
         routing=routing_from_pods(pods),
         reported=peers_reported(pods),
         now=datetime.now(UTC),
+        endpoint=endpoint_of(children),
     )
     rendered = to_json(status)
     if rendered == current:
         return False
-    kube.patch_status(metadata["namespace"], metadata["name"], rendered)
+    # A merge patch keeps what it does not name: a field the status no longer has (the router's endpoint once
+    # it is disabled) is removed by naming it null.
+    removed = {key: None for key in current if key not in rendered}
+    kube.patch_status(metadata["namespace"], metadata["name"], {**removed, **rendered})
     return True
 
 

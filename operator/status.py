@@ -82,9 +82,11 @@ def compute(
     routing: Routing,
     reported: bool,
     now: datetime,
+    endpoint: str | None = None,
 ) -> DisaggDeploymentStatus:
     """The whole status; `violations` are every refusal (pre-flight rules and engine-argument conflicts);
-    `routing` is `pairing.routing_from_pods` of the pods, `reported` whether any pod has a peer report."""
+    `routing` is `pairing.routing_from_pods` of the pods, `reported` whether any pod has a peer report;
+    `endpoint` is the router Service's URL, when one exists."""
     updates: list[Condition] = []
     applied = sorted({w.generation for w in workloads if w.generation is not None})
     if violations:
@@ -152,10 +154,13 @@ def compute(
         topology=report.plan.to_status() if report.plan is not None else None,
         compatibility_hashes=RoleHashes(prefill=report.hashes["prefill"], decode=report.hashes["decode"]),
         routable_pairs=routable_pairs(routing),
+        endpoint=endpoint,
     )
 
 
-def _available(workloads: Sequence[Workload], violations: Sequence[Violation], now: datetime) -> Condition:
+def _available(every: Sequence[Workload], violations: Sequence[Violation], now: datetime) -> Condition:
+    # The engines serve; the router's rollout is Progressing's business, not whether the engines are up.
+    workloads = [w for w in every if w.role in ("prefill", "decode")]
     if not workloads:
         reason = "Incompatible" if violations else "NoWorkloads"
         return cond.desired(cond.AVAILABLE, ConditionStatus.FALSE, reason, "no engine workloads exist", now)

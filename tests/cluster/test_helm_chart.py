@@ -139,6 +139,7 @@ WORKLOAD_GRANTS = {
     ("", "events"): {"create", "patch"},
     ("", "serviceaccounts"): {"get", "list", "watch", "create", "patch", "delete"},
     ("rbac.authorization.k8s.io", "rolebindings"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("rbac.authorization.k8s.io", "roles"): {"get", "list", "watch", "create", "patch", "delete"},
 }
 BASIC_USER_GRANTS = {
     ("authorization.k8s.io", "selfsubjectaccessreviews"): {"create"},
@@ -495,6 +496,15 @@ def test_operator_runs_on_the_charts_arguments_identity_and_certificate(
         ]
         assert statefulsets, "no StatefulSet was applied"
         assert all(s["metadata"]["ownerReferences"][0]["name"] == name for s in statefulsets)
+        # The router's Role grants pods get/list/watch, which the operator may only do holding them itself;
+        # its Deployment is applied last.
+        poll(lambda: release.get("deployment", f"{name}-router") is not None, f"{name}-router applied")
+        router_role = release.must_get("role", f"{name}-router")
+        assert router_role["rules"] == [
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+        ]
+        [router] = release.must_get("deployment", f"{name}-router")["spec"]["template"]["spec"]["containers"]
+        assert router["image"] == env["DISAGG_ROUTER_IMAGE"]
 
         def applied_event_posted() -> bool:  # kopf posts Events from a queue, after the handler returns
             events = json.loads(release.cp.kubectl("get", "events", "-n", ns, "-o", "json").stdout)["items"]

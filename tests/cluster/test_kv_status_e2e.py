@@ -39,6 +39,8 @@ SPEC_PATCH: dict[str, Any] = {
     "model": {"numLayers": 12, "numKvHeads": 4, "headSize": 16},
     "prefill": {"pipelineParallelSize": 2},
     "decode": {"replicas": 2},
+    # What these tests judge is the sidecars' KV status; the router's own tests run it against these pods.
+    "router": {"enabled": False},
 }
 TIMEOUT_S = 120.0
 T0 = datetime(2026, 11, 30, 9, 0, 0, tzinfo=UTC)

@@ -34,12 +34,13 @@ def test_valid_spec_creates_owned_children_and_conditions(cluster: Cluster, ns: 
     assert "2 prefill stage(s)" in compatible["message"] and "layer-name routing" in compatible["message"]
     names = wait_for(
         "every child",
-        lambda: satisfied(cluster.names(ns, NAME), lambda n: bool(n["Deployment"] and n["StatefulSet"])),
+        # The router's Deployment is applied last.
+        lambda: satisfied(cluster.names(ns, NAME), lambda n: "gemma-router" in n["Deployment"]),
     )
     assert names == {
         "StatefulSet": ["gemma-prefill-0"],
-        "Deployment": ["gemma-decode"],
-        "Service": ["gemma-decode", "gemma-prefill-0"],
+        "Deployment": ["gemma-decode", "gemma-router"],
+        "Service": ["gemma-decode", "gemma-prefill-0", "gemma-router"],
         "ConfigMap": ["gemma-topology"],
     }
     body = cluster.get(ns, NAME)
@@ -172,7 +173,7 @@ def test_scaling_and_spec_changes_converge(cluster: Cluster, ns: str) -> None:
             cluster.names(ns, NAME),
             lambda n: (
                 n["StatefulSet"] == ["gemma-prefill-0"]
-                and n["Service"] == ["gemma-decode", "gemma-prefill-0"]
+                and n["Service"] == ["gemma-decode", "gemma-prefill-0", "gemma-router"]
             ),
         ),
     )
@@ -225,6 +226,20 @@ def test_available_and_kv_transfer_ready_follow_the_pods(cluster: Cluster, ns: s
         cluster.patch_pod_status(ns, pod["metadata"]["name"], _ready(f"10.244.0.{index + 10}", ok))
     cluster.wait_condition(ns, NAME, "KVTransferReady", "True", "HandshakesSucceeded")
     cluster.wait_condition(ns, NAME, "Available", "True", "AllReplicasReady")
+    # The rollout includes the router's: complete once its pod is ready too.
+    [router] = wait_for("the router pod", lambda: router_pods(cluster, ns))
+    cluster.patch_pod_status(
+        ns,
+        router["metadata"]["name"],
+        {
+            "phase": "Running",
+            "podIP": "10.244.0.9",
+            "conditions": [
+                {"type": "Ready", "status": "True"},
+                {"type": "ContainersReady", "status": "True"},
+            ],
+        },
+    )
     cluster.wait_condition(ns, NAME, "Progressing", "False", "RolloutComplete")
 
     decode = sorted(
@@ -324,3 +339,125 @@ def test_sidecars_run_as_their_own_account_with_the_worker_role_in_their_namespa
     assert _can(cluster, sidecar, ns, "patch", "pods") == "no"
     assert _can(cluster, sidecar, ns, "get", "secrets") == "no"
     assert _can(cluster, sidecar, "default", "patch", "pods/status") == "no"
+
+
+ROUTER = "gemma-router"
+ROUTER_KINDS = ("serviceaccount", "role", "rolebinding", "service", "deployment")
+
+
+def router_pods(cluster: Cluster, ns: str) -> list[dict[str, Any]]:
+    selector = f"disagg.io/deployment={NAME},disagg.io/component=router"
+    response = cluster.core.list_namespaced_pod(ns, label_selector=selector, _preload_content=False)
+    items: list[dict[str, Any]] = json.loads(response.data)["items"]
+    return items
+
+
+def _engine_state(cluster: Cluster, ns: str) -> dict[str, Any]:
+    """What must not move when only the router changes: the engine objects' specs and the engine pods. (Not a
+    Deployment's generation: the API server bumps it when its annotations change, and the operator stamps the
+    spec's generation on every child it applies.)"""
+    children = cluster.children(ns, NAME)
+    state: dict[str, Any] = {
+        f"{kind} {item['metadata']['name']}": item.get("spec")
+        for kind in ("StatefulSet", "Deployment", "Service")
+        for item in children[kind]
+        if item["metadata"]["name"] != ROUTER
+    }
+    state |= {f"ConfigMap {c['metadata']['name']}": c["data"] for c in children["ConfigMap"]}
+    state["pods"] = sorted((p["metadata"]["name"], p["metadata"]["uid"]) for p in children["Pod"])
+    state["worker binding"] = (_get(cluster, "rolebinding", ns, "gemma-kv-worker") or {}).get("roleRef")
+    return state
+
+
+def test_the_router_is_applied_server_side_and_removed_when_disabled(cluster: Cluster, ns: str) -> None:
+    create(cluster, ns)
+    router = {
+        kind: wait_for(f"the router {kind}", lambda k=kind: _get(cluster, k, ns, ROUTER))
+        for kind in ROUTER_KINDS
+    }
+    body = cluster.get(ns, NAME)
+    assert body is not None
+    for kind, obj in router.items():
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == (
+            "DisaggDeployment",
+            NAME,
+            body["metadata"]["uid"],
+            True,
+        ), kind
+        applies = {e["manager"] for e in obj["metadata"]["managedFields"] if e["operation"] == "Apply"}
+        assert applies == {"disagg-operator"}, kind
+        assert obj["metadata"]["labels"]["disagg.io/component"] == "router", kind
+    assert router["role"]["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
+    assert router["rolebinding"]["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": ROUTER,
+    }
+    assert router["rolebinding"]["subjects"] == [{"kind": "ServiceAccount", "name": ROUTER, "namespace": ns}]
+    service = router["service"]["spec"]
+    assert service["type"] == "ClusterIP" and service["clusterIP"] not in ("", "None")
+    assert service["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
+    template = router["deployment"]["spec"]["template"]
+    assert service["selector"].items() <= template["metadata"]["labels"].items()
+    [container] = template["spec"]["containers"]
+    assert container["args"] == ["router", "run", "--deployment", NAME, "--namespace", ns, "--port", "8000"]
+    # No DISAGG_ROUTER_IMAGE (unless this environment gives the operator one): the sidecar's image.
+    assert container["image"] == (os.environ.get("DISAGG_ROUTER_IMAGE") or "ghcr.io/disagg/disagg:0.1.0")
+    assert template["spec"]["serviceAccountName"] == ROUTER
+    # The controller manager made its pod; it is no engine pod (those carry the instance label).
+    [pod] = wait_for("the router pod", lambda: router_pods(cluster, ns))
+    assert "disagg.io/role" not in pod["metadata"]["labels"]
+    engine_pods = wait_for(
+        "the engine pods", lambda: satisfied(cluster.children(ns, NAME)["Pod"], lambda p: len(p) == 4)
+    )
+    assert pod["metadata"]["name"] not in {p["metadata"]["name"] for p in engine_pods}
+    # Its account reads the namespace's pods and does nothing else.
+    account = f"system:serviceaccount:{ns}:{ROUTER}"
+    for verb in ("get", "list", "watch"):
+        assert _can(cluster, account, ns, verb, "pods") == "yes", verb
+    for verb, resource in (
+        ("patch", "pods"),
+        ("patch", "pods/status"),
+        ("list", "services"),
+        ("get", "secrets"),
+    ):
+        assert _can(cluster, account, ns, verb, resource) == "no", (verb, resource)
+    assert _can(cluster, account, "default", "list", "pods") == "no"
+    endpoint = f"http://{ROUTER}.{ns}.svc:8000"
+    wait_for(
+        "status.endpoint", lambda: (cluster.get(ns, NAME) or {}).get("status", {}).get("endpoint") == endpoint
+    )
+
+    before = _engine_state(cluster, ns)
+    cluster.patch_spec(ns, NAME, {"router": {"enabled": False}})
+    wait_for(
+        "the router's objects pruned",
+        lambda: all(_get(cluster, kind, ns, ROUTER) is None for kind in ROUTER_KINDS),
+    )
+    wait_for(
+        "no status.endpoint", lambda: "endpoint" not in ((cluster.get(ns, NAME) or {}).get("status") or {})
+    )
+    compatible = cluster.wait_condition(ns, NAME, "Compatible", "True")
+    assert compatible["observedGeneration"] == 2
+    assert _engine_state(cluster, ns) == before
+
+    cluster.patch_spec(ns, NAME, {"router": {"enabled": True, "replicas": 2, "port": 9000}})
+    deployment = wait_for(
+        "the router back with two replicas",
+        lambda: satisfied(
+            _get(cluster, "deployment", ns, ROUTER), lambda d: d is not None and d["spec"]["replicas"] == 2
+        ),
+    )
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] == 9000
+    assert (_get(cluster, "service", ns, ROUTER) or {})["spec"]["ports"][0]["port"] == 9000
+    wait_for(
+        "status.endpoint on the new port",
+        lambda: (
+            (cluster.get(ns, NAME) or {}).get("status", {}).get("endpoint")
+            == f"http://{ROUTER}.{ns}.svc:9000"
+        ),
+    )
+    assert _engine_state(cluster, ns) == before

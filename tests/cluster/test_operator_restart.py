@@ -36,8 +36,10 @@ def test_killed_mid_reconcile_converges_without_duplicates(
 ) -> None:
     expected = {
         "StatefulSet": sorted(f"{NAME}-prefill-{r}" for r in range(REPLICAS)),
-        "Deployment": [f"{NAME}-decode"],
-        "Service": sorted([f"{NAME}-decode", *(f"{NAME}-prefill-{r}" for r in range(REPLICAS))]),
+        "Deployment": [f"{NAME}-decode", f"{NAME}-router"],
+        "Service": sorted(
+            [f"{NAME}-decode", f"{NAME}-router", *(f"{NAME}-prefill-{r}" for r in range(REPLICAS))]
+        ),
         "ConfigMap": [f"{NAME}-topology"],
     }
     operator = OperatorProcess(cluster.cp, [ns], tmp_path_factory.mktemp("restart") / "operator.log")

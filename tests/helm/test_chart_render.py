@@ -116,6 +116,8 @@ WORKLOAD_RULES = {
     ("", "events"): {"create", "patch"},
     ("", "serviceaccounts"): {"get", "list", "watch", "create", "patch", "delete"},
     ("rbac.authorization.k8s.io", "rolebindings"): {"get", "list", "watch", "create", "patch", "delete"},
+    # Each router's Role (get/list/watch pods, which the operator holds itself, so no `escalate`).
+    ("rbac.authorization.k8s.io", "roles"): {"get", "list", "watch", "create", "patch", "delete"},
     # Only to bind the worker ClusterRole to each deployment's sidecars (resourceNames: that one role).
     ("rbac.authorization.k8s.io", f"clusterroles[{RELEASE}-disagg-worker]"): {"bind"},
 }
@@ -169,6 +171,17 @@ def test_rbac_grants_exactly_the_operators_needs_without_wildcards(helm_bin: Pat
     for binding in bindings.values():
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}]
     assert one(objs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == account
+
+
+def test_the_operator_holds_every_permission_it_grants_a_router(helm_bin: Path) -> None:
+    """The API server lets the operator create the router's Role only with permissions it holds itself."""
+    from disagg.operator.builders_router import ROUTER_RULES
+
+    granted = flatten_rules(by_kind(render(helm_bin), "ClusterRole")[f"{RELEASE}-disagg-workloads"])
+    router = flatten_rules({"metadata": {"name": "router"}, "rules": list(ROUTER_RULES)})
+    assert router == {("", "pods"): {"get", "list", "watch"}}
+    for resource, verbs in router.items():
+        assert verbs <= granted[resource], resource
 
 
 def test_watch_namespaces_bind_the_workload_role_only_in_those_namespaces(helm_bin: Path) -> None:
@@ -237,6 +250,8 @@ def test_operator_command_probes_and_mounts_match_the_operator_cli(helm_bin: Pat
     assert env["DISAGG_WORKER_IMAGE"] == f"ghcr.io/disagg/disagg-worker:{CHART_META['appVersion']}"
     # The same name the workload role may bind and the worker ClusterRole carries.
     assert env["DISAGG_WORKER_CLUSTERROLE"] == f"{RELEASE}-disagg-worker"
+    # The router runs from the operator's own (light) image.
+    assert env["DISAGG_ROUTER_IMAGE"] == container["image"]
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
     assert mounts[CERT_DIR]["readOnly"] is True
     assert "/tmp" in mounts  # the only writable path under a read-only root filesystem
@@ -268,6 +283,7 @@ def test_values_reach_the_deployment(helm_bin: Path) -> None:
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["DISAGG_LOG_LEVEL"] == "debug"
     assert env["DISAGG_WORKER_IMAGE"] == "registry.example/worker:9.9"
+    assert env["DISAGG_ROUTER_IMAGE"] == "registry.example/op:1.2.3"
     assert pod["nodeSelector"] == {"pool": "system"}
     assert pod["tolerations"] == [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}]
     assert container["resources"]["requests"]["cpu"] == "1"

@@ -72,7 +72,11 @@ def engine_pods(spec: DisaggDeploymentSpec, tmp: Path) -> list[EnginePod]:
     (fake / "vllm").chmod(0o755)
     pods = []
     for obj in build(spec, OWNER, report.plan, report.hashes, Installation(worker_image="w:1")):
-        if obj["kind"] not in ("StatefulSet", "Deployment"):
+        # The engine workloads; the router's Deployment runs no engine.
+        if (
+            obj["kind"] not in ("StatefulSet", "Deployment")
+            or "disagg.io/component" in obj["metadata"]["labels"]
+        ):
             continue
         template = obj["spec"]["template"]["spec"]
         engine = next(c for c in template["containers"] if c["name"] == ENGINE_CONTAINER)

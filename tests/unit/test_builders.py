@@ -73,6 +73,11 @@ class TestObjectSet:
             ("StatefulSet", "gemma-pp2-prefill-0"),
             ("Service", "gemma-pp2-decode"),
             ("Deployment", "gemma-pp2-decode"),
+            ("ServiceAccount", "gemma-pp2-router"),
+            ("Role", "gemma-pp2-router"),
+            ("RoleBinding", "gemma-pp2-router"),
+            ("Service", "gemma-pp2-router"),
+            ("Deployment", "gemma-pp2-router"),
         ]
 
     @pytest.mark.parametrize("replicas", [0, 1, 3])
@@ -181,7 +186,11 @@ class TestDeployment:
 class TestWorkerAccess:
     def test_every_engine_pod_runs_as_the_deployments_worker_account(self) -> None:
         built = objects(spec({"prefill": {"replicas": 2}}))
-        workloads = [obj for (kind, _), obj in built.items() if kind in ("StatefulSet", "Deployment")]
+        workloads = [
+            obj
+            for (kind, name), obj in built.items()
+            if kind in ("StatefulSet", "Deployment") and name != "gemma-pp2-router"
+        ]
         assert len(workloads) == 3
         assert {pod_spec(obj)["serviceAccountName"] for obj in workloads} == {"gemma-pp2-kv-worker"}
         assert built["ServiceAccount", "gemma-pp2-kv-worker"]["metadata"]["namespace"] == "ns1"
@@ -213,7 +222,7 @@ class TestWorkerAccess:
     def test_long_owner_names_give_a_valid_account_name(self) -> None:
         owner = Owner(name="m" * 120, namespace="ns1", uid="u", generation=1)
         built = objects(spec(), owner)
-        [account] = [name for kind, name in built if kind == "ServiceAccount"]
+        [account] = [name for kind, name in built if kind == "ServiceAccount" and "kv-worker" in name]
         assert len(account) <= 63 and re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", account)
         assert ("RoleBinding", account) in built
 

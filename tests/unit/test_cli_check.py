@@ -186,11 +186,18 @@ def test_plan_prints_the_manifests_the_operator_applies(capsys: pytest.CaptureFi
     assert [c["name"] for c in pod["containers"]] == ["engine", "kv-worker"]
     assert pod["readinessGates"] == [{"conditionType": POD_CONDITION}]
     assert pod["serviceAccountName"] == "gemma-pp2-kv-worker"
-    assert [d["metadata"]["name"] for d in kinds["Deployment"]] == ["gemma-pp2-decode"]
-    assert {s["metadata"]["name"] for s in kinds["Service"]} == {"gemma-pp2-prefill-0", "gemma-pp2-decode"}
+    assert [d["metadata"]["name"] for d in kinds["Deployment"]] == ["gemma-pp2-decode", "gemma-pp2-router"]
+    assert {s["metadata"]["name"] for s in kinds["Service"]} == {
+        "gemma-pp2-prefill-0",
+        "gemma-pp2-decode",
+        "gemma-pp2-router",
+    }
     [topology] = kinds["ConfigMap"]
     assert json.loads(topology["data"]["topology.json"])["deployment"] == "gemma-pp2"
-    assert [a["metadata"]["name"] for a in kinds["ServiceAccount"]] == ["gemma-pp2-kv-worker"]
+    assert [a["metadata"]["name"] for a in kinds["ServiceAccount"]] == [
+        "gemma-pp2-kv-worker",
+        "gemma-pp2-router",
+    ]
     assert kinds["RoleBinding"][0]["roleRef"]["name"] == "disagg-worker"
     assert all("ownerReferences" not in d["metadata"] for d in documents)
     header = [line for line in out.splitlines() if line.startswith("#   - ")]
@@ -215,7 +222,8 @@ def test_plan_names_the_installations_worker_cluster_role(
 ) -> None:
     monkeypatch.setenv("DISAGG_WORKER_CLUSTERROLE", "ops-disagg-worker")
     _, out, _ = run(capsys, "plan", str(VALID_EXAMPLE))
-    [binding] = _by_kind([doc for doc in yaml.safe_load_all(out) if doc is not None])["RoleBinding"]
+    bindings = _by_kind([doc for doc in yaml.safe_load_all(out) if doc is not None])["RoleBinding"]
+    [binding] = [b for b in bindings if b["roleRef"]["kind"] == "ClusterRole"]
     assert binding["roleRef"]["name"] == "ops-disagg-worker"
 
 

@@ -72,6 +72,7 @@ def test_names_scope_and_version() -> None:
     assert columns["Compatible"]["jsonPath"] == '.status.conditions[?(@.type=="Compatible")].status'
     assert columns["KV"]["jsonPath"] == '.status.conditions[?(@.type=="KVTransferReady")].status'
     assert columns["Pairs"]["jsonPath"] == ".status.routablePairs"
+    assert columns["Endpoint"]["jsonPath"] == ".status.endpoint" and columns["Endpoint"]["priority"] == 1
 
 
 @pytest.mark.parametrize("with_cel", [False, True])
@@ -101,6 +102,8 @@ def test_free_form_only_where_the_core_api_owns_the_shape() -> None:
         ".spec.decode.scheduling.tolerations[]",
         ".spec.prefill.scheduling.affinity",
         ".spec.decode.scheduling.affinity",
+        ".spec.router.scheduling.tolerations[]",
+        ".spec.router.scheduling.affinity",
     }
 
 

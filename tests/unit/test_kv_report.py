@@ -40,7 +40,7 @@ def built_pods() -> dict[str, dict[str, Any]]:
     templates = {
         obj["kind"]: obj["spec"]["template"]
         for obj in objects
-        if obj["kind"] in ("StatefulSet", "Deployment")
+        if obj["kind"] in ("StatefulSet", "Deployment") and obj["metadata"]["name"] != "gemma-router"
     }
 
     def pod(name: str, kind: str, ip: str | None) -> dict[str, Any]:

@@ -58,7 +58,7 @@ def templates(deployment: str = "gemma") -> dict[str, dict[str, Any]]:
     return {
         obj["kind"]: obj["spec"]["template"]
         for obj in objects
-        if obj["kind"] in ("StatefulSet", "Deployment")
+        if obj["kind"] in ("StatefulSet", "Deployment") and obj["metadata"]["name"] != f"{deployment}-router"
     }
 
 

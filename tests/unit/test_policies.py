@@ -23,6 +23,7 @@ def test_the_chain_reads_top_to_bottom() -> None:
         "engine_arguments_agree",
         "prefill_context_is_not_split",
         "decode_context_is_not_split",
+        "reference_engine_can_run",
         "worker_image_is_named",
         "objects_build",
     ]

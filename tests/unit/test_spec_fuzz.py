@@ -33,8 +33,9 @@ CAMEL = re.compile(r"^[A-Z][A-Za-z0-9]*$")
 INSTALLED = Installation(worker_image="ghcr.io/disagg/disagg:0.1.0")
 OWNER = Owner(name="fuzz", namespace="default", uid="00000000-0000-0000-0000-000000000001", generation=1)
 # A deployment's objects: ConfigMap, ServiceAccount, RoleBinding, per prefill replica a Service and a
-# StatefulSet, and the decode Service and Deployment.
-MAX_OBJECTS = 3 + 2 * MAX_REPLICAS + 2
+# StatefulSet, the decode Service and Deployment, and the router's ServiceAccount, Role, RoleBinding,
+# Service and Deployment.
+MAX_OBJECTS = 3 + 2 * MAX_REPLICAS + 2 + 5
 
 INTS = [0, 1, 2, 3, 4, 6, 8, 16, 32, 62, 64, 255, 256, 257, 4096, 4097, -1, 2**31, 2**32, 2**63, 10**30]
 FLAGS = [
