@@ -91,7 +91,12 @@ async def _measure(engines: LocalEngines, router: LocalRouter) -> dict[str, list
 
 
 def main() -> int:
-    with LocalEngines(pp_size=2, decoders=1) as engines, LocalRouter(routing_for(engines)) as router:
+    # 1024 blocks: with 256 the reference decoder ran out of blocks under this load, and some of its decode
+    # requests then waited for KV past the client's timeout (the engine when full, not the router).
+    with (
+        LocalEngines(pp_size=2, decoders=1, num_blocks=1024) as engines,
+        LocalRouter(routing_for(engines)) as router,
+    ):
         samples = asyncio.run(_measure(engines, router))
         med = {
             k: (statistics.median(s[0] for s in v), statistics.median(s[1] for s in v))
