@@ -482,6 +482,15 @@ def _raw(
     return send
 
 
+def _headers(
+    headers: dict[str, str],
+) -> Callable[[web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]:
+    async def send(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        return web.json_response({"choices": []}, headers=headers)
+
+    return send
+
+
 HOSTILE_DECODES = {
     "invalid JSON": (False, _raw(200, b"{oops"), "DecodeInvalidResponse"),
     "a JSON list": (False, _raw(200, b"[1]"), "DecodeInvalidResponse"),
@@ -493,6 +502,7 @@ HOSTILE_DECODES = {
     "an endless SSE event": (True, _stream(b"data: " + b"x" * (3 * 1024 * 1024)), "DecodeInvalidStream"),
     "a stream cut short": (True, _stream(b'data: {"choices": []}\n\n'), "DecodeTruncated"),
     "a stalled stream": (True, _stream(b'data: {"choices": []}\n\n', then_hang=True), "DecodeStalled"),
+    "huge headers": (False, _headers({"X-Big": "x" * 100_000}), "DecodeFailed"),
     "binary noise": (True, _stream(bytes(range(256)) * 64 + b"\n\n"), "DecodeInvalidStream"),
 }
 

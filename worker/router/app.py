@@ -314,7 +314,7 @@ class Router:
         except Exception as exc:
             raise RouterError(
                 Fault.UPSTREAM,
-                "PrefillUnreachable",
+                _unreachable_or("Prefill", exc),
                 f"the prefill engine {target.engine_id}: {_describe(exc)}",
             ) from None
         finally:
@@ -353,7 +353,7 @@ class Router:
             ) from None
         except Exception as exc:
             raise RouterError(
-                Fault.UPSTREAM, "DecodeUnreachable", f"the decoder {target.pod}: {_describe(exc)}"
+                Fault.UPSTREAM, _unreachable_or("Decode", exc), f"the decoder {target.pod}: {_describe(exc)}"
             ) from None
         return response, started
 
@@ -527,6 +527,12 @@ def _error_response(error: RouterError, request_id: str | None = None) -> web.Re
 
 def _host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
+
+
+def _unreachable_or(leg: str, exc: BaseException) -> str:
+    """`<Leg>Unreachable` when no connection could be made, else `<Leg>Failed` (the engine broke the
+    protocol: an oversize header, a malformed status line, a reset)."""
+    return f"{leg}Unreachable" if isinstance(exc, aiohttp.ClientConnectorError) else f"{leg}Failed"
 
 
 def _describe(exc: BaseException) -> str:
