@@ -15,6 +15,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "routing": ("disagg.rig.bench_routing", "descriptor ids: numpy against a pure-Python baseline"),
     "push": ("disagg.rig.bench_push", "KV push over NIXL against numpy.copyto of the same bytes"),
     "operator": ("disagg.rig.bench_operator", "apply-to-Compatible latency and 100 deployments"),
+    "router": ("disagg.rig.bench_router", "the router's added latency against calling the engines directly"),
 }
 
 

@@ -293,6 +293,55 @@ def op_push_round_trip(
     }
 
 
+def op_push_prefill_finished(
+    prefill_argv: list[str],
+    request_id: str,
+    num_tokens: int,
+    prefill_host: str,
+    prefill_port: int,
+    kv_transfer_params: dict[str, Any],
+    status: str = "FINISHED_LENGTH_CAPPED",
+) -> dict[str, Any]:
+    """vLLM's prefill NixlPushConnectorScheduler.request_finished for a request that arrived with
+    `kv_transfer_params` (a router's prefill leg) and finished in `status`: what the prefill's response
+    carries (`kv_transfer_params` None: the response carries none)."""
+    from vllm.v1.request import RequestStatus
+
+    prefill = peer.push_scheduler(peer.build_vllm_config(prefill_argv), host=prefill_host, port=prefill_port)
+    request = peer.make_request(request_id, num_tokens, kv_transfer_params)
+    request.num_computed_tokens = num_tokens
+    request.status = RequestStatus[status]
+    blocks = num_tokens // 16 + 1
+    delay_free, params = prefill.request_finished(
+        request, (list(range(1, 1 + blocks)), list(range(201, 201 + blocks)))
+    )
+    return {"engine_id": prefill.engine_id, "delay_free_blocks": delay_free, "kv_transfer_params": params}
+
+
+def op_push_decode_registration(
+    decode_argv: list[str], request_id: str, num_tokens: int, kv_transfer_params: dict[str, Any]
+) -> dict[str, Any]:
+    """vLLM's decoder NixlPushConnectorScheduler consuming a decode leg's `kv_transfer_params` (as a router
+    sent them): the tokens it will wait for and the registration update_state_after_alloc stages for its
+    worker to send to every prefill worker."""
+    decoder = peer.push_scheduler(peer.build_vllm_config(decode_argv), host="127.0.0.2", port=5601)
+    request = peer.make_request(request_id, num_tokens, kv_transfer_params, max_tokens=16)
+    matched, is_async = decoder.get_num_new_matched_tokens(request, 0)
+    blocks = num_tokens // 16 + 1
+    decoder.update_state_after_alloc(
+        request,
+        peer.make_blocks(list(range(100, 100 + blocks)), list(range(500, 500 + blocks))),
+        matched,
+    )
+    return {
+        "matched": matched,
+        "async_load": is_async,
+        "decode_engine_id": decoder.engine_id,
+        "registration": to_json(decoder._push_pending_registrations.get(request.request_id)),
+        "waits_for_kv": request.request_id in decoder._reqs_need_recv,
+    }
+
+
 OPS = {name[3:]: fn for name, fn in globals().items() if name.startswith("op_")}
 
 

@@ -57,3 +57,13 @@ def test_no_worker_module_imports_kopf() -> None:
 def test_the_probe_sees_an_import() -> None:
     # Without this, a probe that never saw any module would pass both checks above.
     assert _loaded(("kopf",), ["disagg.operator.handlers"]) == ["kopf"]
+
+
+def test_the_router_imports_neither_torch_nor_nixl_nor_the_data_path() -> None:
+    # The router ships in the light image, which has no torch or NIXL.
+    import disagg.worker.router
+
+    modules = _modules(disagg.worker.router)
+    assert "disagg.worker.router.app" in modules and "disagg.worker.router.cli" in modules
+    forbidden = ("torch", "nixl", "nixl_cu12", "zmq", "kopf")
+    assert _loaded(forbidden, [*modules, "disagg.worker.router.discovery"]) == []

@@ -1,0 +1,549 @@
+"""The router's HTTP server (aiohttp): one OpenAI-compatible endpoint in front of a deployment's engines.
+
+For each completion request the router picks a routable pair (`balance`), builds both legs (`protocol`) and
+sends them at once over one pooled client session. The client gets the decode leg's answer (streamed as it
+arrives when the client asked to stream) once the prefill leg has answered that it holds the KV; if either leg
+fails or times out the other is closed (an engine aborts a request whose connection closes), and so does a
+client that disconnects. Decode is never retried alone: its registration names one prefill's request.
+
+Every engine answer is untrusted: bodies are read up to a bound, JSON and SSE are checked before they reach
+the client, and reads that stall time out. Whatever an engine sends, the request fails with a status that says
+whose fault it was, and the router keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Final
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from disagg.worker.kv.pairing import Pair, Routing
+from disagg.worker.router.balance import Balancer, Ticket
+from disagg.worker.router.protocol import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    REQUEST_ID_HEADER,
+    ClientRequest,
+    Fault,
+    Legs,
+    PrefillResult,
+    RouterError,
+    build_legs,
+    engine_error,
+    error_body,
+    parse_client_request,
+    parse_prefill_response,
+)
+
+log = logging.getLogger("disagg.worker.router")
+
+LEG_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_SSE_DONE: Final = b"[DONE]"
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Bounds and timeouts. A timeout that expires fails the request with 504 and closes both legs."""
+
+    max_request_bytes: int = 8 * 1024 * 1024
+    # A non-streamed completion; the prefill's answer (its block ids grow with the prompt); one SSE event.
+    max_response_bytes: int = 64 * 1024 * 1024
+    max_prefill_response_bytes: int = 8 * 1024 * 1024
+    max_sse_event_bytes: int = 4 * 1024 * 1024
+    max_error_bytes: int = 64 * 1024
+    connect_timeout_s: float = 10.0
+    # The prefill leg's whole answer; the decode leg's first byte (it waits for the prefill and the KV).
+    prefill_timeout_s: float = 300.0
+    decode_timeout_s: float = 600.0
+    # Between two reads of a decode answer once it has started.
+    stall_timeout_s: float = 60.0
+    models_timeout_s: float = 10.0
+
+
+class RouterMetrics(Collector):
+    """The router's metrics in its own registry; outstanding work and pairs are read at scrape time."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "disagg_router_requests",
+            "Client requests by endpoint and outcome (ok, or the CamelCase reason it failed).",
+            ["endpoint", "outcome"],
+            registry=self.registry,
+        )
+        self.leg_seconds = Histogram(
+            "disagg_router_leg_seconds",
+            "Leg latencies: prefill (its whole answer), decode_first_byte, decode (the whole answer).",
+            ["leg"],
+            buckets=LEG_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(self)
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        balancer, routing = self.router.balancer, self.router.routing
+        legs = GaugeMetricFamily(
+            "disagg_router_outstanding_legs", "Legs in flight per engine.", labels=["role", "engine"]
+        )
+        for engine, n in sorted(balancer.prefill_legs.items()):
+            legs.add_metric(["prefill", engine], n)
+        for pod, n in sorted(balancer.decode_legs.items()):
+            legs.add_metric(["decode", pod], n)
+        yield legs
+        weight = GaugeMetricFamily(
+            "disagg_router_outstanding_prefill_weight",
+            "Summed prompt weight (characters or token ids) of the prefill legs in flight, per engine.",
+            labels=["engine"],
+        )
+        for engine, n in sorted(balancer.prefill_weight.items()):
+            weight.add_metric([engine], n)
+        yield weight
+        yield GaugeMetricFamily(
+            "disagg_router_routable_pairs",
+            "(prefill engine, decoder) pairs the router sends requests to.",
+            value=0 if routing is None else len(routing.pairs),
+        )
+        excluded = GaugeMetricFamily(
+            "disagg_router_excluded_pairs", "Pairs the router does not use, by reason.", labels=["reason"]
+        )
+        reasons: dict[str, int] = {}
+        for exclusion in () if routing is None else routing.exclusions:
+            reasons[exclusion.reason] = reasons.get(exclusion.reason, 0) + 1
+        for reason, n in sorted(reasons.items()):
+            excluded.add_metric([reason], n)
+        yield excluded
+
+
+class Router:
+    """The router's state: the current routing (replaced whole by discovery), the load, the client session."""
+
+    def __init__(self, config: RouterConfig | None = None, *, watch_alive: Callable[[], bool] = lambda: True):
+        self.config = config or RouterConfig()
+        self.routing: Routing | None = None
+        self.balancer = Balancer()
+        self.metrics = RouterMetrics(self)
+        self.watch_alive = watch_alive
+        self._session: aiohttp.ClientSession | None = None
+
+    def set_routing(self, routing: Routing) -> None:
+        """Publish a new routing; requests already routed keep their pair."""
+        self.routing = routing
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "the router's client session opens with the app"
+        return self._session
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_request_bytes)
+        app.router.add_post(COMPLETIONS, self.complete)
+        app.router.add_post(CHAT_COMPLETIONS, self.complete)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/readyz", self.readyz)
+        app.router.add_get("/metrics", self.metrics_page)
+        app.cleanup_ctx.append(self._client_session)
+        return app
+
+    async def _client_session(self, app: web.Application) -> AsyncIterator[None]:
+        # One pool for every engine; no per-host cap (an engine's admission control is its own), and no total
+        # timeout: each leg bounds itself.
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
+        self._session = aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False
+        )
+        try:
+            yield
+        finally:
+            await self._session.close()
+            self._session = None
+
+    # --- endpoints ------------------------------------------------------------------------------------------
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        if not self.watch_alive():
+            return web.Response(status=503, text="the pod watch has stopped\n")
+        return web.Response(text="ok\n")
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        routing = self.routing
+        if routing is None:
+            return web.Response(status=503, text="no pod list from the API server yet\n")
+        if not routing.pairs:
+            reasons = sorted({f"{e.reason}: {e.message}" for e in routing.exclusions})[:20]
+            return web.Response(status=503, text="no routable pair\n" + "".join(f"{r}\n" for r in reasons))
+        return web.Response(text=f"{len(routing.pairs)} routable pairs\n")
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    async def models(self, request: web.Request) -> web.Response:
+        """The served models, as a routable decoder lists them (both sides of a pair serve the same model)."""
+        routing = self.routing
+        if routing is None or not routing.pairs:
+            return _error_response(RouterError(Fault.UNAVAILABLE, "NoRoutablePair", "no routable pair"))
+        decode = routing.pairs[0].decode
+        url = f"http://{_host(decode.host)}:{decode.http_port}/v1/models"
+        try:
+            async with asyncio.timeout(self.config.models_timeout_s):
+                async with self.session.get(url) as response:
+                    raw = await _read_bounded(response, self.config.max_error_bytes, "models")
+                    if response.status != 200:
+                        raise engine_error("decode", response.status, raw)
+                    body = json.loads(raw)
+                    if not isinstance(body, dict):
+                        raise ValueError("not an object")
+        except RouterError as exc:
+            return _error_response(exc)
+        except TimeoutError:
+            return _error_response(
+                RouterError(Fault.TIMEOUT, "ModelsTimeout", f"{url} did not answer in time")
+            )
+        except Exception as exc:
+            return _error_response(RouterError(Fault.UPSTREAM, "ModelsFailed", f"{url}: {_describe(exc)}"))
+        return web.Response(body=raw, content_type="application/json")
+
+    async def complete(self, request: web.Request) -> web.StreamResponse:
+        endpoint = request.path
+        try:
+            raw = await request.read()
+            client_request = parse_client_request(endpoint, raw)
+        except web.HTTPRequestEntityTooLarge:
+            return self._fail(
+                endpoint,
+                RouterError(
+                    Fault.CLIENT,
+                    "RequestTooLarge",
+                    f"the request body exceeds {self.config.max_request_bytes} bytes",
+                    status=413,
+                ),
+            )
+        except RouterError as exc:
+            return self._fail(endpoint, exc)
+        routing = self.routing
+        pair = self.balancer.choose(() if routing is None else routing.pairs)
+        if pair is None:
+            return self._fail(endpoint, RouterError(Fault.UNAVAILABLE, "NoRoutablePair", "no routable pair"))
+        legs = build_legs(client_request, pair, uuid.uuid4().hex)
+        ticket = self.balancer.start(pair, client_request.prompt_weight)
+        try:
+            return await self._serve(request, client_request, pair, legs, ticket)
+        except RouterError as exc:
+            return self._fail(endpoint, exc, legs)
+        except asyncio.CancelledError:
+            self.metrics.requests.labels(endpoint, "ClientDisconnected").inc()
+            raise
+        finally:
+            self.balancer.done(ticket)
+
+    # --- one request, two legs ------------------------------------------------------------------------------
+
+    async def _serve(
+        self, request: web.Request, client_request: ClientRequest, pair: Pair, legs: Legs, ticket: Ticket
+    ) -> web.StreamResponse:
+        prefill = asyncio.create_task(self._prefill(pair, legs, ticket))
+        decode = asyncio.create_task(self._decode_start(pair, legs, client_request.stream))
+        response: aiohttp.ClientResponse | None = None
+        try:
+            pending: set[asyncio.Task[Any]] = {prefill, decode}
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    # The first leg to fail decides the error; `finally` closes the other.
+                    task.result()
+            prefill.result()
+            response, started = decode.result()
+            if not client_request.stream:
+                body = await self._decode_body(response, legs, started)
+                self.metrics.requests.labels(legs.endpoint, "ok").inc()
+                return web.Response(
+                    body=body, content_type="application/json", headers={REQUEST_ID_HEADER: legs.request_id}
+                )
+            return await self._relay(request, response, legs, started)
+        finally:
+            for task in (prefill, decode):
+                task.cancel()
+            for task in (prefill, decode):
+                with contextlib.suppress(BaseException):
+                    await task
+            if response is None and decode.done() and not decode.cancelled() and decode.exception() is None:
+                response = decode.result()[0]
+            if response is not None:
+                # Closing (not releasing) the connection is what tells the engine to abort a leg not read to
+                # its end; a fully read answer has already gone back to the pool.
+                response.close()
+            self.balancer.decode_done(ticket)
+
+    async def _prefill(self, pair: Pair, legs: Legs, ticket: Ticket) -> PrefillResult:
+        target = pair.prefill
+        url = f"http://{_host(target.host)}:{target.http_port}{legs.endpoint}"
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(self.config.prefill_timeout_s):
+                async with self.session.post(
+                    url,
+                    json=legs.prefill,
+                    headers=legs.headers,
+                    timeout=aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s),
+                ) as response:
+                    raw = await _read_bounded(response, self.config.max_prefill_response_bytes, "prefill")
+                    result = parse_prefill_response(response.status, raw, pair)
+        except RouterError:
+            raise
+        except TimeoutError:
+            raise RouterError(
+                Fault.TIMEOUT,
+                "PrefillTimeout",
+                f"the prefill engine {target.engine_id} gave no answer in {self.config.prefill_timeout_s:g}s",
+            ) from None
+        except Exception as exc:
+            raise RouterError(
+                Fault.UPSTREAM,
+                _unreachable_or("Prefill", exc),
+                f"the prefill engine {target.engine_id}: {_describe(exc)}",
+            ) from None
+        finally:
+            self.balancer.prefill_done(ticket)
+        self.metrics.leg_seconds.labels("prefill").observe(time.monotonic() - started)
+        return result
+
+    async def _decode_start(
+        self, pair: Pair, legs: Legs, stream: bool
+    ) -> tuple[aiohttp.ClientResponse, float]:
+        """The decode leg up to a 200 status; a non-200 answer is read (bounded) into the error."""
+        target = pair.decode
+        url = f"http://{_host(target.host)}:{target.http_port}{legs.endpoint}"
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(self.config.decode_timeout_s):
+                response = await self.session.post(
+                    url,
+                    json=legs.decode,
+                    headers=legs.headers,
+                    timeout=aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s),
+                )
+                if response.status != 200:
+                    try:
+                        raw = await _read_bounded(response, self.config.max_error_bytes, "decode")
+                    finally:
+                        response.close()
+                    raise engine_error("decode", response.status, raw)
+        except RouterError:
+            raise
+        except TimeoutError:
+            raise RouterError(
+                Fault.TIMEOUT,
+                "DecodeTimeout",
+                f"the decoder {target.pod} did not answer in {self.config.decode_timeout_s:g} s",
+            ) from None
+        except Exception as exc:
+            raise RouterError(
+                Fault.UPSTREAM, _unreachable_or("Decode", exc), f"the decoder {target.pod}: {_describe(exc)}"
+            ) from None
+        return response, started
+
+    async def _decode_body(self, response: aiohttp.ClientResponse, legs: Legs, started: float) -> bytes:
+        try:
+            async with asyncio.timeout(self.config.decode_timeout_s):
+                raw = await _read_bounded(response, self.config.max_response_bytes, "decode")
+        except RouterError:
+            raise
+        except TimeoutError:
+            raise RouterError(
+                Fault.TIMEOUT, "DecodeTimeout", "the decoder's answer did not complete in time"
+            ) from None
+        except Exception as exc:
+            raise RouterError(
+                Fault.UPSTREAM, "DecodeFailed", f"the decoder's answer broke off: {_describe(exc)}"
+            ) from None
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError, UnicodeDecodeError):
+            body = None
+        if not isinstance(body, dict):
+            raise RouterError(
+                Fault.UPSTREAM, "DecodeInvalidResponse", "the decoder's answer is not a JSON object"
+            )
+        if "error" in body or body.get("object") == "error":
+            raise engine_error("decode", 500, raw)
+        elapsed = time.monotonic() - started
+        self.metrics.leg_seconds.labels("decode_first_byte").observe(elapsed)
+        self.metrics.leg_seconds.labels("decode").observe(elapsed)
+        return raw
+
+    async def _relay(
+        self, request: web.Request, response: aiohttp.ClientResponse, legs: Legs, started: float
+    ) -> web.StreamResponse:
+        """The decoder's SSE events to the client, each checked and forwarded as it completes."""
+        out = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                REQUEST_ID_HEADER: legs.request_id,
+            }
+        )
+        await out.prepare(request)
+        events = SseEvents(self.config.max_sse_event_bytes)
+        first = True
+        try:
+            while True:
+                timeout = self.config.decode_timeout_s if first else self.config.stall_timeout_s
+                try:
+                    async with asyncio.timeout(timeout):
+                        chunk = await response.content.readany()
+                except TimeoutError:
+                    raise RouterError(
+                        Fault.TIMEOUT, "DecodeStalled", f"the decoder sent nothing for {timeout:g} s"
+                    ) from None
+                except Exception as exc:
+                    raise RouterError(
+                        Fault.UPSTREAM, "DecodeFailed", f"the decoder's stream broke off: {_describe(exc)}"
+                    ) from None
+                if not chunk:
+                    raise RouterError(
+                        Fault.UPSTREAM, "DecodeTruncated", "the decoder's stream ended before [DONE]"
+                    )
+                if first:
+                    first = False
+                    self.metrics.leg_seconds.labels("decode_first_byte").observe(time.monotonic() - started)
+                for event, done in events.feed(chunk):
+                    await out.write(event)
+                    if done:
+                        self.metrics.leg_seconds.labels("decode").observe(time.monotonic() - started)
+                        self.metrics.requests.labels(legs.endpoint, "ok").inc()
+                        await out.write_eof()
+                        return out
+        except RouterError as exc:
+            # The status has gone out: the error goes as an event, as vLLM sends one, then the stream ends.
+            self.metrics.requests.labels(legs.endpoint, exc.reason).inc()
+            log.warning("%s %s: %s: %s", legs.endpoint, legs.request_id, exc.reason, exc.message)
+            with contextlib.suppress(ConnectionError):
+                await out.write(b"data: " + error_body(exc) + b"\n\ndata: [DONE]\n\n")
+                await out.write_eof()
+            return out
+        except ConnectionError:
+            # The client went away mid-stream; `_serve` closes the decode leg.
+            self.metrics.requests.labels(legs.endpoint, "ClientDisconnected").inc()
+            return out
+
+    def _fail(self, endpoint: str, error: RouterError, legs: Legs | None = None) -> web.Response:
+        self.metrics.requests.labels(endpoint, error.reason).inc()
+        level = logging.INFO if error.fault is Fault.CLIENT else logging.WARNING
+        log.log(
+            level, "%s %s: %s: %s", endpoint, legs.request_id if legs else "-", error.reason, error.message
+        )
+        return _error_response(error, legs.request_id if legs else None)
+
+
+class SseEvents:
+    """Splits a decoder's byte stream into SSE events and checks each: every `data:` line is JSON or
+    `[DONE]`. An event that is not, or grows past the bound without ending, is the decoder's failure."""
+
+    def __init__(self, max_event_bytes: int) -> None:
+        self.max_event_bytes = max_event_bytes
+        self._buffer = bytearray()
+
+    def feed(self, chunk: bytes) -> list[tuple[bytes, bool]]:
+        """The complete events in `chunk` (with what came before), each with whether it is `[DONE]`."""
+        self._buffer += chunk.replace(b"\r\n", b"\n")
+        events: list[tuple[bytes, bool]] = []
+        while True:
+            end = self._buffer.find(b"\n\n")
+            if end < 0:
+                break
+            event = bytes(self._buffer[: end + 2])
+            del self._buffer[: end + 2]
+            done = _check_event(event)
+            events.append((event, done))
+            if done:
+                return events
+        if len(self._buffer) > self.max_event_bytes:
+            raise RouterError(
+                Fault.UPSTREAM,
+                "DecodeInvalidStream",
+                f"an SSE event of the decoder exceeds {self.max_event_bytes} bytes",
+            )
+        return events
+
+
+def _check_event(event: bytes) -> bool:
+    done = False
+    for line in event.split(b"\n"):
+        if not line or line.startswith(b":") or line.startswith((b"event:", b"id:", b"retry:")):
+            continue
+        if not line.startswith(b"data:"):
+            raise RouterError(
+                Fault.UPSTREAM, "DecodeInvalidStream", "the decoder sent a line that is not SSE"
+            )
+        data = line[5:].strip()
+        if data == _SSE_DONE:
+            done = True
+            continue
+        try:
+            json.loads(data)
+        except (ValueError, RecursionError, UnicodeDecodeError):
+            raise RouterError(
+                Fault.UPSTREAM, "DecodeInvalidStream", "the decoder sent an SSE event that is not JSON"
+            ) from None
+    return done
+
+
+async def _read_bounded(response: aiohttp.ClientResponse, limit: int, leg: str) -> bytes:
+    if response.content_length is not None and response.content_length > limit:
+        raise RouterError(
+            Fault.UPSTREAM, f"{leg.capitalize()}TooLarge", f"the {leg} answer exceeds {limit} bytes"
+        )
+    body = bytearray()
+    async for chunk in response.content.iter_any():
+        body += chunk
+        if len(body) > limit:
+            raise RouterError(
+                Fault.UPSTREAM, f"{leg.capitalize()}TooLarge", f"the {leg} answer exceeds {limit} bytes"
+            )
+    return bytes(body)
+
+
+def _error_response(error: RouterError, request_id: str | None = None) -> web.Response:
+    headers = {} if request_id is None else {REQUEST_ID_HEADER: request_id}
+    return web.Response(
+        status=error.status, body=error_body(error), content_type="application/json", headers=headers
+    )
+
+
+def _host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _unreachable_or(leg: str, exc: BaseException) -> str:
+    """`<Leg>Unreachable` when no connection could be made, else `<Leg>Failed` (the engine broke the
+    protocol: an oversize header, a malformed status line, a reset)."""
+    return f"{leg}Unreachable" if isinstance(exc, aiohttp.ClientConnectorError) else f"{leg}Failed"
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
+
+
+async def start(router: Router, host: str, port: int) -> web.AppRunner:
+    """Serve `router` on host:port. A client that disconnects cancels its handler (aiohttp's
+    handler_cancellation), which is what closes both legs of a non-streamed request."""
+    runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner
