@@ -275,20 +275,72 @@ def group_arrays(block_ids: BlockIds) -> list[IdArray]:
     return [np.asarray(ids, dtype=np.int64) for ids in block_ids]
 
 
-def _check_capacity(groups: list[IdArray], caps: IdArray, group_of_region: Sequence[Sequence[int]]) -> None:
-    """Every id used in region r must be below its capacity (vectorised per group, not per block)."""
-    for g, ids in enumerate(groups):
-        if ids.size == 0:
-            continue
-        regions = group_of_region[g]
-        if not regions:
-            continue
-        low, high = int(ids.min()), int(ids.max())
-        limit = int(caps[list(regions)].min())
-        if low < 0 or high >= limit:
-            raise BlockIdOutOfRange(
-                f"group {g} has block ids in [{low}, {high}] but its regions hold only {limit} blocks"
+@dataclass(frozen=True)
+class IdRows:
+    """A descriptor-id scheme as rows: the ids are `offsets[i] + block_ids[groups[i]]` for each row i, in
+    row order. Every scheme (layer routing, single-group regions, group-mapped regions) is such a list; it
+    depends only on the capacities, so a `TransferPlan` builds its rows once and each request only fills.
+
+    `limits[g]` is the smallest capacity among group g's rows (None: group g has no row), which bounds
+    every block id of group g.
+    """
+
+    offsets: tuple[int, ...]
+    groups: tuple[int, ...]
+    limits: tuple[int | None, ...]
+    runs: tuple[tuple[int, IdArray], ...] = dataclasses.field(init=False, repr=False, compare=False)
+    """Consecutive rows of one group as (group, offsets as a column): one broadcast add fills a run."""
+
+    def __post_init__(self) -> None:
+        runs: list[tuple[int, list[int]]] = []
+        for offset, g in zip(self.offsets, self.groups, strict=True):
+            if runs and runs[-1][0] == g:
+                runs[-1][1].append(offset)
+            else:
+                runs.append((g, [offset]))
+        columns = tuple((g, np.array(offsets, dtype=np.int64)[:, None]) for g, offsets in runs)
+        object.__setattr__(self, "runs", columns)
+
+    @classmethod
+    def build(cls, capacities: Sequence[int], rows: Sequence[tuple[int, int]], num_groups: int) -> IdRows:
+        """`rows` as (region index into `capacities`, group) pairs, with groups below `num_groups`."""
+        caps = [int(c) for c in capacities]
+        starts = cumulative_offsets(caps).tolist()
+        limits: list[int | None] = [None] * num_groups
+        for r, g in rows:
+            limit = limits[g]
+            limits[g] = caps[r] if limit is None else min(limit, caps[r])
+        return cls(tuple(starts[r] for r, _ in rows), tuple(g for _, g in rows), tuple(limits))
+
+    def fill(self, block_ids: BlockIds) -> IdArray:
+        """The ids for one request, after checking every group's block ids against its limit.
+
+        One preallocated output and one broadcast `np.add(..., out=)` per run: no per-row temporaries and
+        no concatenation, so each id is written once (at a million ids per request, allocating and passing
+        over memory again cost more than the additions).
+        """
+        groups = group_arrays(block_ids)
+        if len(groups) < len(self.limits):
+            raise RegionGeometryMismatch(
+                f"descriptor ids name {len(self.limits)} KV cache groups, but {len(groups)} lists were given"
             )
+        for g, limit in enumerate(self.limits):
+            ids = groups[g]
+            if limit is None or ids.size == 0:
+                continue
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= limit:
+                raise BlockIdOutOfRange(
+                    f"group {g} has block ids in [{low}, {high}] but its regions hold only {limit} blocks"
+                )
+        out = np.empty(sum(len(column) * groups[g].size for g, column in self.runs), dtype=np.int64)
+        start = 0
+        for g, column in self.runs:
+            ids = groups[g]
+            end = start + len(column) * ids.size
+            np.add(column, ids, out=out[start:end].reshape(len(column), ids.size))
+            start = end
+        return out
 
 
 def expand_logical_blocks(block_ids: BlockIds, physical_per_logical: int) -> list[IdArray]:
@@ -298,6 +350,16 @@ def expand_logical_blocks(block_ids: BlockIds, physical_per_logical: int) -> lis
         return groups
     step = np.arange(physical_per_logical, dtype=np.int64)
     return [(ids[:, None] * physical_per_logical + step).reshape(-1) for ids in groups]
+
+
+def layer_routed_rows(capacities: Sequence[int], group_ids: Sequence[int]) -> IdRows:
+    """Layer-name routing's rows: transfer layer k is `offset[k] + block_ids[group[k]]`."""
+    if len(capacities) != len(group_ids):
+        raise RegionGeometryMismatch(f"{len(capacities)} capacities for {len(group_ids)} transfer layers")
+    for k, g in enumerate(group_ids):
+        if g < 0:
+            raise RegionGeometryMismatch(f"transfer layer {k} is in group {g}")
+    return IdRows.build(capacities, list(enumerate(group_ids)), max(group_ids, default=-1) + 1)
 
 
 def layer_routed_desc_ids(
@@ -311,20 +373,12 @@ def layer_routed_desc_ids(
     """
     if len(capacities) != len(group_ids):
         raise RegionGeometryMismatch(f"{len(capacities)} capacities for {len(group_ids)} transfer layers")
-    groups = group_arrays(block_ids)
-    caps = np.asarray(capacities, dtype=np.int64)
-    layers_of_group: list[list[int]] = [[] for _ in groups]
     for k, g in enumerate(group_ids):
-        if not 0 <= g < len(groups):
+        if not 0 <= g < len(block_ids):
             raise RegionGeometryMismatch(
-                f"transfer layer {k} is in group {g}, but {len(groups)} lists were given"
+                f"transfer layer {k} is in group {g}, but {len(block_ids)} lists were given"
             )
-        layers_of_group[g].append(k)
-    _check_capacity(groups, caps, layers_of_group)
-    offsets = cumulative_offsets(capacities)
-    if not len(offsets):
-        return np.zeros(0, dtype=np.int64)
-    return np.concatenate([offsets[k] + groups[g] for k, g in enumerate(group_ids)])
+    return layer_routed_rows(capacities, group_ids).fill(block_ids)
 
 
 def region_desc_ids(block_ids: BlockIds, capacities: Sequence[int]) -> IdArray:
@@ -332,12 +386,14 @@ def region_desc_ids(block_ids: BlockIds, capacities: Sequence[int]) -> IdArray:
 
     Right for one group, and for vLLM's legacy HMA assumption that every slot holds one layer of each group.
     """
-    groups = group_arrays(block_ids)
-    caps = np.asarray(capacities, dtype=np.int64)
-    _check_capacity(groups, caps, [range(len(caps))] * len(groups))
-    all_blocks = np.concatenate(groups) if groups else np.zeros(0, dtype=np.int64)
-    offsets = cumulative_offsets(capacities)
-    return (offsets[:, None] + all_blocks[None, :]).reshape(-1)
+    return region_rows(capacities, len(block_ids)).fill(block_ids)
+
+
+def region_rows(capacities: Sequence[int], num_groups: int) -> IdRows:
+    """Every region r, in order, holds every group's blocks in group order: `offset[r] + concat_g ids[g]`."""
+    return IdRows.build(
+        capacities, [(r, g) for r in range(len(capacities)) for g in range(num_groups)], num_groups
+    )
 
 
 def uses_region_group_mapping(region_group_ids: Sequence[int] | None) -> bool:
@@ -345,26 +401,41 @@ def uses_region_group_mapping(region_group_ids: Sequence[int] | None) -> bool:
     return region_group_ids is not None and len(set(region_group_ids)) > 1
 
 
-def group_mapped_desc_ids(
-    block_ids: BlockIds, capacities: Sequence[int], region_group_ids: Sequence[int]
-) -> IdArray:
-    """Group-mapped regions: for each group g, regions of g or shared (-1) get `offset[r] + block_ids[g]`."""
+def group_mapped_rows(capacities: Sequence[int], region_group_ids: Sequence[int], num_groups: int) -> IdRows:
+    """For each group g in order, the regions of g or shared (-1), in region order."""
     if len(capacities) != len(region_group_ids):
         raise RegionGeometryMismatch(
             f"{len(capacities)} capacities for {len(region_group_ids)} region group ids"
         )
-    groups = group_arrays(block_ids)
-    caps = np.asarray(capacities, dtype=np.int64)
-    gids = np.asarray(region_group_ids, dtype=np.int64)
-    regions_of_group = [np.flatnonzero((gids == g) | (gids < 0)).tolist() for g in range(len(groups))]
-    _check_capacity(groups, caps, regions_of_group)
-    offsets = cumulative_offsets(capacities)
-    parts = [
-        (offsets[regions][:, None] + groups[g][None, :]).reshape(-1)
-        for g, regions in enumerate(regions_of_group)
-        if regions
+    rows = [
+        (r, g)
+        for g in range(num_groups)
+        for r, region_group in enumerate(region_group_ids)
+        if region_group == g or region_group < 0
     ]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    return IdRows.build(capacities, rows, num_groups)
+
+
+def group_mapped_desc_ids(
+    block_ids: BlockIds, capacities: Sequence[int], region_group_ids: Sequence[int]
+) -> IdArray:
+    """Group-mapped regions: for each group g, regions of g or shared (-1) get `offset[r] + block_ids[g]`."""
+    return group_mapped_rows(capacities, region_group_ids, len(block_ids)).fill(block_ids)
+
+
+def desc_id_rows(
+    capacities: Sequence[int],
+    num_groups: int,
+    *,
+    transfer_group_ids: Sequence[int] | None = None,
+    region_group_ids: Sequence[int] | None = None,
+) -> IdRows:
+    """vLLM's `_compute_desc_ids` dispatch for attention caches, as rows (see `compute_desc_ids`)."""
+    if transfer_group_ids is not None:
+        return layer_routed_rows(capacities, transfer_group_ids)
+    if region_group_ids is not None and uses_region_group_mapping(region_group_ids):
+        return group_mapped_rows(capacities, region_group_ids, num_groups)
+    return region_rows(capacities, num_groups)
 
 
 def compute_desc_ids(
@@ -381,9 +452,7 @@ def compute_desc_ids(
     """
     if transfer_group_ids is not None:
         return layer_routed_desc_ids(block_ids, capacities, transfer_group_ids)
-    if region_group_ids is not None and uses_region_group_mapping(region_group_ids):
-        return group_mapped_desc_ids(block_ids, capacities, region_group_ids)
-    return region_desc_ids(block_ids, capacities)
+    return desc_id_rows(capacities, len(block_ids), region_group_ids=region_group_ids).fill(block_ids)
 
 
 # ---- descriptor geometry ---------------------------------------------------------------------------------
@@ -538,6 +607,9 @@ class TransferPlan:
     remote: RegionMetadata
     local_regions: tuple[int, ...]
     group_ids: tuple[int, ...] | None
+    _id_rows: dict[int, tuple[IdRows, IdRows]] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     @property
     def layer_routing(self) -> bool:
@@ -562,18 +634,27 @@ class TransferPlan:
         ]
         if unequal:
             raise RegionGeometryMismatch(f"groups {unequal} have different local and remote block counts")
-        remote_caps = region_capacities(self.remote)
-        if self.group_ids is not None:
-            local = layer_routed_desc_ids(local_blocks, self.local_capacities(), self.group_ids)
-            remote = layer_routed_desc_ids(remote_blocks, remote_caps, self.group_ids)
-        else:
-            local = compute_desc_ids(
-                local_blocks, self.local_capacities(), region_group_ids=self.local.region_group_ids
-            )
-            remote = compute_desc_ids(
-                remote_blocks, remote_caps, region_group_ids=self.remote.region_group_ids
-            )
-        return local, remote
+        local_rows, remote_rows = self.id_rows(len(local_blocks))
+        return local_rows.fill(local_blocks), remote_rows.fill(remote_blocks)
+
+    def id_rows(self, num_groups: int) -> tuple[IdRows, IdRows]:
+        """Both sides' descriptor-id rows for requests with `num_groups` block-id lists, built once per plan:
+        they depend only on the capacities and group ids, which a plan's metadata fixes."""
+        rows = self._id_rows.get(num_groups)
+        if rows is None:
+            local_caps, remote_caps = self.local_capacities(), region_capacities(self.remote)
+            if self.group_ids is not None:
+                rows = (
+                    layer_routed_rows(local_caps, self.group_ids),
+                    layer_routed_rows(remote_caps, self.group_ids),
+                )
+            else:
+                rows = (
+                    desc_id_rows(local_caps, num_groups, region_group_ids=self.local.region_group_ids),
+                    desc_id_rows(remote_caps, num_groups, region_group_ids=self.remote.region_group_ids),
+                )
+            self._id_rows[num_groups] = rows
+        return rows
 
 
 def check_group_layouts(local: Sequence[int] | None, remote: Sequence[int] | None) -> None:
