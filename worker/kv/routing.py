@@ -312,18 +312,24 @@ class IdRows:
             limits[g] = caps[r] if limit is None else min(limit, caps[r])
         return cls(tuple(starts[r] for r, _ in rows), tuple(g for _, g in rows), tuple(limits))
 
-    def fill(self, block_ids: BlockIds) -> IdArray:
-        """The ids for one request, after checking every group's block ids against its limit.
-
-        One preallocated output and one broadcast `np.add(..., out=)` per run: no per-row temporaries and
-        no concatenation, so each id is written once (at a million ids per request, allocating and passing
-        over memory again cost more than the additions).
-        """
-        groups = group_arrays(block_ids)
+    def size(self, groups: Sequence[IdArray]) -> int:
+        """How many ids `fill` makes from these per-group block ids."""
         if len(groups) < len(self.limits):
             raise RegionGeometryMismatch(
                 f"descriptor ids name {len(self.limits)} KV cache groups, but {len(groups)} lists were given"
             )
+        return sum(len(column) * groups[g].size for g, column in self.runs)
+
+    def fill(self, block_ids: BlockIds, out: IdArray | None = None) -> IdArray:
+        """The ids for one request, after checking every group's block ids against its limit; written into
+        `out` (exactly `size` long) when given.
+
+        One output and one broadcast `np.add(..., out=)` per run: no per-row temporaries and no
+        concatenation, so each id is written once (at a million ids per request, allocating and passing
+        over memory again cost more than the additions).
+        """
+        groups = group_arrays(block_ids)
+        size = self.size(groups)
         for g, limit in enumerate(self.limits):
             ids = groups[g]
             if limit is None or ids.size == 0:
@@ -333,7 +339,10 @@ class IdRows:
                 raise BlockIdOutOfRange(
                     f"group {g} has block ids in [{low}, {high}] but its regions hold only {limit} blocks"
                 )
-        out = np.empty(sum(len(column) * groups[g].size for g, column in self.runs), dtype=np.int64)
+        if out is None:
+            out = np.empty(size, dtype=np.int64)
+        elif out.shape != (size,) or out.dtype != np.int64:
+            raise ValueError(f"{size} descriptor ids do not fit an output of {out.dtype}{out.shape}")
         start = 0
         for g, column in self.runs:
             ids = groups[g]
@@ -341,6 +350,24 @@ class IdRows:
             np.add(column, ids, out=out[start:end].reshape(len(column), ids.size))
             start = end
         return out
+
+
+class IdBuffer:
+    """Scratch space for descriptor ids, reused request after request by one producer.
+
+    A fresh output of a million ids costs more than computing them: the allocator hands arrays this large
+    back to the kernel when they are freed, so each request's output is faulted in again page by page.
+    Ids from `take` are views that stay valid only until the next `take`; the producer hands them to NIXL
+    (which copies the indices) before it computes the next decode rank's.
+    """
+
+    def __init__(self) -> None:
+        self._array: IdArray = np.empty(0, dtype=np.int64)
+
+    def take(self, size: int) -> IdArray:
+        if size > self._array.size:
+            self._array = np.empty(size, dtype=np.int64)
+        return self._array[:size]
 
 
 def expand_logical_blocks(block_ids: BlockIds, physical_per_logical: int) -> list[IdArray]:
@@ -619,11 +646,14 @@ class TransferPlan:
         per_region = region_capacities(self.local)
         return [per_region[r] for r in self.local_regions]
 
-    def desc_ids(self, local_blocks: BlockIds, remote_blocks: BlockIds) -> tuple[IdArray, IdArray]:
+    def desc_ids(
+        self, local_blocks: BlockIds, remote_blocks: BlockIds, buffer: IdBuffer | None = None
+    ) -> tuple[IdArray, IdArray]:
         """Paired (local, remote) descriptor ids for one request, both as kernel block ids per group.
 
         Each side indexes its own prepared list (`local_descs(regions=local_regions)`, `remote_descs`), with
         its own capacities. Prefix-hit trimming must already have made each group's two lists equally long.
+        With `buffer`, both arrays are views into it (valid until its next use).
         """
         if len(local_blocks) != len(remote_blocks):
             raise RegionGeometryMismatch(
@@ -635,7 +665,15 @@ class TransferPlan:
         if unequal:
             raise RegionGeometryMismatch(f"groups {unequal} have different local and remote block counts")
         local_rows, remote_rows = self.id_rows(len(local_blocks))
-        return local_rows.fill(local_blocks), remote_rows.fill(remote_blocks)
+        if buffer is None:
+            return local_rows.fill(local_blocks), remote_rows.fill(remote_blocks)
+        local_groups, remote_groups = group_arrays(local_blocks), group_arrays(remote_blocks)
+        local_size = local_rows.size(local_groups)
+        out = buffer.take(local_size + remote_rows.size(remote_groups))
+        return (
+            local_rows.fill(local_groups, out[:local_size]),
+            remote_rows.fill(remote_groups, out[local_size:]),
+        )
 
     def id_rows(self, num_groups: int) -> tuple[IdRows, IdRows]:
         """Both sides' descriptor-id rows for requests with `num_groups` block-id lists, built once per plan:
