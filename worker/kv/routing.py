@@ -8,12 +8,13 @@ Pure: numpy only, no torch, nixl, I/O or clock. `vllm-nixl-push-connector.md` §
   transfer-layer order. Works on any object with the `NixlAgentMetadata` attribute names (`RegionMetadata`):
   the wire struct or `RegionGeometry`; it returns a new object of the same type.
 - Descriptor ids from cumulative per-region capacities (layer routing, single-group regions, group-mapped
-  regions, the legacy `r * num_blocks + b`), each side with its own capacities.
+  regions, the legacy `r * num_blocks + b`), each side with its own capacities. Each scheme is an `IdRows`
+  that a plan builds once; a request fills it, into an `IdBuffer` the producer reuses.
 - Descriptor geometry: the (addr, len, dev) arrays the transport prepares as NIXL dlists, and which head
   slice of a prefill block a decode rank with fewer heads takes (`rank_offset_factor`, `head_split`).
 - `TransferPlan` / `plan_transfer`: one peer's pairing, what the producer writes by.
 
-One module of some 600 lines on purpose: alignment, descriptor ids and descriptor geometry are one
+One module of some 700 lines on purpose: alignment, descriptor ids and descriptor geometry are one
 computation in vLLM (`_compute_desc_ids`, `_build_fa_local`, `_build_fa_remote`) whose two sides must agree id
 for id, and the property tests pin them together through `TransferPlan`.
 """
