@@ -19,6 +19,7 @@ from disagg.worker.kv.errors import BlockIdOutOfRange, MissingLayers, RegionGeom
 from disagg.worker.kv.layout import AttentionKind, ModelGeometry, StageLayout, build_stage_layout
 from disagg.worker.kv.routing import (
     IdArray,
+    IdBuffer,
     RegionGeometry,
     TransferLayers,
     TransferPlan,
@@ -392,6 +393,23 @@ def test_out_of_range_block_ids_are_refused() -> None:
         region_desc_ids([[-1]], [10])
     with pytest.raises(RegionGeometryMismatch, match="group 2"):
         layer_routed_desc_ids([[1]], [10], [2])
+
+
+def test_a_reused_id_buffer_gives_the_ids_a_fresh_array_does() -> None:
+    # The producer computes every request's ids, for every decode rank, into one buffer: requests that grow
+    # and shrink it, plans with and without layer routing, each pair checked before the next overwrites it.
+    dec = decoder()
+    buffer = IdBuffer()
+    for length, case in [(9, "pp2-hma"), (3, "pp1"), (40, "pp2-hma"), (1, "pp1")]:
+        for stage in prefill_stages(case):
+            the_plan = plan(stage, dec)
+            p_blocks, d_blocks = request_blocks(6, length, seed=length)
+            fresh = the_plan.desc_ids(p_blocks, d_blocks)
+            reused = the_plan.desc_ids(p_blocks, d_blocks, buffer)
+            assert [ids.tolist() for ids in reused] == [ids.tolist() for ids in fresh]
+            assert len(reused[0]) == len(fresh[0]) > 0
+    with pytest.raises(BlockIdOutOfRange):
+        the_plan.desc_ids([[1]] * 6, [[D_BLOCKS]] * 6, buffer)
 
 
 def test_unequal_group_lengths_cannot_pair() -> None:

@@ -54,6 +54,7 @@ from disagg.worker.kv.routing import (
     BlockIds,
     DescArray,
     IdArray,
+    IdBuffer,
     TransferPlan,
     expand_logical_blocks,
     group_arrays,
@@ -156,6 +157,8 @@ class PushProducer(PushSide[_DecodeEngine]):
         # Head slices of the local blocks (vLLM's local split handles), prepared once per slice and kept for
         # the worker's life like the whole-block list: every decode engine of one TP size reuses them.
         self._head_slices: dict[tuple[int, int], tuple[DescArray, PreppedList]] = {}
+        # One decode rank's descriptor ids at a time, in memory kept from request to request (see IdBuffer).
+        self._ids = IdBuffer()
 
     def request_finished(self, request_id: str, block_ids_per_group: BlockIds) -> None:
         """The request's KV is complete in these logical blocks (one list per KV cache group); its lease
@@ -325,7 +328,8 @@ class PushProducer(PushSide[_DecodeEngine]):
                 remote_kernel = expand_logical_blocks(
                     decode_blocks, rank.plan.remote.physical_blocks_per_logical_kv_block
                 )
-                local_ids, remote_ids = rank.plan.desc_ids(local_kernel, remote_kernel)
+                # Views into self._ids: _post hands them to NIXL before the next rank's ids overwrite them.
+                local_ids, remote_ids = rank.plan.desc_ids(local_kernel, remote_kernel, self._ids)
                 if len(remote_ids) != len(local_ids):
                     raise RegionGeometryMismatch(
                         f"{len(local_ids)} local blocks against {len(remote_ids)} decode blocks"
