@@ -53,10 +53,11 @@ class Kube:
         method: Callable[..., Any] = getattr(getattr(self, api), f"{verb}_namespaced_{noun}")
         return method
 
-    def apply(self, obj: Mapping[str, Any]) -> None:
-        """Server-side apply of a built object; a second apply of the same body writes nothing."""
+    def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """Server-side apply of a built object; a second apply of the same body writes nothing (the returned
+        object, as stored, keeps its resourceVersion)."""
         metadata = obj["metadata"]
-        self._method("patch", obj["kind"])(
+        response = self._method("patch", obj["kind"])(
             metadata["name"],
             metadata["namespace"],
             dict(obj),
@@ -65,6 +66,7 @@ class Kube:
             _content_type=APPLY,
             _preload_content=False,
         )
+        return _read(response)
 
     def children(self, namespace: str, owner: str, owner_uid: str) -> list[dict[str, Any]]:
         """Every object of the kinds the operator applies that this owner controls (by label, then uid)."""
@@ -77,14 +79,6 @@ class Kube:
                 if any(ref.get("uid") == owner_uid for ref in item["metadata"].get("ownerReferences") or ()):
                     found.append({**item, "kind": kind})
         return found
-
-    def pods(self, namespace: str, owner: str) -> list[dict[str, Any]]:
-        selector = _owned_by(owner)
-        body = _read(
-            self.core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False)
-        )
-        items: list[dict[str, Any]] = body.get("items") or []
-        return items
 
     def delete(self, kind: str, namespace: str, name: str) -> None:
         """Delete a child the spec no longer wants; already gone is fine (a concurrent reconcile did it)."""
