@@ -135,7 +135,8 @@ def reconcile_spec(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: A
         kopf.event(body, type="Normal", reason="Pruned", message="Deleted " + ", ".join(outcome.deleted))
     if outcome.changed:
         kopf.event(body, type="Normal", reason="Applied", message="Applied " + ", ".join(outcome.changed))
-    logger.info("Applied %d changed objects", len(outcome.changed))
+    metadata = body["metadata"]
+    logger.info("%s/%s: %d children changed", metadata["namespace"], metadata["name"], len(outcome.changed))
 
 
 @kopf.on.event("apps", "v1", "statefulsets", labels=CHILD_LABELS)
