@@ -87,14 +87,7 @@ def _observed(
 
 
 @kopf.on.startup()
-def configure(
-    settings: kopf.OperatorSettings,
-    memo: kopf.Memo,
-    statefulsets: kopf.Index[tuple[str, str], Workload],
-    deployments: kopf.Index[tuple[str, str], Workload],
-    pods: kopf.Index[tuple[str, str], dict[str, Any]],
-    **_: Any,
-) -> None:
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **indices: Any) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration"
@@ -110,7 +103,8 @@ def configure(
         settings.admission.managed = webhook.managed
     kube = Kube(_client())
     installation = Installation.from_environ(os.environ)
-    observed = _observed(statefulsets, deployments, pods)
+    # kopf passes every index to every handler by its function's name.
+    observed = _observed(indices["statefulsets"], indices["deployments"], indices["pods"])
     memo.kube = kube
     memo.installation = installation
     memo.observed = observed

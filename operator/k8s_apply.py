@@ -73,7 +73,7 @@ class Kube:
             auth_settings=["BearerToken"],
         )
         response = self.api.call_api(verb, url, headers, payload)
-        data = response.read()
+        data: bytes = response.read()  # type: ignore[no-untyped-call]
         if not 200 <= response.status <= 299:
             raise ApiException.from_response(
                 http_resp=response, body=data.decode("utf-8", errors="replace"), data=None

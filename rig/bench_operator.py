@@ -308,9 +308,8 @@ def _namespace(api: client.ApiClient, prefix: str) -> Iterator[str]:
 
 
 def _warnings(api: client.ApiClient, namespace: str) -> list[str]:
-    events = json.loads(client.CoreV1Api(api).list_namespaced_event(namespace, _preload_content=False).data)[
-        "items"
-    ]
+    response: Any = client.CoreV1Api(api).list_namespaced_event(namespace, _preload_content=False)
+    events = json.loads(response.data)["items"]
     return [f"{e['reason']}: {e['message']}" for e in events if e.get("type") == "Warning"]
 
 

@@ -19,7 +19,8 @@ CHILD_KINDS = ("ConfigMap", "Service", "StatefulSet", "Deployment")
 
 
 def _settled(cluster: Cluster, ns: str) -> dict[str, Any]:
-    """Created, every pod seen by the status, kopf's own bookkeeping written: nothing left to write."""
+    """Created, every pod and replica seen by the status, kopf's own bookkeeping written: nothing left to
+    write."""
     result = cluster.kubectl_apply(example("pp2-hma.yaml", ns, NAME))
     assert result.returncode == 0, result.stderr
     cluster.wait_condition(ns, NAME, "KVTransferReady", "Unknown", "AwaitingHandshake")
@@ -33,7 +34,11 @@ def _settled(cluster: Cluster, ns: str) -> dict[str, Any]:
         "kopf's last-handled-configuration",
         lambda: satisfied(
             cluster.get(ns, NAME) or {},
-            lambda b: f"{GROUP}/last-handled-configuration" in (b["metadata"].get("annotations") or {}),
+            lambda b: (
+                f"{GROUP}/last-handled-configuration" in (b["metadata"].get("annotations") or {})
+                and b["status"].get("prefill", {}).get("replicas") == 2
+                and b["status"].get("decode", {}).get("replicas") == 2
+            ),
         ),
     )
     return body
