@@ -118,7 +118,7 @@ def test_a_resume_that_changes_nothing_posts_no_event(
     body = _settled(cluster, ns)
     applied = wait_for("the Applied Event", lambda: _events(cluster, ns, "Applied"))
     children = _child_versions(cluster, ns)
-    assert len(children) == 5 and all(kind in CHILD_KINDS for kind, _ in children)
+    assert len(children) == 7 and all(kind in CHILD_KINDS for kind, _ in children)
     operator.stop()
     start = len(operator.log.read_text(errors="replace"))
     operator.start()
