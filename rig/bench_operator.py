@@ -228,18 +228,30 @@ def _end_to_end(
     return run
 
 
+def _workloads_per_deployment() -> dict[str, int]:
+    """How many StatefulSets and Deployments the operator builds for the example (the router adds one)."""
+    verdict = judge(_document("ns", "dd")["spec"])
+    assert verdict.spec is not None and verdict.report is not None and verdict.report.plan is not None
+    built = build(verdict.spec, Owner("dd", "ns", "uid", 1), verdict.report.plan, verdict.report.hashes)
+    return {kind: sum(obj["kind"] == kind for obj in built) for kind in ("StatefulSet", "Deployment")}
+
+
 def _wait_children(kube: Kube, namespace: str, count: int) -> None:
-    """Every DisaggDeployment's StatefulSet and Deployment exist (Compatible is written after the apply)."""
+    """Every DisaggDeployment's StatefulSets and Deployments exist (Compatible is written after the apply)."""
 
     def counted(lister: Callable[..., Any]) -> int:
         items: list[Any] = json.loads(lister(namespace, _preload_content=False).data)["items"]
         return len(items)
 
     apps = client.AppsV1Api(kube.api)
-    for lister in (apps.list_namespaced_stateful_set, apps.list_namespaced_deployment):
-        found = counted(lister)
-        if found != count:
-            raise RuntimeError(f"expected {count} workloads of each kind, found {found}")
+    listers = {
+        "StatefulSet": apps.list_namespaced_stateful_set,
+        "Deployment": apps.list_namespaced_deployment,
+    }
+    for kind, each in _workloads_per_deployment().items():
+        found = counted(listers[kind])
+        if found != count * each:
+            raise RuntimeError(f"expected {count * each} {kind}s, found {found}")
 
 
 class Operator:
