@@ -52,6 +52,7 @@ FINAL = {
     "Available": ("False", "AwaitingPods"),
     "Progressing": ("True", "RollingOut"),
     "KVTransferReady": ("Unknown", "AwaitingHandshake"),
+    "Routable": ("Unknown", "AwaitingPeerReports"),
 }
 
 
