@@ -34,6 +34,9 @@ ETCD_PORT=${DISAGG_ETCD_PORT:-12379}
 ETCD_PEER_PORT=${DISAGG_ETCD_PEER_PORT:-12380}
 APISERVER_PORT=${DISAGG_APISERVER_PORT:-16443}
 ETCD_DATA=/dev/shm/disagg-etcd-$ETCD_PORT
+# A /16: every DisaggDeployment's router Service takes a ClusterIP (the engine Services are headless), and the
+# operator bench's 1,000 deployments ran a /24 out of addresses ("failed to allocate a serviceIP: range is full").
+SERVICE_CIDR=127.253.0.0/16
 PKI=$STATE/pki
 LOGS=$STATE/logs
 KUBECONFIG_FILE=$STATE/admin.kubeconfig
@@ -365,7 +368,7 @@ cmd_start() {
     --service-account-issuer https://kubernetes.default.svc.cluster.local \
     --service-account-key-file "$PKI/sa.pub" --service-account-signing-key-file "$PKI/sa.key" \
     --api-audiences https://kubernetes.default.svc.cluster.local \
-    --authorization-mode RBAC --service-cluster-ip-range 127.253.0.0/24 --allow-privileged=true \
+    --authorization-mode RBAC --service-cluster-ip-range "$SERVICE_CIDR" --allow-privileged=true \
     --profiling=false --endpoint-reconciler-type none --v 1
   wait_for "kube-apiserver /readyz" 60 kube-apiserver \
     curl -fsS --cacert "$PKI/ca.crt" --cert "$PKI/admin.crt" --key "$PKI/admin.key" \

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 DEV_WEBHOOK_CONFIGURATION = "dev.validate.disagg.io"
+# glibc's mallopt parameter number for the arena limit (malloc.h).
+M_ARENA_MAX = -8
 
 
 def register(subparsers: Any) -> None:
@@ -52,7 +54,26 @@ def register(subparsers: Any) -> None:
     run.set_defaults(func=_run)
 
 
+def _cap_malloc_arenas() -> None:
+    """At most two glibc malloc arenas (what MALLOC_ARENA_MAX=2 sets), before any thread starts.
+
+    glibc gives each thread that allocates its own arena, up to eight per core, and keeps what each frees: the
+    executor and status threads each hold megabytes of freed JSON that no other thread can reuse. The
+    operator's threads mostly wait on the API server, so sharing two arenas costs no throughput."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    libc = ctypes.CDLL(name)
+    mallopt = getattr(libc, "mallopt", None)  # glibc only; musl has no arenas to cap
+    if mallopt is not None:
+        mallopt(M_ARENA_MAX, 2)
+
+
 def _run(args: argparse.Namespace) -> int:
+    _cap_malloc_arenas()
     import kopf
 
     import disagg.operator.handlers  # noqa: F401  (registers the handlers)

@@ -1,9 +1,13 @@
 """kopf handlers: each unpacks its arguments and calls one reconcile step (`disagg.operator.reconcile`).
 
-The DisaggDeployment's spec handlers converge its children; events of its StatefulSets, Deployments and Pods
-(watched with a server-side label selector) queue a recompute of its status (`RefreshQueue`), so `Available`
-follows the workloads and `KVTransferReady` the sidecars' Pod conditions. No handler sleeps or swallows an
-error: kopf retries an exception, and a refused spec raises `kopf.PermanentError` after its status says why.
+The DisaggDeployment's spec handlers converge its children. Events of its StatefulSets, Deployments and Pods
+(watched with a server-side label selector) update kopf indices of what the status reads of them (a
+`Workload`, a trimmed Pod: `pod_facts`) and queue a recompute of the owner's status (`RefreshQueue`), so
+`Available` follows the workloads and `KVTransferReady` the sidecars' Pod conditions without listing anything.
+kopf holds every other handler back until the indices have seen the initial listing, so a restarted operator
+never judges a deployment from half of its children. No handler sleeps or swallows an error: kopf retries an
+exception, and a refused spec raises `kopf.PermanentError` after its status says why. Events are posted only
+for news: an apply that wrote something, a prune, a refusal that changed the status.
 """
 
 from __future__ import annotations
@@ -18,9 +22,14 @@ from kubernetes import client, config
 from disagg.operator.api import GROUP, PLURAL, VERSION
 from disagg.operator.builders import DEPLOYMENT_ANNOTATION, FIELD_MANAGER, MANAGED_BY_LABEL, Installation
 from disagg.operator.k8s_apply import Kube
-from disagg.operator.reconcile import RefreshQueue, reconcile, refresh_status
+from disagg.operator.reconcile import Observed, RefreshQueue, pod_facts, reconcile, refresh_status
+from disagg.operator.status import Workload, workload
 
 CHILD_SELECTOR = f"{MANAGED_BY_LABEL}={FIELD_MANAGER}"
+CHILD_LABELS = {MANAGED_BY_LABEL: FIELD_MANAGER}
+# kopf's executor for the sync spec handlers; the status refreshes have their own threads (RefreshQueue).
+# Each thread is another malloc arena and stack, and the API server, not Python, bounds the throughput.
+SPEC_WORKERS = 4
 
 
 def _client() -> client.ApiClient:
@@ -31,8 +40,54 @@ def _client() -> client.ApiClient:
     return client.ApiClient()
 
 
+def _owner_key(annotations: kopf.Annotations, namespace: str | None) -> tuple[str, str] | None:
+    owner = annotations.get(DEPLOYMENT_ANNOTATION)
+    return (namespace, owner) if owner and namespace else None
+
+
+@kopf.index("apps", "v1", "statefulsets", labels=CHILD_LABELS)
+def statefulsets(
+    body: kopf.Body, annotations: kopf.Annotations, namespace: str | None, **_: Any
+) -> dict[tuple[str, str], Workload]:
+    key = _owner_key(annotations, namespace)
+    return {} if key is None else {key: workload(body)}
+
+
+@kopf.index("apps", "v1", "deployments", labels=CHILD_LABELS)
+def deployments(
+    body: kopf.Body, annotations: kopf.Annotations, namespace: str | None, **_: Any
+) -> dict[tuple[str, str], Workload]:
+    key = _owner_key(annotations, namespace)
+    return {} if key is None else {key: workload(body)}
+
+
+@kopf.index("v1", "pods", labels=CHILD_LABELS)
+def pods(
+    body: kopf.Body, annotations: kopf.Annotations, namespace: str | None, **_: Any
+) -> dict[tuple[str, str], dict[str, Any]]:
+    key = _owner_key(annotations, namespace)
+    return {} if key is None else {key: pod_facts(body)}
+
+
+def _observed(
+    statefulsets: kopf.Index[tuple[str, str], Workload],
+    deployments: kopf.Index[tuple[str, str], Workload],
+    pods: kopf.Index[tuple[str, str], dict[str, Any]],
+) -> Observed:
+    # Read from the refresh threads while kopf's loop updates them: list() copies a store's values in one
+    # C call under the GIL, so a reader sees each store whole, before or after an update.
+    def workloads(namespace: str, name: str) -> list[Workload]:
+        key = (namespace, name)
+        return [*list(statefulsets.get(key, ())), *list(deployments.get(key, ()))]
+
+    def pods_of(namespace: str, name: str) -> list[dict[str, Any]]:
+        return list(pods.get((namespace, name), ()))
+
+    return Observed(workloads=workloads, pods=pods_of)
+
+
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **indices: Any) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration"
@@ -41,16 +96,19 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.posting.level = logging.WARNING
     for resource in (("v1", "pods"), ("apps", "v1", "statefulsets"), ("apps", "v1", "deployments")):
         settings.watching.label_selectors[resource] = CHILD_SELECTOR
-    settings.execution.max_workers = 8
+    settings.execution.max_workers = SPEC_WORKERS
     webhook = getattr(memo, "webhook", None)
     if webhook is not None:
         settings.admission.server = webhook.server
         settings.admission.managed = webhook.managed
     kube = Kube(_client())
     installation = Installation.from_environ(os.environ)
+    # kopf passes every index to every handler by its function's name.
+    observed = _observed(indices["statefulsets"], indices["deployments"], indices["pods"])
     memo.kube = kube
     memo.installation = installation
-    memo.refresh = RefreshQueue(lambda key: refresh_status(kube, *key, installation))
+    memo.observed = observed
+    memo.refresh = RefreshQueue(lambda key: refresh_status(kube, *key, installation, observed))
 
 
 @kopf.on.cleanup()
@@ -62,20 +120,26 @@ def stop_refreshing(memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
 def reconcile_spec(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
-    outcome = reconcile(memo.kube, body, memo.installation)
+    outcome = reconcile(memo.kube, body, memo.installation, memo.observed)
     if outcome.refused is not None:
-        kopf.event(body, type="Warning", reason="SpecRefused", message=outcome.refused)
+        if outcome.refused_now:
+            kopf.event(body, type="Warning", reason="SpecRefused", message=outcome.refused)
         raise kopf.PermanentError(outcome.refused)
     if outcome.deleted:
         kopf.event(body, type="Normal", reason="Pruned", message="Deleted " + ", ".join(outcome.deleted))
-    kopf.event(body, type="Normal", reason="Applied", message="Applied " + ", ".join(outcome.applied))
-    logger.info("Applied %d objects", len(outcome.applied))
+    if outcome.changed:
+        kopf.event(body, type="Normal", reason="Applied", message="Applied " + ", ".join(outcome.changed))
+    metadata = body["metadata"]
+    logger.info("%s/%s: %d children changed", metadata["namespace"], metadata["name"], len(outcome.changed))
 
 
-@kopf.on.event("apps", "v1", "statefulsets", labels={MANAGED_BY_LABEL: FIELD_MANAGER})
-@kopf.on.event("apps", "v1", "deployments", labels={MANAGED_BY_LABEL: FIELD_MANAGER})
-@kopf.on.event("v1", "pods", labels={MANAGED_BY_LABEL: FIELD_MANAGER})
-def child_changed(annotations: kopf.Annotations, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
-    owner = annotations.get(DEPLOYMENT_ANNOTATION)
-    if owner and namespace:
-        memo.refresh.request((namespace, owner))
+@kopf.on.event("apps", "v1", "statefulsets", labels=CHILD_LABELS)
+@kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
+@kopf.on.event("v1", "pods", labels=CHILD_LABELS)
+async def child_changed(
+    annotations: kopf.Annotations, namespace: str | None, memo: kopf.Memo, **_: Any
+) -> None:
+    # Async: it only queues a key (a lock held for microseconds), so it needs no executor thread.
+    key = _owner_key(annotations, namespace)
+    if key is not None:
+        memo.refresh.request(key)

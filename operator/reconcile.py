@@ -4,15 +4,23 @@ Level-based and idempotent: every call builds the full desired set from the spec
 server-side apply, deletes children the spec no longer wants, and recomputes the whole status from what the
 cluster shows. It never branches on the event that caused it. An incompatible spec changes no child: on
 create nothing exists, and on update the running topology stays as it was.
+
+At scale (a thousand deployments, seven thousand children) three things keep the API server's load
+proportional to what changed: the verdict on a spec is computed once per distinct spec (`judge` is pure, so
+its cache is exact); a status refresh reads the workloads and pods from the operator's watch indices
+(`Observed`), not by listing them; and a write (a status patch, an Event) happens only when it changes
+something, so a resume or a pod event that changes nothing issues no write.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -27,7 +35,7 @@ from disagg.operator.compat import CompatReport, evaluate
 from disagg.operator.k8s_apply import Kube
 from disagg.operator.kv_status import peers_reported, pod_kv
 from disagg.operator.policies import REFUSAL_CHAIN
-from disagg.operator.status import compute, incompatibility_message, to_json, workload
+from disagg.operator.status import Workload, compute, incompatibility_message, to_json, workload
 from disagg.worker.kv.errors import Violation
 from disagg.worker.kv.pairing import routing_from_pods
 
@@ -47,14 +55,50 @@ class Verdict:
 
 @dataclass(frozen=True)
 class Outcome:
-    applied: tuple[str, ...]
+    """`changed`: the children whose apply wrote something (new, or a resourceVersion that moved);
+    `refused_now`: the refusal changed the status (it is news, worth an Event)."""
+
+    changed: tuple[str, ...]
     deleted: tuple[str, ...]
     refused: str | None
+    refused_now: bool = False
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the operator's watch indices show of one deployment: its StatefulSets and Deployments, its pods.
+
+    Both are callables so a caller reads the index when the status is computed, not when it was queued."""
+
+    workloads: Callable[[str, str], Iterable[Workload]]
+    pods: Callable[[str, str], Iterable[Mapping[str, Any]]]
+
+
+# A verdict is about 17 KiB and costs ~10-20 ms; deployments stamped from one template share one entry.
+VERDICT_CACHE_SIZE = 1024
 
 
 def judge(raw_spec: Mapping[str, Any], installation: Installation | None = None) -> Verdict:
     """Every reason to refuse a spec: schema errors, then `policies.REFUSAL_CHAIN`. `installation` defaults
-    to this process's environment, which is the operator's (the admission webhook runs inside it)."""
+    to this process's environment, which is the operator's (the admission webhook runs inside it).
+
+    Pure in the spec and the installation, so it is cached on them: every pod event of a deployment used to
+    re-run the whole evaluation. The verdict is shared between callers and never mutated."""
+    installed = installation if installation is not None else Installation.from_environ(os.environ)
+    try:
+        # What the API serves is JSON, so this round trip is exact; a caller's odd mapping is judged as is.
+        key = json.dumps(raw_spec, sort_keys=True, separators=(",", ":"), default=dict)
+    except (TypeError, ValueError, RecursionError):
+        return _evaluate(raw_spec, installed)
+    return _judge(key, installed)
+
+
+@functools.lru_cache(maxsize=VERDICT_CACHE_SIZE)
+def _judge(raw_json: str, installed: Installation) -> Verdict:
+    return _evaluate(json.loads(raw_json), installed)
+
+
+def _evaluate(raw_spec: Any, installed: Installation) -> Verdict:
     try:
         spec = DisaggDeploymentSpec.model_validate(raw_spec)
     except ValidationError as error:
@@ -62,7 +106,6 @@ def judge(raw_spec: Mapping[str, Any], installation: Installation | None = None)
             f"spec.{'.'.join(str(part) for part in item['loc'])}: {item['msg']}" for item in error.errors()
         )
         return Verdict(None, None, (Violation("InvalidSpec", problems),))
-    installed = installation if installation is not None else Installation.from_environ(os.environ)
     report = evaluate(spec, REFUSAL_CHAIN, installed)
     return Verdict(spec, report, report.violations)
 
@@ -77,65 +120,122 @@ def _owner(body: Mapping[str, Any]) -> Owner:
     )
 
 
-def reconcile(kube: Kube, body: Mapping[str, Any], installation: Installation) -> Outcome:
-    """Converge the children on the spec (or refuse it), then write the status."""
+def reconcile(kube: Kube, body: Mapping[str, Any], installation: Installation, observed: Observed) -> Outcome:
+    """Converge the children on the spec (or refuse it), then write the status.
+
+    The children are listed before the apply: their resourceVersions tell which applies wrote something (a
+    server-side apply that changes nothing leaves the object, and its resourceVersion, as it was), and the
+    apply responses are the freshest view of the workloads for the status."""
     owner = _owner(body)
     uid: str = body["metadata"]["uid"]
     verdict = judge(body.get("spec") or {}, installation)
     if verdict.violations:
-        _write_status(kube, body, verdict, kube.children(owner.namespace, owner.name, uid))
-        return Outcome((), (), verdict.message)
+        children = kube.children(owner.namespace, owner.name, uid)
+        workloads = [workload(child) for child in children if _is_workload(child)]
+        written = _write_status(kube, body, verdict, workloads, observed, endpoint_of(children))
+        return Outcome((), (), verdict.message, refused_now=written)
     # judge() reports a violation whenever the spec cannot be parsed or planned.
     assert verdict.spec is not None and verdict.report is not None and verdict.report.plan is not None
     desired = build(
         verdict.spec, owner, verdict.report.plan, verdict.report.hashes, installation, verdict.report.factors
     )
+    existing = {
+        (child["kind"], child["metadata"]["name"]): child["metadata"].get("resourceVersion")
+        for child in kube.children(owner.namespace, owner.name, uid)
+    }
+    changed, applied = [], []
     for obj in desired:
-        kube.apply(obj)
+        key = (obj["kind"], obj["metadata"]["name"])
+        applied.append({**kube.apply(obj), "kind": key[0]})
+        if existing.get(key) != applied[-1]["metadata"].get("resourceVersion"):
+            changed.append(f"{key[0]} {key[1]}")
     wanted = {(obj["kind"], obj["metadata"]["name"]) for obj in desired}
-    kept, deleted = [], []
-    for child in kube.children(owner.namespace, owner.name, uid):
-        key = (child["kind"], child["metadata"]["name"])
-        if key in wanted:
-            kept.append(child)
-        else:
-            kube.delete(key[0], owner.namespace, key[1])
-            deleted.append(f"{key[0]} {key[1]}")
-    _write_status(kube, body, verdict, kept)
-    return Outcome(tuple(f"{kind} {name}" for kind, name in sorted(wanted)), tuple(deleted), None)
+    deleted = []
+    for key in sorted(existing.keys() - wanted):
+        kube.delete(key[0], owner.namespace, key[1])
+        deleted.append(f"{key[0]} {key[1]}")
+    workloads = [workload(child) for child in applied if _is_workload(child)]
+    _write_status(kube, body, verdict, workloads, observed, endpoint_of(applied))
+    return Outcome(tuple(sorted(changed)), tuple(deleted), None)
 
 
-def refresh_status(kube: Kube, namespace: str, name: str, installation: Installation) -> bool:
-    """Recompute the status from the spec, the children and the pods; write it only if it changed."""
+def refresh_status(
+    kube: Kube, namespace: str, name: str, installation: Installation, observed: Observed
+) -> bool:
+    """Recompute the status from the spec and the indexed workloads and pods; write it only if it changed.
+
+    One GET: the stored conditions must be the latest (our own last write included), or a flip would be
+    judged against a stale one and move a lastTransitionTime that should stay."""
     body = kube.read_deployment(namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return False
     verdict = judge(body.get("spec") or {}, installation)
-    children = kube.children(namespace, name, body["metadata"]["uid"]) if verdict.report is not None else []
-    return _write_status(kube, body, verdict, children)
+    workloads = list(observed.workloads(namespace, name)) if verdict.report is not None else []
+    # Only a reconcile applies or deletes the router's Service, and it writes the endpoint it saw.
+    endpoint = (body.get("status") or {}).get("endpoint")
+    return _write_status(
+        kube, body, verdict, workloads, observed, endpoint if isinstance(endpoint, str) else None
+    )
+
+
+def pod_facts(pod: Mapping[str, Any]) -> dict[str, Any]:
+    """What the status reads of a Pod (`kv_status.pod_kv`, `peers_reported`, `pairing.routing_from_pods`):
+    its name, labels, annotations and deletion, its containers' names, env and ports, its IP and conditions.
+    The operator's pod index holds this, not the whole Pod (managedFields and the rest of its spec are most
+    of a Pod's size)."""
+    metadata = pod.get("metadata") or {}
+    status = pod.get("status") or {}
+    return {
+        "metadata": {
+            key: metadata[key]
+            for key in ("name", "namespace", "labels", "annotations", "deletionTimestamp")
+            if key in metadata
+        },
+        "spec": {
+            "containers": [
+                {key: container[key] for key in ("name", "env", "ports") if key in container}
+                for container in (pod.get("spec") or {}).get("containers") or ()
+            ]
+        },
+        "status": {key: status[key] for key in ("podIP", "conditions") if key in status},
+    }
+
+
+def _listing_order(item: Workload) -> tuple[bool, str]:
+    # The order the API lists them in (StatefulSets, then Deployments, each by name): the status's messages
+    # name workloads in this order, and a reshuffle would be a write that changes nothing.
+    return item.kind != "StatefulSet", item.name
+
+
+def _is_workload(obj: Mapping[str, Any]) -> bool:
+    return obj.get("kind") in ("StatefulSet", "Deployment")
 
 
 def _write_status(
-    kube: Kube, body: Mapping[str, Any], verdict: Verdict, children: list[dict[str, Any]]
+    kube: Kube,
+    body: Mapping[str, Any],
+    verdict: Verdict,
+    workloads: list[Workload],
+    observed: Observed,
+    endpoint: str | None,
 ) -> bool:
     metadata = body["metadata"]
     if verdict.report is None:
         # The stored object breaks the schema (possible only without the CRD's validation): say so and stop.
         return _write_invalid(kube, body, verdict)
-    workloads = [workload(child) for child in children if child["kind"] in ("StatefulSet", "Deployment")]
     current = dict(body.get("status") or {})
-    pods = kube.pods(metadata["namespace"], metadata["name"])
+    pods = list(observed.pods(metadata["namespace"], metadata["name"]))
     status = compute(
         generation=int(metadata.get("generation") or 1),
         previous=cond.parse(current.get("conditions")),
         violations=verdict.violations,
         report=verdict.report,
-        workloads=workloads,
+        workloads=sorted(workloads, key=_listing_order),
         pods=[pod_kv(pod) for pod in pods],
         routing=routing_from_pods(pods),
         reported=peers_reported(pods),
         now=datetime.now(UTC),
-        endpoint=endpoint_of(children),
+        endpoint=endpoint,
     )
     rendered = to_json(status)
     if rendered == current:

@@ -3,9 +3,13 @@
 Two measurements, each beside the API server's own floor in the same run:
 1. `kubectl apply` → `Compatible` condition, median over sequential applies. Floor: the same `kubectl apply`,
    then one status patch by a client that is already connected (what any operator must at least do).
-2. 100 DisaggDeployments reconciled end to end (every child applied, `Compatible` written) and the operator's
-   peak RSS. Floor: one client doing the same work without kopf: create, build, server-side apply every child,
-   patch the status.
+2. N DisaggDeployments (`--deployments`, 100 by default; `disagg bench operator --deployments 1000` for the
+   scale case, about 7,000 children and 4,000 pods) reconciled end to end (every child applied, `Compatible`
+   written). Floor: one client doing the same work without kopf: create, build, server-side apply every child,
+   patch the status. Then every deployment must converge to its final conditions (no kubelet runs, so the
+   pods stay Pending: Available False, Progressing True, KVTransferReady Unknown) with no error in the
+   operator's log and no Warning Event; the bench prints the operator's peak RSS and its RSS after every
+   100 deployments, with the growth per 100.
 Both run in fresh namespaces that are deleted afterwards. The control plane is started if none runs, and
 stopped again only if this run started it.
 """
@@ -24,6 +28,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +46,14 @@ from disagg.rig.local import REPO, free_port
 
 EXAMPLE = REPO / "examples" / "pp2-hma.yaml"
 CRD = REPO / "crds" / "disagg.io_disaggdeployments.yaml"
+# What a deployment of the example settles on when no kubelet runs its pods.
+FINAL = {
+    "Compatible": ("True", "Compatible"),
+    "Available": ("False", "AwaitingPods"),
+    "Progressing": ("True", "RollingOut"),
+    "KVTransferReady": ("Unknown", "AwaitingHandshake"),
+    "Routable": ("Unknown", "AwaitingPeerReports"),
+}
 
 
 class ConditionWatch:
@@ -48,6 +61,9 @@ class ConditionWatch:
 
     def __init__(self, api: client.ApiClient, namespace: str) -> None:
         self.seen: dict[str, float] = {}
+        # Names whose latest event shows the FINAL conditions.
+        self.final: set[str] = set()
+        self.on_seen: Callable[[int], None] = lambda count: None
         self._changed = threading.Condition()
         self._watch = watch.Watch()  # type: ignore[no-untyped-call]
         self._custom = client.CustomObjectsApi(api)
@@ -70,10 +86,29 @@ class ConditionWatch:
 
     def _record(self, obj: dict[str, Any]) -> None:
         conditions = (obj.get("status") or {}).get("conditions") or []
-        if any(item.get("type") == "Compatible" for item in conditions):
-            with self._changed:
-                self.seen.setdefault(obj["metadata"]["name"], time.perf_counter())
-                self._changed.notify_all()
+        name = obj["metadata"]["name"]
+        shown = {item.get("type"): (item.get("status"), item.get("reason")) for item in conditions}
+        with self._changed:
+            if "Compatible" in shown and name not in self.seen:
+                self.seen[name] = time.perf_counter()
+                self.on_seen(len(self.seen))
+            if shown == FINAL:
+                self.final.add(name)
+            else:
+                self.final.discard(name)
+            self._changed.notify_all()
+
+    def wait_final(self, names: Sequence[str], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not self.final.issuperset(names):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = [name for name in names if name not in self.final]
+                    raise TimeoutError(
+                        f"{len(missing)} deployments not at their final conditions: {missing[:5]}"
+                    )
+                self._changed.wait(left)
 
     def wait(self, names: Sequence[str], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -144,9 +179,7 @@ def _apply_latency(
 def _floor_reconcile(kube: Kube, namespace: str, name: str) -> None:
     """What the operator does for one object, done directly: create, judge, build, apply, write status."""
     document = _document(namespace, name)
-    kube.custom.create_namespaced_custom_object(
-        GROUP, VERSION, namespace, PLURAL, document, _preload_content=False
-    )
+    kube.create_deployment(namespace, document)
     body = kube.read_deployment(namespace, name)
     assert body is not None
     verdict = judge(body["spec"])
@@ -157,10 +190,26 @@ def _floor_reconcile(kube: Kube, namespace: str, name: str) -> None:
     _floor_status(kube, namespace, name)
 
 
-def _end_to_end(api: client.ApiClient, namespace: str, count: int, floor: bool) -> float:
+@dataclass
+class Run:
+    total: float
+    converged: float | None = None
+    # (deployments with Compatible, operator VmRSS MiB) at every 100.
+    rss: list[tuple[int, float]] = field(default_factory=list)
+
+
+def _end_to_end(
+    api: client.ApiClient, namespace: str, count: int, floor: bool, operator: Operator | None = None
+) -> Run:
     kube = Kube(api)
     names = [f"dd-{index}" for index in range(count)]
     observer = ConditionWatch(api, namespace)
+    run = Run(0.0)
+    if operator is not None:
+        observer.on_seen = lambda seen: (
+            run.rss.append((seen, operator.rss_mib())) if seen % 100 == 0 else None
+        )
+    timeout = max(600.0, 1.5 * count)
     start = time.perf_counter()
     try:
         for name in names:
@@ -168,27 +217,42 @@ def _end_to_end(api: client.ApiClient, namespace: str, count: int, floor: bool) 
                 _floor_reconcile(kube, namespace, name)
             else:
                 document = _document(namespace, name)
-                kube.custom.create_namespaced_custom_object(
-                    GROUP, VERSION, namespace, PLURAL, document, _preload_content=False
-                )
-        observer.wait(names, timeout=600)
+                kube.create_deployment(namespace, document)
+        observer.wait(names, timeout=timeout)
         _wait_children(kube, namespace, count)
+        run.total = time.perf_counter() - start
+        if not floor:
+            observer.wait_final(names, timeout=timeout)
+            run.converged = time.perf_counter() - start
     finally:
         observer.stop()
-    return time.perf_counter() - start
+    return run
+
+
+def _workloads_per_deployment() -> dict[str, int]:
+    """How many StatefulSets and Deployments the operator builds for the example (the router adds one)."""
+    verdict = judge(_document("ns", "dd")["spec"])
+    assert verdict.spec is not None and verdict.report is not None and verdict.report.plan is not None
+    built = build(verdict.spec, Owner("dd", "ns", "uid", 1), verdict.report.plan, verdict.report.hashes)
+    return {kind: sum(obj["kind"] == kind for obj in built) for kind in ("StatefulSet", "Deployment")}
 
 
 def _wait_children(kube: Kube, namespace: str, count: int) -> None:
-    """Every DisaggDeployment's StatefulSet and Deployment exist (Compatible is written after the apply)."""
+    """Every DisaggDeployment's StatefulSets and Deployments exist (Compatible is written after the apply)."""
 
     def counted(lister: Callable[..., Any]) -> int:
         items: list[Any] = json.loads(lister(namespace, _preload_content=False).data)["items"]
         return len(items)
 
-    for lister in (kube.apps.list_namespaced_stateful_set, kube.apps.list_namespaced_deployment):
-        found = counted(lister)
-        if found != count:
-            raise RuntimeError(f"expected {count} workloads of each kind, found {found}")
+    apps = client.AppsV1Api(kube.api)
+    listers = {
+        "StatefulSet": apps.list_namespaced_stateful_set,
+        "Deployment": apps.list_namespaced_deployment,
+    }
+    for kind, each in _workloads_per_deployment().items():
+        found = counted(listers[kind])
+        if found != count * each:
+            raise RuntimeError(f"expected {count * each} {kind}s, found {found}")
 
 
 class Operator:
@@ -198,6 +262,7 @@ class Operator:
         for namespace in namespaces:
             args += ["--namespace", namespace]
         env = {**os.environ, "KUBECONFIG": str(paths.kubeconfig), "PYTHONSAFEPATH": "1"}
+        self._path = log
         self._log = log.open("wb")
         self.proc = subprocess.Popen(args, env=env, stdout=self._log, stderr=subprocess.STDOUT, cwd="/")
         deadline = time.monotonic() + 60
@@ -207,10 +272,21 @@ class Operator:
             time.sleep(0.1)
 
     def peak_rss_mib(self) -> float:
+        return self._status_mib("VmHWM:")
+
+    def rss_mib(self) -> float:
+        return self._status_mib("VmRSS:")
+
+    def _status_mib(self, field_name: str) -> float:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field_name):
                 return int(line.split()[1]) / 1024
-        raise RuntimeError("no VmHWM for the operator process")
+        raise RuntimeError(f"no {field_name} for the operator process")
+
+    def errors(self) -> list[str]:
+        """Lines of the operator's log that report an error (kopf logs a handler's failure so)."""
+        text = self._path.read_text(errors="replace")
+        return [line for line in text.splitlines() if "[ERROR" in line or line.startswith("Traceback")]
 
     def stop(self) -> float:
         """SIGTERM (how Kubernetes stops a pod), SIGKILL after a 30 s grace; returns the seconds it took."""
@@ -244,11 +320,40 @@ def _namespace(api: client.ApiClient, prefix: str) -> Iterator[str]:
         core.delete_namespace(name)
 
 
+def _warnings(api: client.ApiClient, namespace: str) -> list[str]:
+    response: Any = client.CoreV1Api(api).list_namespaced_event(namespace, _preload_content=False)
+    events = json.loads(response.data)["items"]
+    return [f"{e['reason']}: {e['message']}" for e in events if e.get("type") == "Warning"]
+
+
+def _wait_gone(api: client.ApiClient, namespace: str, timeout: float) -> None:
+    """The floor's namespace is deleted, so its thousands of children do not load the operator's run."""
+    core, deadline = client.CoreV1Api(api), time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            core.read_namespace(namespace, _preload_content=False)
+        except client.ApiException as error:
+            if error.status == 404:
+                return
+            raise
+        time.sleep(1)
+
+
+def _growth(rss: list[tuple[int, float]]) -> str:
+    if len(rss) < 2:
+        return "n/a"
+    (first_n, first), (last_n, last) = rss[0], rss[-1]
+    return f"{(last - first) / (last_n - first_n) * 100:+.1f} MiB per 100"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench_operator", description=__doc__.splitlines()[0])
     parser.add_argument("--latency-samples", type=int, default=15)
-    parser.add_argument("--count", type=int, default=100, help="DisaggDeployments reconciled end to end.")
+    parser.add_argument(
+        "--deployments", "--count", type=int, default=100, help="DisaggDeployments reconciled end to end."
+    )
     args = parser.parse_args(argv)
+    count = args.deployments
     with control_plane.shared() as (paths, _):
         subprocess.run(
             [str(paths.bin_dir / "kubectl"), "apply", "-f", str(CRD)],
@@ -259,15 +364,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         api = config.new_client_from_config(config_file=str(paths.kubeconfig))  # type: ignore[no-untyped-call]
         with _namespace(api, "bench-floor-a") as a, _namespace(api, "bench-floor-b") as b:
             floor_latency = statistics.median(_apply_latency(paths, api, a, args.latency_samples, floor=True))
-            floor_total = _end_to_end(api, b, args.count, floor=True)
+            floor = _end_to_end(api, b, count, floor=True)
+        _wait_gone(api, b, timeout=max(120.0, count * 0.5))
         with _namespace(api, "bench-op-a") as a, _namespace(api, "bench-op-b") as b:
-            operator = Operator(paths, [a, b], Path(f"/tmp/disagg-bench-operator-{os.getpid()}.log"))
+            log = Path(f"/tmp/disagg-bench-operator-{os.getpid()}.log")
+            operator = Operator(paths, [a, b], log)
             try:
                 latency = statistics.median(_apply_latency(paths, api, a, args.latency_samples, floor=False))
-                total = _end_to_end(api, b, args.count, floor=False)
+                run = _end_to_end(api, b, count, floor=False, operator=operator)
                 rss = operator.peak_rss_mib()
+                warnings = _warnings(api, b)
             finally:
                 stopped = operator.stop()
+            errors = operator.errors()
     print("operator bench: kube-apiserver v1.20.2 on 127.0.0.1, no kubelet (pods stay Pending)")
     print(
         f"  kubectl apply -> Compatible, median of {args.latency_samples}: operator {latency:.3f} s | "
@@ -275,12 +384,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"ratio {latency / floor_latency:.2f}x"
     )
     print(
-        f"  {args.count} DisaggDeployments end to end: operator {total:.2f} s | "
-        f"API floor (one client applies the same objects) {floor_total:.2f} s | "
-        f"ratio {total / floor_total:.2f}x"
+        f"  {count} DisaggDeployments end to end: operator {run.total:.2f} s | "
+        f"API floor (one client applies the same objects) {floor.total:.2f} s | "
+        f"ratio {run.total / floor.total:.2f}x"
+    )
+    print(f"  all {count} at their final conditions after {run.converged:.2f} s")
+    print(
+        "  operator RSS after every 100: "
+        + ", ".join(f"{n}: {mib:.1f}" for n, mib in run.rss)
+        + f" MiB; growth {_growth(run.rss)}"
     )
     print(f"  operator peak RSS: {rss:.1f} MiB; stopped {stopped:.1f} s after SIGTERM")
-    return 0
+    print(f"  errors in the operator's log: {len(errors)}; Warning Events: {len(warnings)}")
+    for line in (errors + warnings)[:10]:
+        print(f"    {line}")
+    return 1 if errors or warnings else 0
 
 
 if __name__ == "__main__":

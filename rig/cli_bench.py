@@ -14,7 +14,7 @@ from typing import Any
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "routing": ("disagg.rig.bench_routing", "descriptor ids: numpy against a pure-Python baseline"),
     "push": ("disagg.rig.bench_push", "KV push over NIXL against numpy.copyto of the same bytes"),
-    "operator": ("disagg.rig.bench_operator", "apply-to-Compatible latency and 100 deployments"),
+    "operator": ("disagg.rig.bench_operator", "apply-to-Compatible latency and N deployments (100)"),
     "router": ("disagg.rig.bench_router", "the router's added latency against calling the engines directly"),
 }
 
@@ -27,7 +27,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"== bench {name}: {what}", flush=True)
         # -P keeps the working directory off sys.path: the repository's operator/ folder would shadow the
         # standard library's operator module.
-        code = subprocess.call([sys.executable, "-P", "-m", module])
+        extra = ["--deployments", str(args.deployments)] if name == "operator" and args.deployments else []
+        code = subprocess.call([sys.executable, "-P", "-m", module, *extra])
         if code != 0:
             failed.append(name)
     if failed:
@@ -39,4 +40,10 @@ def _run(args: argparse.Namespace) -> int:
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("bench", help="run the benchmarks and print their ratios")
     parser.add_argument("which", nargs="?", choices=[*BENCHMARKS, "all"], default="all")
+    parser.add_argument(
+        "--deployments",
+        type=int,
+        metavar="N",
+        help="DisaggDeployments the operator bench reconciles end to end (default 100; 1000: scale).",
+    )
     parser.set_defaults(func=_run)
