@@ -38,11 +38,13 @@ from typing import Any, Final
 
 from kubernetes import client
 
+from disagg.rig.local import free_port
 from disagg.worker.connector.transport import LOOPBACK_UCX_ENV
 from disagg.worker.kv.pod_contract import (
     COMPATIBILITY_HASH_ENV,
     DEFAULT_SIDE_CHANNEL_PORT,
     DEPLOYMENT_LABEL,
+    ENGINE_CONTAINER,
     ENGINE_SOCKET_ENV,
     ENGINE_WORKERS_ENV,
     HTTP_HOST_ENV,
@@ -185,6 +187,9 @@ class LocalKubelet:
     pods: dict[str, LocalPod] = field(default_factory=dict)
     ips: dict[str, str] = field(default_factory=dict)
     """Pod IPs by pod name: a restarted pod keeps its IP, as a restarted container does."""
+    new_pod_fault: Fault | None = None
+    """Applied to every pod started from now on that has no fault of its own (a new version rolling out)."""
+    _rendezvous_ports: dict[str, int] = field(default_factory=dict)
     _subnet: str = field(default_factory=lambda: f"127.{secrets.randbelow(250) + 1}.{secrets.randbelow(250)}")
     _next_host: int = 1
 
@@ -318,7 +323,9 @@ class LocalKubelet:
         pod = {**pod, "status": {**(pod.get("status") or {}), "podIP": ip}}
         workdir = self.workdir / name
         workdir.mkdir(parents=True, exist_ok=True)
-        fault = self.faults.get(name)
+        fault = (
+            self.faults.setdefault(name, self.new_pod_fault) if self.new_pod_fault else self.faults.get(name)
+        )
         # Every volume is a folder of the pod's; a ConfigMap's keys are files in it (faults edit the copy).
         volumes: dict[str, Path] = {}
         for volume in (pod.get("spec") or {}).get("volumes") or ():
@@ -404,6 +411,7 @@ class LocalKubelet:
                     return str(folder) + value[len(mount) :]
             return value
 
+        argv = self._rendezvous(argv)
         argv = [local_arg(part) for part in argv]
         if argv[0] == "disagg":
             argv[0] = str(Path(sys.executable).with_name("disagg"))
@@ -417,6 +425,16 @@ class LocalKubelet:
                     int(p["containerPort"]) for p in container.get("ports") or () if p.get("name") == port
                 )
             local.probes[container["name"]] = http_probe(local.ip, port, probe.get("path", "/"))
+
+    def _rendezvous(self, argv: list[str]) -> list[str]:
+        """torch's rendezvous store on a PP head listens on every address: in pods each engine has its own
+        network, here they share one, so each engine (its head's address) gets a port of its own."""
+        if "--master-port" not in argv or "--master-addr" not in argv:
+            return argv
+        head = argv[argv.index("--master-addr") + 1]
+        at = argv.index("--master-port") + 1
+        port = self._rendezvous_ports.setdefault(head, free_port())
+        return [*argv[:at], str(port), *argv[at + 1 :]]
 
     def _spawn(
         self, argv: list[str], env: Mapping[str, str], log: Path, cwd: Path
@@ -435,18 +453,23 @@ class LocalKubelet:
             )
 
     def _stop(self, name: str) -> None:
+        """The engine first, then the other containers: the sidecar must outlive the requests the engine
+        drains at SIGTERM (as Kubernetes' native sidecar containers, which stop after the main ones)."""
         local = self.pods.pop(name, None)
         if local is None:
             return
-        for process in local.processes.values():
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in local.processes.values():
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=20)
+        engine = [p for c, p in local.processes.items() if c == ENGINE_CONTAINER]
+        others = [p for c, p in local.processes.items() if c != ENGINE_CONTAINER]
+        for group in (engine, others):
+            for process in group:
+                if process.poll() is None:
+                    process.send_signal(signal.SIGTERM)
+            for process in group:
+                try:
+                    process.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait(timeout=20)
 
     def _force_delete(self, name: str) -> None:
         try:
