@@ -37,6 +37,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -250,6 +251,9 @@ class Engine:
         s = self.settings
         torch.set_num_threads(1)
         self.model = TinyModel(self.config)
+        # The pool's emptyDir outlives a restart of this container: a file there is the last run's, which
+        # the sidecar stops using when this run registers its own.
+        Path(s.kv_pool).unlink(missing_ok=True)
         self.kv = map_kv_cache(
             self.model, s.num_blocks, s.kv_pool, pp_rank=s.pp_rank, pp_size=s.pp_size, create=True
         )
@@ -757,6 +761,7 @@ class HeadlessStage:
         try:
             torch.set_num_threads(1)
             model = TinyModel(self.config)
+            Path(s.kv_pool).unlink(missing_ok=True)  # the last run's, as on the head (Engine._load)
             kv = map_kv_cache(
                 model, s.num_blocks, s.kv_pool, pp_rank=s.pp_rank, pp_size=s.pp_size, create=True
             )
