@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from typing import Any
+
+from disagg.worker.kv.pod_contract import HTTP_HOST_ENV
 
 log = logging.getLogger("disagg.worker.router")
 
@@ -21,7 +24,11 @@ def register(subparsers: Any) -> None:
     run.add_argument("--deployment", required=True, help="the DisaggDeployment whose pods to route to")
     run.add_argument("--namespace", required=True)
     run.add_argument("--port", type=int, default=8000)
-    run.add_argument("--host", default="0.0.0.0")
+    run.add_argument(
+        "--host",
+        default=os.environ.get(HTTP_HOST_ENV) or "0.0.0.0",
+        help=f"bind address (default ${HTTP_HOST_ENV}, else every address)",
+    )
     run.add_argument("--kubeconfig", default=None, help="outside a pod (default: KUBECONFIG, ~/.kube/config)")
     run.add_argument(
         "--prefill-timeout", type=float, default=300.0, help="seconds for the prefill leg's answer"
