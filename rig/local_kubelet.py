@@ -25,6 +25,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,6 +49,7 @@ from disagg.worker.kv.pod_contract import (
     ENGINE_SOCKET_ENV,
     ENGINE_WORKERS_ENV,
     HTTP_HOST_ENV,
+    KV_POOL_ENV,
     METRICS_HOST_ENV,
     PIPELINE_PARALLEL_SIZE_ENV,
     POD_NAME_ENV,
@@ -328,24 +330,31 @@ class LocalKubelet:
         )
         # Every volume is a folder of the pod's; a ConfigMap's keys are files in it (faults edit the copy).
         volumes: dict[str, Path] = {}
+        shutil.rmtree(workdir / "volumes", ignore_errors=True)  # a new pod's emptyDirs are empty
         for volume in (pod.get("spec") or {}).get("volumes") or ():
             volumes[volume["name"]] = workdir / "volumes" / volume["name"]
             volumes[volume["name"]].mkdir(parents=True, exist_ok=True)
-        fault_env: dict[str, str] = {}
+        containers = pod["spec"]["containers"]
+        sidecar = next((c for c in containers if c["name"] == SIDECAR_CONTAINER), None)
+        # A fault edits the sidecar's environment (it may read the pod's role there); what it changes, every
+        # container of the pod gets.
+        sidecar_env = resolve_env(pod, sidecar) if sidecar is not None else {}
+        faulted = dict(sidecar_env)
         for volume, documents in self._config_maps(pod).items():
             for key, text in documents.items():
                 if fault is not None:
                     document = json.loads(text)
-                    fault(document, fault_env)
+                    fault(document, faulted)
                     text = json.dumps(document, indent=2)
                 (volumes[volume] / key).write_text(text)
-        containers = pod["spec"]["containers"]
+        fault_env = {key: value for key, value in faulted.items() if sidecar_env.get(key) != value}
         local = LocalPod(name, ip, workdir, {}, fault=fault)
         if all(is_project_image(c.get("image", "")) for c in containers):
             for container in containers:
                 self._run_container(pod, container, local, volumes, fault_env)
         else:
-            sidecar = next(c for c in containers if c["name"] == SIDECAR_CONTAINER)
+            if sidecar is None:
+                raise ValueError(f"pod {name} has no {SIDECAR_CONTAINER} container to stand in for")
             env, _ = self._pod_env(pod, sidecar, local, volumes)
             env = self._engine_workers(env)
             env = {**env, **fault_env}
@@ -384,6 +393,8 @@ class LocalKubelet:
             if ENGINE_SOCKET_ENV in env
             else str(shm / "disagg-engine.sock")
         )
+        # So does the KV pool the engine creates: its default file in /dev/shm would be every local pod's.
+        env.setdefault(KV_POOL_ENV, str(shm / "disagg-kv.pool"))
         env[METRICS_HOST_ENV] = local.ip
         env[HTTP_HOST_ENV] = local.ip
         return env, mounts
@@ -397,8 +408,8 @@ class LocalKubelet:
         fault_env: Mapping[str, str],
     ) -> None:
         env, mounts = self._pod_env(pod, container, local, volumes)
-        if container["name"] == SIDECAR_CONTAINER:
-            env = {**env, **fault_env}
+        # A fault stands for another image: every container of the pod sees what it changed.
+        env = {**env, **fault_env}
         argv = [
             expand(part, env)
             for part in [*(container.get("command") or DEFAULT_ENTRYPOINT), *(container.get("args") or ())]
