@@ -84,6 +84,8 @@ class Demo:
         self.operator: subprocess.Popen[bytes] | None = None
         self.operator_log = workdir / "operator.log"
         self.kubelet: Any = None
+        self.serving: list[Any] = []
+        """The reference deployment's kubelet, kube-proxy stand-in and their loop, once started."""
         self.started_control_plane = False
 
     # -- steps -----------------------------------------------------------------------------------------------
@@ -258,10 +260,39 @@ class Demo:
             f"{condition}.message}}",
         )
 
+    def serve_requests(self, timeout_s: float) -> None:
+        from kubernetes import config
+
+        from disagg.rig.demo_serving import Serving
+        from disagg.rig.local_kubelet import KubeletLoop, LocalKubelet
+        from disagg.rig.service_proxy import ServiceProxy
+
+        first = self._sample_name(VALID_SAMPLE)
+        self.say(f"==> Deleting {first}: its sidecars stop, its children go with it (owner references)")
+        self.kubelet.stop_all()
+        self.show("kubectl", "delete", "disagg", first, "--wait=false")
+        serving = Serving(self, wait_for, DemoFailed)
+        api = config.new_client_from_config(config_file=str(self.control_plane.kubeconfig))  # type: ignore[no-untyped-call]
+        kubelet = LocalKubelet(
+            api, self.control_plane.kubeconfig, NAMESPACE, serving.name(), self.workdir / "serving"
+        )
+        proxy = ServiceProxy(api, NAMESPACE)
+        loop = KubeletLoop([kubelet.sync, proxy.sync]).start()
+        self.serving = [loop, proxy, kubelet]
+        serving.run(kubelet, loop, timeout_s)
+
     # -- teardown --------------------------------------------------------------------------------------------
 
     def stop(self) -> None:
         """Everything this run started, newest first; each step runs even if an earlier one failed."""
+        if self.serving:
+            self.say("==> Stopping the reference deployment's processes and the kube-proxy stand-in")
+            loop, proxy, kubelet = self.serving
+            with contextlib.suppress(Exception):
+                loop.stop()  # its error, if any, was reported where it stopped the demo
+            proxy.close()
+            kubelet.stop_all()
+            kubelet.api.close()
         if self.kubelet is not None:
             self.say("==> Stopping the local sidecars")
             self.kubelet.stop_all()
@@ -317,9 +348,12 @@ class Demo:
 
 @contextlib.contextmanager
 def _signals_as_exit() -> Iterator[None]:
-    """SIGTERM and SIGHUP unwind like Ctrl-C, so the cleanup in `finally` always runs."""
+    """SIGTERM and SIGHUP unwind like Ctrl-C, so the cleanup in `finally` always runs; once unwinding, a
+    repeated signal (a process group signalled twice) must not interrupt the cleanup itself."""
 
     def raise_exit(signum: int, frame: FrameType | None) -> None:
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
         raise KeyboardInterrupt(f"signal {signum}")
 
     previous = {sig: signal.signal(sig, raise_exit) for sig in (signal.SIGTERM, signal.SIGHUP)}
@@ -343,16 +377,19 @@ def run_demo(say: Say, *, timeout_s: float, keep: bool) -> int:
             demo.run_pods_until_ready(timeout_s)
             demo.break_and_fix_a_decoder(timeout_s)
             demo.apply_broken_sample()
+            demo.serve_requests(timeout_s)
             say(
                 "==> Done: the valid sample reached Compatible, KV and Ready; the sidecars caught a stale "
-                "decoder and cleared it once fixed; the broken sample was refused at admission"
+                "decoder and cleared it once fixed; the broken sample was refused at admission; the "
+                "reference deployment served curl through its router, identical to the monolithic run, and "
+                "kept serving through the healthy pair while a skewed decoder was excluded"
             )
             return 0
         except (DemoFailed, SidecarExited) as exc:
             say(f"demo failed: {exc}")
-            if demo.kubelet is not None:
-                for pod in sorted(demo.kubelet.pods):
-                    say(f"--- sidecar log of {pod}\n{demo.kubelet.log_tail(pod, 10)}")
+            for kubelet in [demo.kubelet, *demo.serving[2:]]:
+                for pod in sorted(kubelet.pods) if kubelet is not None else ():
+                    say(f"--- logs of {pod}\n{kubelet.log_tail(pod, 10)}")
             say(f"--- operator log\n{demo.operator_tail()}")
             return 1
         except KeyboardInterrupt:
