@@ -112,7 +112,9 @@ class Serving:
         conditions = (json.loads(found.stdout).get("status") or {}).get("conditions") or []
         return next((c for c in conditions if c.get("type") == kind), {})
 
-    def wait_until_routable(self, name: str, routable: str, timeout_s: float, *, ready: bool = True) -> None:
+    def wait_until_routable(
+        self, name: str, routable: str, timeout_s: float, *, ready: bool = True, excluded_for: str = ""
+    ) -> None:
         """Until PAIRS reads `routable` (e.g. "2/2") and, if `ready`, READY (`Available`) is True; printing
         the table as it changes."""
         self.shell.say("$ kubectl get disagg   (again each time a column other than AGE changes)")
@@ -129,7 +131,9 @@ class Serving:
                 "get", "disagg", name, "-o", "jsonpath={.status.routablePairs}"
             ).stdout.strip()
             available = self.condition(name, "Available").get("status") == "True"
-            return pairs == routable and (available or not ready)
+            why = self.condition(name, ROUTABLE).get("message") or ""
+            refused = not excluded_for or f": {excluded_for}:" in why
+            return pairs == routable and (available or not ready) and refused
 
         self.wait_for(f"{name} Ready with {routable} pairs routable", reached, timeout_s=timeout_s)
 
@@ -202,7 +206,10 @@ class Serving:
         say(f"==> Restarting decode pod {skewed} on engine 0.32.0 (version skew the spec cannot see)")
         kubelet.restart(skewed, with_engine_hash("decode", self.stale_hash()))
         # One decoder of two refused: the deployment is not fully available, yet one pair serves.
-        self.wait_until_routable(name, "1/2", timeout_s, ready=False)
+        # A restarting pod is excluded at once (PodNotReady); wait until the sidecars' refusal is the reason.
+        self.wait_until_routable(
+            name, "1/2", timeout_s, ready=False, excluded_for="CompatibilityHashMismatch"
+        )
         routable = self.condition(name, ROUTABLE)
         say(f"    Routable={routable.get('status')} reason={routable.get('reason')}")
         say(f"    {routable.get('message')}")
