@@ -29,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
@@ -192,6 +193,7 @@ class LocalKubelet:
     new_pod_fault: Fault | None = None
     """Applied to every pod started from now on that has no fault of its own (a new version rolling out)."""
     _rendezvous_ports: dict[str, int] = field(default_factory=dict)
+    _volumes: Path | None = None
     _subnet: str = field(default_factory=lambda: f"127.{secrets.randbelow(250) + 1}.{secrets.randbelow(250)}")
     _next_host: int = 1
 
@@ -245,6 +247,9 @@ class LocalKubelet:
                     process.send_signal(signal.SIGTERM)
         for name in list(self.pods):
             self._stop(name)
+        if self._volumes is not None:
+            shutil.rmtree(self._volumes, ignore_errors=True)
+            self._volumes = None
 
     def log_tail(self, name: str, lines: int = 40) -> str:
         local = self.pods.get(name)
@@ -330,9 +335,11 @@ class LocalKubelet:
         )
         # Every volume is a folder of the pod's; a ConfigMap's keys are files in it (faults edit the copy).
         volumes: dict[str, Path] = {}
-        shutil.rmtree(workdir / "volumes", ignore_errors=True)  # a new pod's emptyDirs are empty
+        # Under a short root: the engine socket lives in a volume, and a Unix socket path has 107 bytes.
+        root = self._volumes_root() / ip
+        shutil.rmtree(root, ignore_errors=True)  # a new pod's emptyDirs are empty
         for volume in (pod.get("spec") or {}).get("volumes") or ():
-            volumes[volume["name"]] = workdir / "volumes" / volume["name"]
+            volumes[volume["name"]] = root / volume["name"]
             volumes[volume["name"]].mkdir(parents=True, exist_ok=True)
         containers = pod["spec"]["containers"]
         sidecar = next((c for c in containers if c["name"] == SIDECAR_CONTAINER), None)
@@ -363,6 +370,12 @@ class LocalKubelet:
             )
         self.pods[name] = local
         return local
+
+    def _volumes_root(self) -> Path:
+        if self._volumes is None:
+            shm = Path("/dev/shm")
+            self._volumes = Path(tempfile.mkdtemp(prefix="disagg-pods-", dir=shm if shm.is_dir() else None))
+        return self._volumes
 
     def _pod_env(
         self,
