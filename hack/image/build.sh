@@ -115,7 +115,8 @@ rmdir "$WORK/bundle/rootfs"
 step "Debian bookworm root file system (mmdebstrap, debs cached in $CACHE/debs)"
 # No apt, no docs, man pages or locales (copyright files stay); merged /usr set up by mmdebstrap's hook
 # rather than the usrmerge package (which would bring perl). The image's user has no shell and no password.
-mmdebstrap --quiet --mode=root --variant=essential --include=python3.11 \
+# libstdc++6: manylinux wheels (numpy, pyzmq, torch, NIXL) link it from the system.
+mmdebstrap --quiet --mode=root --variant=essential --include=python3.11,libstdc++6 \
   --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr \
   --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright' \
   --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/info/*' \
@@ -130,11 +131,11 @@ mmdebstrap --quiet --mode=root --variant=essential --include=python3.11 \
   --customize-hook="install -d -o $UID_GID -g $UID_GID -m 0755 \"\$1/home/disagg\"" \
   --customize-hook='rm -rf "$1"/var/cache/apt/* "$1"/var/lib/apt/lists/* "$1"/var/log/* "$1"/var/cache/ldconfig/aux-cache' \
   --customize-hook='rm -f "$1"/var/cache/debconf/*-old "$1"/var/lib/dpkg/*-old' \
-  bookworm "$WORK/bundle/rootfs"
+  bookworm "$WORK/bundle/rootfs" >"$WORK/mmdebstrap.log" 2>&1 || { cat "$WORK/mmdebstrap.log"; exit 1; }
 clamp "$WORK/bundle/rootfs"
 # --refresh-bundle: the bundle then stands for the base image, so each copy's repack adds one layer on top.
 umoci repack --refresh-bundle --image "$LIGHT:base" --history.created "$CREATED" \
-  --history.created_by "mmdebstrap --variant=essential --include=python3.11 bookworm" "$WORK/bundle"
+  --history.created_by "mmdebstrap --variant=essential --include=python3.11,libstdc++6 bookworm" "$WORK/bundle"
 
 # --- layer 2 of each image: the venv, on a copy of the base bundle (umoci diffs it against layer 1)
 build_image() {

@@ -1,4 +1,4 @@
-"""The images are tagged with pyproject's version and the chart defaults to its appVersion: the two are one."""
+"""Images are tagged with pyproject's version and the chart defaults to its appVersion: the two are one."""
 
 from __future__ import annotations
 
