@@ -132,6 +132,8 @@ mmdebstrap --quiet --mode=root --variant=essential --include=python3.11,libstdc+
   --customize-hook='rm -rf "$1"/var/cache/apt/* "$1"/var/lib/apt/lists/* "$1"/var/log/* "$1"/var/cache/ldconfig/aux-cache' \
   --customize-hook='rm -f "$1"/var/cache/debconf/*-old "$1"/var/lib/dpkg/*-old' \
   bookworm "$WORK/bundle/rootfs" >"$WORK/mmdebstrap.log" 2>&1 || { cat "$WORK/mmdebstrap.log"; exit 1; }
+# The image has no apt: what mmdebstrap's apt left (its lock files, sources, keyrings) goes too.
+rm -rf "$WORK/bundle/rootfs/var/lib/apt" "$WORK/bundle/rootfs/var/cache/apt" "$WORK/bundle/rootfs/etc/apt"
 clamp "$WORK/bundle/rootfs"
 # --refresh-bundle: the bundle then stands for the base image, so each copy's repack adds one layer on top.
 umoci repack --refresh-bundle --image "$LIGHT:base" --history.created "$CREATED" \
