@@ -99,7 +99,7 @@ in_root() {
     mount -t proc proc "$root/proc"
     mount --rbind /dev "$root/dev"
     mount --bind -o ro "$wheels" "$root$seen_at"
-    exec chroot "$root" env -i PATH=/usr/bin:/bin HOME=/nonexistent "$@"
+    exec chroot "$root" env -i PATH=/usr/bin:/bin HOME=/nonexistent PYTHONDONTWRITEBYTECODE=1 "$@"
   ' in_root "$root" "$WORK/install" "$WHEELS_SEEN_AT" "$WORK" "$@"
   rmdir "$root$WHEELS_SEEN_AT"
 }
@@ -164,10 +164,11 @@ build_image() {
     in_root "$bundle/rootfs" "$VENV_DIR/bin/python" "$WHEELS_SEEN_AT/$(basename "$PIP_WHEEL")/pip" install --quiet \
       "${pip_args[@]}" --require-hashes -r "$WHEELS_SEEN_AT/requirements.txt"
   fi
-  # Hash-based bytecode (unchecked: the image never changes), the same bytes for the same sources. A file
+  # Hash-based bytecode (unchecked: the image never changes), the same bytes for the same sources; forced,
+  # over any a .pth import (setuptools' _distutils_hack) may have written before. A file
   # that is not Python 3.11 (torch ships some for 3.12) is never imported here: its failure is ignored.
   in_root "$bundle/rootfs" "$VENV_DIR/bin/python" -c 'import compileall, py_compile, sys
-compileall.compile_dir(sys.argv[1], quiet=2, workers=0,
+compileall.compile_dir(sys.argv[1], quiet=2, workers=0, force=True,
                        invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)' "$VENV_DIR/lib"
   rm -rf "$bundle/rootfs/root/.cache" "$bundle/rootfs/tmp/"*
   clamp "$bundle/rootfs"
