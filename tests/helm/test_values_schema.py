@@ -87,8 +87,6 @@ def test_every_value_is_documented_by_a_comment_naming_it() -> None:
                     "worker",
                     "worker.image",
                     "worker.transferImage",
-                    "router",
-                    "router.image",
                     "webhook",
                     "serviceAccount",
                     "rbac",
