@@ -9,7 +9,8 @@ TORCH_PIN := torch==2.13.0
 # it would shadow the standard library's `operator`. PYTHONSAFEPATH keeps it off.
 export PYTHONSAFEPATH := 1
 
-.PHONY: all venv vllm-venv test test-unit test-vllm fuzz demo bench lint crds check-crds control-plane-up control-plane-down clean
+.PHONY: all venv vllm-venv image image-lock test test-unit test-vllm test-image fuzz demo bench lint crds check-crds \
+	control-plane-up control-plane-down clean
 
 all: test
 
@@ -29,11 +30,25 @@ vllm-venv:
 	bash hack/vllm/venv.sh
 	bash hack/vllm/wheels.sh
 
-test: $(STAMP) vllm-venv
+# The two OCI images (hack/image/build.sh): build/images/disagg (light) and build/images/disagg-transfer, as
+# root, from Debian's archive and PyPI; it apt-installs mmdebstrap, umoci and skopeo when missing. Build
+# arguments: TORCH_VARIANT=cuda (and TORCH_INDEX_URL) for the CUDA transfer image, IMAGES=light|transfer.
+image: $(STAMP)
+	PY=$(PY) bash hack/image/build.sh
+
+# Re-resolve hack/image/*.lock (the images' sha256-pinned distributions) after a dependency change.
+image-lock: $(STAMP)
+	$(PY) hack/image/image.py lock
+
+# `make test` builds the images and runs their tests with the rest: a build takes about 7 minutes here.
+test: $(STAMP) vllm-venv image
 	$(PY) -m pytest tests
 
 test-unit: $(STAMP)
-	$(PY) -m pytest tests -m "not nixl and not cluster and not helm and not vllm"
+	$(PY) -m pytest tests -m "not nixl and not cluster and not helm and not vllm and not image"
+
+test-image: image
+	$(PY) -m pytest tests -m image
 
 test-vllm: $(STAMP) vllm-venv
 	$(PY) -m pytest tests -m vllm

@@ -80,6 +80,10 @@ KV_POOL_FILE: Final = f"{KV_POOL_DIR}/kv-pool"
 ENGINE_CONTAINER: Final = "engine"
 WORKER_IMAGE_ENV: Final = "DISAGG_WORKER_IMAGE"
 ROUTER_IMAGE_ENV: Final = "DISAGG_ROUTER_IMAGE"
+# The transfer sidecar's default image (it needs NIXL and torch: the chart's disagg-transfer image); the watch
+# sidecar's is WORKER_IMAGE_ENV (the light image). Either stands in for the other when only one is set: the
+# transfer image runs the watch sidecar too, and a single all-in-one image runs both.
+TRANSFER_IMAGE_ENV: Final = "DISAGG_TRANSFER_IMAGE"
 WORKER_CLUSTER_ROLE_ENV: Final = "DISAGG_WORKER_CLUSTERROLE"
 DEFAULT_WORKER_CLUSTER_ROLE: Final = "disagg-worker"
 # The API server credentials the sidecar's in-cluster client reads (token, ca.crt, namespace), projected as
@@ -138,10 +142,11 @@ class Installation:
     """What the operator's installation (the Helm chart, through environment variables) decides."""
 
     worker_cluster_role: str = DEFAULT_WORKER_CLUSTER_ROLE
-    # The sidecar image of a spec that names none.
+    # The sidecar images of a spec that names none: the watch sidecar's, and the transfer sidecar's.
     worker_image: str | None = None
     # The router image of a spec that names none.
     router_image: str | None = None
+    transfer_image: str | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> Installation:
@@ -149,11 +154,16 @@ class Installation:
             worker_cluster_role=environ.get(WORKER_CLUSTER_ROLE_ENV) or DEFAULT_WORKER_CLUSTER_ROLE,
             worker_image=environ.get(WORKER_IMAGE_ENV) or None,
             router_image=environ.get(ROUTER_IMAGE_ENV) or None,
+            transfer_image=environ.get(TRANSFER_IMAGE_ENV) or None,
         )
 
-    def sidecar_image(self, spec: DisaggDeploymentSpec) -> str | None:
-        """The spec's sidecar image, else this installation's default; None when neither names one."""
-        return spec.worker.image or self.worker_image
+    def sidecar_image(self, spec: DisaggDeploymentSpec, *, transfer: bool = False) -> str | None:
+        """The spec's sidecar image, else this installation's default for the sidecar's mode (the other
+        mode's when only that one is set); None when none is named."""
+        defaults = (
+            (self.transfer_image, self.worker_image) if transfer else (self.worker_image, self.transfer_image)
+        )
+        return spec.worker.image or defaults[0] or defaults[1]
 
     def router_image_of(self, spec: DisaggDeploymentSpec) -> str | None:
         """The spec's router image, else this installation's default, else the sidecar image (every disagg
@@ -529,7 +539,11 @@ def _pod_template(
     engine_env: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     this = spec.role(role)
-    sidecar_image = installation.sidecar_image(spec)
+    # A vLLM engine runs the NIXL connector in-process and moves the KV itself; the sidecar then only watches
+    # the handshakes. Otherwise the sidecar owns the NIXL agent. The RDMA devices, IPC_LOCK and the side
+    # channel go to whichever container moves the data.
+    engine_moves_kv = is_vllm_image(role_image(spec, role))
+    sidecar_image = installation.sidecar_image(spec, transfer=not engine_moves_kv)
     if sidecar_image is None:
         # The reconcile refuses such a spec (WorkerImageMissing) before building; reaching this is a bug.
         raise ValueError("no sidecar image: spec.worker.image and the installation's default are both unset")
@@ -547,10 +561,6 @@ def _pod_template(
     rdma = (
         (spec.kv_transfer.rdma.resource_name, spec.kv_transfer.rdma.count) if spec.kv_transfer.rdma else None
     )
-    # A vLLM engine runs the NIXL connector in-process and moves the KV itself; the sidecar then only watches
-    # the handshakes. Otherwise the sidecar owns the NIXL agent. The RDMA devices, IPC_LOCK and the side
-    # channel go to whichever container moves the data.
-    engine_moves_kv = is_vllm_image(role_image(spec, role))
     mounts = [
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "topology", "mountPath": TOPOLOGY_DIR, "readOnly": True},

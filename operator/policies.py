@@ -31,7 +31,7 @@ from disagg.operator.api import (
     Role,
     RoleSpec,
 )
-from disagg.operator.builders import WORKER_IMAGE_ENV, Installation, Owner, build
+from disagg.operator.builders import TRANSFER_IMAGE_ENV, WORKER_IMAGE_ENV, Installation, Owner, build
 from disagg.operator.builders_engine import arg_violations, is_reference_engine_image, role_image, user_args
 from disagg.operator.plan import TopologyPlan, model_geometry, plan_topology
 from disagg.worker.kv import releases
@@ -444,8 +444,8 @@ def worker_image_violations(spec: DisaggDeploymentSpec, installation: Installati
         Violation(
             "WorkerImageMissing",
             f"spec.worker.image is not set and the operator has no default sidecar image "
-            f"({WORKER_IMAGE_ENV} is unset): set spec.worker.image, or install the operator with the Helm "
-            "chart, which sets it from worker.image",
+            f"({WORKER_IMAGE_ENV} and {TRANSFER_IMAGE_ENV} are unset): set spec.worker.image, or install the "
+            "operator with the Helm chart, which sets them from worker.image and worker.transferImage",
         )
     ]
 

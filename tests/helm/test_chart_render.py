@@ -231,7 +231,8 @@ def test_pod_and_container_security_defaults(helm_bin: Path) -> None:
 
 def test_operator_command_probes_and_mounts_match_the_operator_cli(helm_bin: Path) -> None:
     container = operator_container(render(helm_bin))
-    assert container["image"] == f"ghcr.io/disagg/disagg-operator:{CHART_META['appVersion']}"
+    # The chart's defaults are the images `make image` builds, tagged with the chart's appVersion.
+    assert container["image"] == f"ghcr.io/disagg/disagg:{CHART_META['appVersion']}"
     assert container["command"] == ["disagg"]
     assert container["args"] == [
         "operator",
@@ -247,7 +248,9 @@ def test_operator_command_probes_and_mounts_match_the_operator_cli(helm_bin: Pat
     assert container["readinessProbe"]["tcpSocket"] == {"port": "webhook"}
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["DISAGG_LOG_LEVEL"] == "info"
-    assert env["DISAGG_WORKER_IMAGE"] == f"ghcr.io/disagg/disagg-worker:{CHART_META['appVersion']}"
+    assert env["DISAGG_WORKER_IMAGE"] == f"ghcr.io/disagg/disagg:{CHART_META['appVersion']}"
+    assert env["DISAGG_TRANSFER_IMAGE"] == f"ghcr.io/disagg/disagg-transfer:{CHART_META['appVersion']}"
+    assert env["DISAGG_ROUTER_IMAGE"] == f"ghcr.io/disagg/disagg:{CHART_META['appVersion']}"
     # The same name the workload role may bind and the worker ClusterRole carries.
     assert env["DISAGG_WORKER_CLUSTERROLE"] == f"{RELEASE}-disagg-worker"
     # The router runs from the operator's own (light) image.
@@ -262,7 +265,10 @@ def test_values_reach_the_deployment(helm_bin: Path) -> None:
         helm_bin,
         {
             "image": {"repository": "registry.example/op", "tag": "1.2.3", "pullPolicy": "Always"},
-            "worker": {"image": {"repository": "registry.example/worker", "tag": "9.9"}},
+            "worker": {
+                "image": {"repository": "registry.example/worker", "tag": "9.9"},
+                "transferImage": {"repository": "registry.example/transfer", "tag": "9.8"},
+            },
             "logLevel": "debug",
             "replicas": 0,
             "healthPort": 18080,
@@ -284,6 +290,7 @@ def test_values_reach_the_deployment(helm_bin: Path) -> None:
     assert env["DISAGG_LOG_LEVEL"] == "debug"
     assert env["DISAGG_WORKER_IMAGE"] == "registry.example/worker:9.9"
     assert env["DISAGG_ROUTER_IMAGE"] == "registry.example/op:1.2.3"
+    assert env["DISAGG_TRANSFER_IMAGE"] == "registry.example/transfer:9.8"
     assert pod["nodeSelector"] == {"pool": "system"}
     assert pod["tolerations"] == [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}]
     assert container["resources"]["requests"]["cpu"] == "1"

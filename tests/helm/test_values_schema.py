@@ -81,7 +81,16 @@ def test_every_value_is_documented_by_a_comment_naming_it() -> None:
             if (
                 isinstance(value, dict)
                 and value
-                and dotted in {"image", "worker", "worker.image", "webhook", "serviceAccount", "rbac"}
+                and dotted
+                in {
+                    "image",
+                    "worker",
+                    "worker.image",
+                    "worker.transferImage",
+                    "webhook",
+                    "serviceAccount",
+                    "rbac",
+                }
             ):
                 found += leaves(value, f"{dotted}.")
             else:

@@ -243,6 +243,25 @@ class TestSidecarImage:
     def test_the_default_image_comes_from_the_environment(self) -> None:
         assert Installation.from_environ({}).worker_image is None
         assert Installation.from_environ({"DISAGG_WORKER_IMAGE": "w:1"}).worker_image == "w:1"
+        assert Installation.from_environ({}).transfer_image is None
+        assert Installation.from_environ({"DISAGG_TRANSFER_IMAGE": "t:1"}).transfer_image == "t:1"
+
+    def test_the_watch_sidecar_gets_the_light_image_and_the_transfer_sidecar_the_transfer_image(self) -> None:
+        both = Installation(worker_image="r/disagg:1", transfer_image="r/disagg-transfer:1")
+        vllm = objects(spec({"worker": DELETE}), installation=both)
+        assert container(vllm["Deployment", "gemma-pp2-decode"], SIDECAR_CONTAINER)["image"] == "r/disagg:1"
+        reference = spec({"worker": DELETE, "engine": {"image": "r/disagg-transfer:1"}})
+        built = objects(reference, installation=both)
+        sidecar = container(built["Deployment", "gemma-pp2-decode"], SIDECAR_CONTAINER)
+        assert sidecar["args"][-1] == "transfer" and sidecar["image"] == "r/disagg-transfer:1"
+        # Either default stands in for the other when it is the only one set.
+        only_light = objects(reference, installation=Installation(worker_image="r/disagg:1"))
+        assert (
+            container(only_light["Deployment", "gemma-pp2-decode"], SIDECAR_CONTAINER)["image"]
+            == "r/disagg:1"
+        )
+        only_transfer = objects(spec({"worker": DELETE}), installation=Installation(transfer_image="t:1"))
+        assert container(only_transfer["Deployment", "gemma-pp2-decode"], SIDECAR_CONTAINER)["image"] == "t:1"
 
     def test_with_no_image_anywhere_the_spec_is_refused_and_nothing_is_built(self) -> None:
         bare = spec({"worker": DELETE})
