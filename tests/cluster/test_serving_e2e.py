@@ -161,9 +161,11 @@ def serving(cluster: Cluster, ns: str, tmp_path: Path) -> Iterator[tuple[LocalKu
     try:
         yield kubelet, loop, document["spec"]["model"]["name"]
     finally:
-        loop._stop.set()
-        proxy.close()
-        kubelet.stop_all()
+        try:
+            loop.stop()
+        finally:
+            proxy.close()
+            kubelet.stop_all()
 
 
 def routable(cluster: Cluster, ns: str, loop: KubeletLoop, pairs: str) -> None:
