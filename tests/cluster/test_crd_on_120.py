@@ -96,6 +96,7 @@ def test_printer_columns_and_short_name(installed_crd: ControlPlane, namespace: 
         "PREFILL",
         "DECODE",
         "REASON",
+        "ENDPOINT",
         "AGE",
     ]
 
