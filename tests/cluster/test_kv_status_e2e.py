@@ -110,7 +110,15 @@ def test_healthy_topology_turns_kv_transfer_ready_and_the_pods_ready(
     deploy(cluster, ns)
     ready = kv_condition(cluster, kubelet, ns, "True", "HandshakesSucceeded")
     assert "all 4 sidecars" in ready["message"]
-    found = pods(cluster, ns)
+
+    def all_ready() -> dict[str, dict[str, Any]] | None:
+        # The kubelet writes Ready from the pod's gate on its next sync after the sidecar's condition.
+        kubelet.sync()
+        found = pods(cluster, ns)
+        flags = [pod_conditions(pod).get("Ready", {}).get("status") for pod in found.values()]
+        return found if flags and all(flag == "True" for flag in flags) else None
+
+    found = wait_for("every pod Ready", all_ready, timeout=TIMEOUT_S, interval=0.3)
     assert len(found) == 4
     for name, pod in found.items():
         # What the local kubelet wrote, as a kubelet would: bound, running, its own IP.
