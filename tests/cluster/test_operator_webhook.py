@@ -42,7 +42,8 @@ def webhook_operator(
     cluster: Cluster, tmp_path_factory: pytest.TempPathFactory, webhook_port: int
 ) -> Iterator[str]:
     """The operator with its webhook; yields the namespace it serves."""
-    token = secrets.token_hex(3)
+    # A letter first: a label value of digits and one "e" (9145e0) is a number to kubectl's YAML reader.
+    token = "w" + secrets.token_hex(3)
     configuration = f"w{token}.dev.validate.disagg.io"
     namespace = cluster.create_namespace(f"opw-{token}")
     process = OperatorProcess(

@@ -31,7 +31,8 @@ def test_cert_dir_mode_serves_the_charts_path(
     cert, key = SelfSignedWebhookServer.build_certificate(["127.0.0.1"])
     (cert_dir / "tls.crt").write_bytes(cert)
     (cert_dir / "tls.key").write_bytes(key)
-    token = secrets.token_hex(3)
+    # A letter first: a label value of digits and one "e" (9145e0) is a number to kubectl's YAML reader.
+    token = "w" + secrets.token_hex(3)
     namespace = cluster.create_namespace(f"opc-{token}")
     cluster.core.patch_namespace(namespace, {"metadata": {"labels": {"disagg.io/webhook-test": token}}})
     port = free_port()
