@@ -79,6 +79,7 @@ from disagg.worker.sidecar.engine_link import (
     KVReady,
     KVSent,
     PrefillEngine,
+    RegisterLayout,
     register_layout_message,
 )
 
@@ -216,16 +217,7 @@ class Engine:
             await self.model_thread.run(self._load)
             assert self.kv is not None
             self.not_ready = "registering the KV pool with the sidecar"
-            message = register_layout_message(
-                engine_id=s.engine_id,
-                role=s.role,
-                geometry=self.config.geometry,
-                stage=self.config.stage_layout(s.num_blocks, pp_rank=s.pp_rank, pp_size=s.pp_size),
-                tp_rank=0,
-                num_blocks=s.num_blocks,
-                pool_path=s.kv_pool,
-                pool_bytes=int(self.kv.buffer.numel()),
-            )
+            message = layout_message(self.config, s, self.kv)
             self.link = await asyncio.to_thread(
                 connect_and_register,
                 s.engine_socket,
@@ -251,12 +243,7 @@ class Engine:
         s = self.settings
         torch.set_num_threads(1)
         self.model = TinyModel(self.config)
-        # The pool's emptyDir outlives a restart of this container: a file there is the last run's, which
-        # the sidecar stops using when this run registers its own.
-        Path(s.kv_pool).unlink(missing_ok=True)
-        self.kv = map_kv_cache(
-            self.model, s.num_blocks, s.kv_pool, pp_rank=s.pp_rank, pp_size=s.pp_size, create=True
-        )
+        self.kv = new_pool(self.model, s)
         groups = len(self.config.stage_layout(s.num_blocks).groups)
         self.scheduler = BlockScheduler(self.kv.pool, s.num_blocks, groups, self.config.block_size)
 
@@ -761,21 +748,9 @@ class HeadlessStage:
         try:
             torch.set_num_threads(1)
             model = TinyModel(self.config)
-            Path(s.kv_pool).unlink(missing_ok=True)  # the last run's, as on the head (Engine._load)
-            kv = map_kv_cache(
-                model, s.num_blocks, s.kv_pool, pp_rank=s.pp_rank, pp_size=s.pp_size, create=True
-            )
+            kv = new_pool(model, s)
             self.not_ready = "registering the KV pool with the sidecar"
-            message = register_layout_message(
-                engine_id=s.engine_id,
-                role=s.role,
-                geometry=self.config.geometry,
-                stage=self.config.stage_layout(s.num_blocks, pp_rank=s.pp_rank, pp_size=s.pp_size),
-                tp_rank=0,
-                num_blocks=s.num_blocks,
-                pool_path=s.kv_pool,
-                pool_bytes=int(kv.buffer.numel()),
-            )
+            message = layout_message(self.config, s, kv)
             link = connect_and_register(
                 s.engine_socket, message, reply_timeout_s=LINK_REPLY_TIMEOUT_S, stopping=self._stopping
             )
@@ -808,6 +783,27 @@ class HeadlessStage:
 
     def stop(self) -> None:
         self._stopping.set()
+
+
+def new_pool(model: TinyModel, s: ServeSettings) -> PagedKVCache:
+    """This worker's KV cache over a new pool file. The pool's emptyDir outlives a restart of the container:
+    a file there is the last run's, which the sidecar stops using when this run registers its own."""
+    Path(s.kv_pool).unlink(missing_ok=True)
+    return map_kv_cache(model, s.num_blocks, s.kv_pool, pp_rank=s.pp_rank, pp_size=s.pp_size, create=True)
+
+
+def layout_message(config: TinyConfig, s: ServeSettings, kv: PagedKVCache) -> RegisterLayout:
+    """What the head and a headless stage alike tell their sidecar about their KV pool."""
+    return register_layout_message(
+        engine_id=s.engine_id,
+        role=s.role,
+        geometry=config.geometry,
+        stage=config.stage_layout(s.num_blocks, pp_rank=s.pp_rank, pp_size=s.pp_size),
+        tp_rank=0,
+        num_blocks=s.num_blocks,
+        pool_path=s.kv_pool,
+        pool_bytes=int(kv.buffer.numel()),
+    )
 
 
 # ---- the process -------------------------------------------------------------------------------------------
