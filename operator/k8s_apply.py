@@ -12,8 +12,9 @@ operator about 25 MiB of its memory for methods it never calls.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from kubernetes import client
@@ -50,6 +51,9 @@ def _collection(kind: str) -> str:
 @dataclass
 class Kube:
     api: client.ApiClient
+    # Per kind, the newest resourceVersion this process has written (`children` lists no older than it).
+    _written: dict[str, int] = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def _call(
         self,
@@ -59,8 +63,11 @@ class Kube:
         query: Mapping[str, str] | None = None,
         body: Mapping[str, Any] | None = None,
         content_type: str | None = None,
+        read: bool = True,
     ) -> dict[str, Any]:
-        """One request; a status other than 2xx raises the client's `ApiException` (404 as `status` 404)."""
+        """One request; a status other than 2xx raises the client's `ApiException` (404 as `status` 404).
+        `read=False` returns {} without parsing the response: a status write or a delete gets the whole
+        object back, managedFields included, and parsing what nobody reads is garbage made per write."""
         headers = {"Accept": "application/json"}
         if content_type is not None:
             headers["Content-Type"] = content_type
@@ -78,6 +85,8 @@ class Kube:
             raise ApiException.from_response(
                 http_resp=response, body=data.decode("utf-8", errors="replace"), data=None
             )
+        if not read:
+            return {}
         body_read: dict[str, Any] = json.loads(data)
         return body_read
 
@@ -87,7 +96,9 @@ class Kube:
         collection = _collection(kind)
         if verb == "list":
             return lambda namespace, selector: self._call(
-                "GET", collection.format(namespace=namespace), query={"labelSelector": selector}
+                "GET",
+                collection.format(namespace=namespace),
+                query={"labelSelector": selector, "resourceVersion": self._not_older_than(kind)},
             )
         if verb == "patch":
             return lambda name, namespace, body: self._call(
@@ -103,6 +114,7 @@ class Kube:
                 f"{collection.format(namespace=namespace)}/{name}",
                 body={"propagationPolicy": "Background"},
                 content_type="application/json",
+                read=False,
             )
         raise ValueError(f"no {verb} request for {kind}")
 
@@ -110,7 +122,26 @@ class Kube:
         """Server-side apply of a built object; a second apply of the same body writes nothing (the returned
         object, as stored, keeps its resourceVersion)."""
         metadata = obj["metadata"]
-        return self._method("patch", obj["kind"])(metadata["name"], metadata["namespace"], obj)
+        stored = self._method("patch", obj["kind"])(metadata["name"], metadata["namespace"], obj)
+        version = str((stored.get("metadata") or {}).get("resourceVersion") or "")
+        if version.isdigit():
+            with self._lock:
+                self._written[obj["kind"]] = max(self._written.get(obj["kind"], 0), int(version))
+        return stored
+
+    def _not_older_than(self, kind: str) -> str:
+        """The resourceVersion a list of `kind` asks for: served from the API server's watch cache, no older
+        than this process's own last write of the kind ("0", any, before the first).
+
+        A list without one is read from etcd, which means reading every object of the kind in the namespace
+        to filter by label: with a thousand deployments in one namespace each reconcile cost in proportion
+        to the namespace, and the API server spent its time there. The cache trails etcd by milliseconds but
+        never the version asked for, so the list shows every child this operator has applied (what pruning
+        needs). A write by someone else in those milliseconds can make an apply that wrote nothing count as
+        changed (one Applied Event too many), never the reverse. Before this process's first write of a
+        kind, "0" accepts any cached state: the previous process's writes are older than the cache's lag."""
+        with self._lock:
+            return str(self._written.get(kind, 0))
 
     def children(self, namespace: str, owner: str, owner_uid: str) -> list[dict[str, Any]]:
         """Every object of the kinds the operator applies that this owner controls (by label, then uid)."""
@@ -151,6 +182,7 @@ class Kube:
             query={"fieldManager": FIELD_MANAGER},
             body={"status": dict(status)},
             content_type=MERGE,
+            read=False,
         )
 
 

@@ -178,29 +178,6 @@ def refresh_status(
     )
 
 
-def pod_facts(pod: Mapping[str, Any]) -> dict[str, Any]:
-    """What the status reads of a Pod (`kv_status.pod_kv`, `peers_reported`, `pairing.routing_from_pods`):
-    its name, labels, annotations and deletion, its containers' names, env and ports, its IP and conditions.
-    The operator's pod index holds this, not the whole Pod (managedFields and the rest of its spec are most
-    of a Pod's size)."""
-    metadata = pod.get("metadata") or {}
-    status = pod.get("status") or {}
-    return {
-        "metadata": {
-            key: metadata[key]
-            for key in ("name", "namespace", "labels", "annotations", "deletionTimestamp")
-            if key in metadata
-        },
-        "spec": {
-            "containers": [
-                {key: container[key] for key in ("name", "env", "ports") if key in container}
-                for container in (pod.get("spec") or {}).get("containers") or ()
-            ]
-        },
-        "status": {key: status[key] for key in ("podIP", "conditions") if key in status},
-    }
-
-
 def _listing_order(item: Workload) -> tuple[bool, str]:
     # The order the API lists them in (StatefulSets, then Deployments, each by name): the status's messages
     # name workloads in this order, and a reshuffle would be a write that changes nothing.

@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 from disagg.operator import builders
 from disagg.operator.api import DisaggDeploymentSpec
 from disagg.operator.compat import evaluate
+from disagg.operator.kv_status import pod_kv
+from disagg.worker.kv.engine_pods import engine_pod, essentials
 from disagg.worker.kv.pairing import (
     DecodeTarget,
     Exclusion,
@@ -314,7 +316,31 @@ def test_hostile_annotations_and_odd_pods_never_raise(
         "containers": broken["spec"],
     }.get(field, broken)
     where[field] = junk
-    routing_from_pods([*pods.values(), broken, junk])
+    everything = [*pods.values(), broken, junk]
+    routing = routing_from_pods(everything)
+    # What the operator's index and the router's cache hold of each pod pairs exactly as the pod does.
+    kept = [essentials(each) if isinstance(each, dict) else each for each in everything]
+    assert routing_from_pods(kept) == routing
+
+
+def test_a_pods_essentials_pair_read_and_report_as_the_pod_at_a_fraction_of_its_size() -> None:
+    pods = healthy()
+    pods[D2]["status"]["conditions"][0] = {
+        "type": POD_CONDITION,
+        "status": "False",
+        "reason": "CompatibilityHashMismatch",
+        "message": "prefill stage 1 differs",
+    }
+    pods[STAGES[1]]["metadata"]["deletionTimestamp"] = "2026-12-01T00:00:00Z"
+    pods[D1]["status"].pop("podIP")
+    for each in pods.values():
+        each["metadata"]["managedFields"] = [{"manager": "kubelet", "fieldsV1": {"f:status": {}}}] * 20
+    kept = {name: essentials(each) for name, each in pods.items()}
+    assert routing_from_pods(kept.values()) == routing_from_pods(pods.values())
+    for name, each in pods.items():
+        assert engine_pod(kept[name]) == engine_pod(each)
+        assert pod_kv(kept[name]) == pod_kv(each)
+        assert len(json.dumps(kept[name])) * 4 < len(json.dumps(each))
 
 
 def test_during_a_rolling_version_change_old_pairs_with_old_and_new_with_new() -> None:

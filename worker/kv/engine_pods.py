@@ -22,6 +22,7 @@ from disagg.worker.kv.pod_contract import (
     ENGINE_HTTP_PORT_NAME,
     ENGINE_ID_ENV,
     PIPELINE_PARALLEL_SIZE_ENV,
+    POD_CONDITION,
     PP_RANK_ENV,
     ROLE_LABEL,
     SIDE_CHANNEL_PORT_ENV,
@@ -32,6 +33,12 @@ from disagg.worker.kv.pod_contract import (
 from disagg.worker.kv.topology import Role
 
 ORDINAL: Final = re.compile(r"^(?P<base>.+)-(?P<ordinal>\d+)$")
+# What `essentials` keeps of a Pod: the env variables, named ports and conditions anything here reads.
+_ENV_READ: Final = frozenset(
+    {ENGINE_ID_ENV, PP_RANK_ENV, SIDE_CHANNEL_PORT_ENV, TENSOR_PARALLEL_SIZE_ENV, PIPELINE_PARALLEL_SIZE_ENV}
+)
+_PORTS_READ: Final = frozenset({SIDE_CHANNEL_PORT_NAME, ENGINE_HTTP_PORT_NAME})
+_CONDITIONS_READ: Final = frozenset({"Ready", POD_CONDITION})
 
 
 @dataclass(frozen=True)
@@ -125,6 +132,37 @@ def pod_ready(pod: Mapping[str, Any]) -> bool:
     """The pod's `Ready` condition is True."""
     conditions = _sequence(_mapping(pod.get("status")).get("conditions"))
     return any(_mapping(c).get("type") == "Ready" and _mapping(c).get("status") == "True" for c in conditions)
+
+
+def essentials(pod: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of a Pod that `engine_pod` and the KV status read, in the same camelCase shape: what a
+    long-lived cache of pods should hold. A Pod as served is mostly managedFields, env and spec nobody here
+    reads; an operator or router holding thousands of them whole holds tens of MiB for nothing."""
+    metadata = _mapping(pod.get("metadata"))
+    status = _mapping(pod.get("status"))
+    kept_metadata = {
+        key: metadata[key]
+        for key in ("name", "namespace", "labels", "annotations", "deletionTimestamp")
+        if key in metadata
+    }
+    kept_containers = []
+    for container in containers(pod):
+        kept: dict[str, Any] = {"name": container.get("name")}
+        env = [_mapping(item) for item in _sequence(container.get("env"))]
+        ports = [_mapping(port) for port in _sequence(container.get("ports"))]
+        kept["env"] = [item for item in env if item.get("name") in _ENV_READ]
+        kept["ports"] = [port for port in ports if port.get("name") in _PORTS_READ]
+        kept_containers.append(kept)
+    kept_status: dict[str, Any] = {
+        "conditions": [
+            condition
+            for condition in map(_mapping, _sequence(status.get("conditions")))
+            if condition.get("type") in _CONDITIONS_READ
+        ]
+    }
+    if "podIP" in status:
+        kept_status["podIP"] = status["podIP"]
+    return {"metadata": kept_metadata, "spec": {"containers": kept_containers}, "status": kept_status}
 
 
 def engine_pod(pod: Mapping[str, Any]) -> EnginePod | None:

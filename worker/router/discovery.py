@@ -20,6 +20,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.watch.watch import iter_resp_lines
 
+from disagg.worker.kv.engine_pods import essentials
 from disagg.worker.kv.pod_contract import DEPLOYMENT_LABEL, ROLE_LABEL
 
 log = logging.getLogger("disagg.worker.router.discovery")
@@ -33,13 +34,14 @@ def engine_pod_selector(deployment: str) -> str:
 
 
 class PodCache:
-    """Pods by name, as camelCase dicts. Not thread-safe: only the watch thread touches it."""
+    """Pods by name, as the camelCase `engine_pods.essentials` of each. Not thread-safe: only the watch
+    thread touches it."""
 
     def __init__(self) -> None:
         self._pods: dict[str, dict[str, Any]] = {}
 
     def replace(self, items: list[dict[str, Any]]) -> None:
-        self._pods = {pod["metadata"]["name"]: pod for pod in items}
+        self._pods = {pod["metadata"]["name"]: essentials(pod) for pod in items}
 
     def apply(self, event_type: str, pod: Mapping[str, Any]) -> bool:
         """One watch event; True if the cache changed."""
@@ -47,7 +49,7 @@ class PodCache:
         if event_type == "DELETED":
             return self._pods.pop(name, None) is not None
         if event_type in ("ADDED", "MODIFIED"):
-            self._pods[name] = dict(pod)
+            self._pods[name] = essentials(pod)
             return True
         return False
 
