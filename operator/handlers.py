@@ -131,7 +131,9 @@ def stop_refreshing(memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
 def reconcile_spec(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
-    outcome = reconcile(memo.kube, body, memo.installation, memo.observed)
+    metadata = body["metadata"]
+    with memo.refresh.holding((metadata["namespace"], metadata["name"])):
+        outcome = reconcile(memo.kube, body, memo.installation, memo.observed)
     if outcome.refused is not None:
         if outcome.refused_now:
             kopf.event(body, type="Warning", reason="SpecRefused", message=outcome.refused)
@@ -140,7 +142,6 @@ def reconcile_spec(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: A
         kopf.event(body, type="Normal", reason="Pruned", message="Deleted " + ", ".join(outcome.deleted))
     if outcome.changed:
         kopf.event(body, type="Normal", reason="Applied", message="Applied " + ", ".join(outcome.changed))
-    metadata = body["metadata"]
     logger.info("%s/%s: %d children changed", metadata["namespace"], metadata["name"], len(outcome.changed))
 
 

@@ -20,7 +20,8 @@ import logging
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -249,9 +250,11 @@ class RefreshQueue:
 
     A pod's or workload's event only says "look at this deployment again". `request` returns at once; a key
     waits in the queue at most once however many events name it, and one key is never refreshed by two
-    workers at a time (a request during its refresh queues it again, to be read afresh). A failed refresh is
-    logged with its traceback and retried after `retry_delay`, so a transient API error cannot leave a
-    stale status behind.
+    workers at a time (a request during its refresh queues it again, to be read afresh). A reconcile holds
+    its key (`holding`): it writes the status itself, so no refresh runs meanwhile and the events of the
+    children it applies cost one refresh after it, not one each during it. A failed refresh is logged with
+    its traceback and retried after `retry_delay`, so a transient API error cannot leave a stale status
+    behind.
     """
 
     def __init__(
@@ -285,6 +288,32 @@ class RefreshQueue:
                 self._order.append(key)
                 self._ready.notify()
 
+    @contextmanager
+    def holding(self, key: tuple[str, str]) -> Iterator[None]:
+        """Run the body with no refresh of `key` running (it waits for one that is); requests meanwhile
+        are refreshed once afterwards."""
+        with self._ready:
+            while key in self._busy:
+                self._ready.wait()
+            self._busy.add(key)
+            if key in self._queued:
+                self._queued.discard(key)
+                self._order.remove(key)
+                self._again.add(key)
+        try:
+            yield
+        finally:
+            self._release(key)
+
+    def _release(self, key: tuple[str, str]) -> None:
+        with self._ready:
+            self._busy.discard(key)
+            again = key in self._again
+            self._again.discard(key)
+            self._ready.notify_all()
+        if again:
+            self.request(key)
+
     def stop(self) -> None:
         with self._ready:
             self._stopping = True
@@ -309,13 +338,12 @@ class RefreshQueue:
             except Exception:
                 failed = True
                 _LOG.exception("Status refresh of %s/%s failed; retrying in %.1f s", *key, self._retry_delay)
-            with self._ready:
-                self._busy.discard(key)
-                again = key in self._again
-                self._again.discard(key)
+            if failed:
+                # The retry reads everything afresh: a request made meanwhile needs no refresh of its own.
+                with self._ready:
+                    self._again.discard(key)
+            self._release(key)
             if failed:
                 timer = threading.Timer(self._retry_delay, self.request, args=(key,))
                 timer.daemon = True
                 timer.start()
-            elif again:
-                self.request(key)

@@ -219,7 +219,7 @@ def _end_to_end(
                 document = _document(namespace, name)
                 kube.create_deployment(namespace, document)
         observer.wait(names, timeout=timeout)
-        _wait_children(kube, namespace, count)
+        _wait_children(kube, namespace, count, timeout)
         run.total = time.perf_counter() - start
         if not floor:
             observer.wait_final(names, timeout=timeout)
@@ -237,8 +237,9 @@ def _workloads_per_deployment() -> dict[str, int]:
     return {kind: sum(obj["kind"] == kind for obj in built) for kind in ("StatefulSet", "Deployment")}
 
 
-def _wait_children(kube: Kube, namespace: str, count: int) -> None:
-    """Every DisaggDeployment's StatefulSets and Deployments exist (Compatible is written after the apply)."""
+def _wait_children(kube: Kube, namespace: str, count: int, timeout: float) -> None:
+    """Wait until every DisaggDeployment's StatefulSets and Deployments exist. `Compatible` alone does not
+    say so: a child's event can refresh the status while the reconcile is still applying the rest."""
 
     def counted(lister: Callable[..., Any]) -> int:
         items: list[Any] = json.loads(lister(namespace, _preload_content=False).data)["items"]
@@ -249,10 +250,12 @@ def _wait_children(kube: Kube, namespace: str, count: int) -> None:
         "StatefulSet": apps.list_namespaced_stateful_set,
         "Deployment": apps.list_namespaced_deployment,
     }
+    deadline = time.monotonic() + timeout
     for kind, each in _workloads_per_deployment().items():
-        found = counted(listers[kind])
-        if found != count * each:
-            raise RuntimeError(f"expected {count * each} {kind}s, found {found}")
+        while (found := counted(listers[kind])) != count * each:
+            if found > count * each or time.monotonic() > deadline:
+                raise RuntimeError(f"expected {count * each} {kind}s, found {found}")
+            time.sleep(0.2)
 
 
 class Operator:

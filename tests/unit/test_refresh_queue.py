@@ -4,6 +4,7 @@ nothing requested is lost, and a failed refresh is retried."""
 from __future__ import annotations
 
 import threading
+import time
 
 from disagg.operator.reconcile import RefreshQueue
 
@@ -71,5 +72,61 @@ def test_a_failed_refresh_is_retried() -> None:
     try:
         queue.request(("ns", "a"))
         assert recorder.wait_calls(3) == [("ns", "a")] * 3
+    finally:
+        queue.stop()
+
+
+def test_no_refresh_runs_while_a_reconcile_holds_its_key_and_requests_meanwhile_cost_one_after() -> None:
+    recorder = Recorder()
+    queue = RefreshQueue(recorder, workers=3)
+    try:
+        with queue.holding(("ns", "a")):
+            for _ in range(20):
+                queue.request(("ns", "a"))
+            queue.request(("ns", "b"))
+            assert recorder.wait_calls(1) == [("ns", "b")]
+            assert ("ns", "a") not in recorder.calls
+        assert recorder.wait_calls(2) == [("ns", "b"), ("ns", "a")]
+        queue.request(("ns", "b"))
+        assert recorder.wait_calls(3)[-1] == ("ns", "b")
+        assert recorder.calls.count(("ns", "a")) == 1
+    finally:
+        queue.stop()
+
+
+def test_holding_a_key_waits_for_its_running_refresh_and_none_runs_while_held() -> None:
+    recorder = Recorder(block_first=True)
+    inside = threading.Event()
+    during: list[Key] = []
+
+    def refresh(key: Key) -> None:
+        if inside.is_set():
+            during.append(key)
+        recorder(key)
+
+    queue = RefreshQueue(refresh, workers=2)
+    results: list[bool] = []
+
+    def reconcile() -> None:
+        with queue.holding(("ns", "a")):
+            inside.set()
+            results.append(not recorder.running)
+            queue.request(("ns", "a"))
+            time.sleep(0.2)  # room for a wrongly scheduled refresh to show up in `during`
+            inside.clear()
+
+    try:
+        queue.request(("ns", "a"))
+        assert recorder.started.wait(10)
+        queue.request(("ns", "a"))  # queued again behind the running refresh
+        thread = threading.Thread(target=reconcile)
+        thread.start()
+        assert not inside.wait(0.2)  # the reconcile waits for the running refresh
+        recorder.release.set()
+        thread.join(10)
+        assert results == [True] and during == []
+        # The request made while held ran after the reconcile.
+        calls = recorder.wait_calls(2)
+        assert calls[-1] == ("ns", "a") and not recorder.overlap
     finally:
         queue.stop()
