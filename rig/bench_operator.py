@@ -8,8 +8,9 @@ Two measurements, each beside the API server's own floor in the same run:
    written). Floor: one client doing the same work without kopf: create, build, server-side apply every child,
    patch the status. Then every deployment must converge to its final conditions (no kubelet runs, so the
    pods stay Pending: Available False, Progressing True, KVTransferReady Unknown) with no error in the
-   operator's log and no Warning Event; the bench prints the operator's peak RSS and its RSS after every
-   100 deployments, with the growth per 100.
+   operator's log and no Warning Event from the operator (the cluster's own controllers' are counted apart:
+   the StatefulSet controller warns and retries when the loaded API server refuses a Pod create); it prints
+   the operator's peak RSS and its RSS after every 100 deployments, with the growth per 100.
 Both run in fresh namespaces that are deleted afterwards. The control plane is started if none runs, and
 stopped again only if this run started it.
 """

@@ -14,7 +14,10 @@ from typing import Any
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "routing": ("disagg.rig.bench_routing", "descriptor ids: numpy against a pure-Python baseline"),
     "push": ("disagg.rig.bench_push", "KV push over NIXL against numpy.copyto of the same bytes"),
-    "operator": ("disagg.rig.bench_operator", "apply-to-Compatible latency and N deployments (100)"),
+    "operator": (
+        "disagg.rig.bench_operator",
+        "apply-to-Compatible latency and {deployments} deployments end to end",
+    ),
     "router": ("disagg.rig.bench_router", "the router's added latency against calling the engines directly"),
 }
 
@@ -24,7 +27,7 @@ def _run(args: argparse.Namespace) -> int:
     failed = []
     for name in names:
         module, what = BENCHMARKS[name]
-        print(f"== bench {name}: {what}", flush=True)
+        print(f"== bench {name}: {what.format(deployments=args.deployments or 100)}", flush=True)
         # -P keeps the working directory off sys.path: the repository's operator/ folder would shadow the
         # standard library's operator module.
         extra = ["--deployments", str(args.deployments)] if name == "operator" and args.deployments else []
