@@ -286,7 +286,9 @@ class RefreshQueue:
             elif key not in self._queued:
                 self._queued.add(key)
                 self._order.append(key)
-                self._ready.notify()
+                # All: a reconcile waiting in `holding` shares the condition, and a single wake-up that
+                # reached it instead of an idle worker would leave this key queued until some refresh ends.
+                self._ready.notify_all()
 
     @contextmanager
     def holding(self, key: tuple[str, str]) -> Iterator[None]:
