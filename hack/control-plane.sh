@@ -315,7 +315,15 @@ launch() {
   local name=$1
   shift
   nohup setsid "$@" >"$LOGS/$name.log" 2>&1 </dev/null &
-  echo $! >"$STATE/$name.pid"
+  local pid=$! i
+  echo "$pid" >"$STATE/$name.pid"
+  # $! names the forked shell until nohup and setsid have exec'd the daemon; pid_alive, which checks the
+  # command line, would call a daemon that is still starting dead (CI saw an apiserver "exit" with an empty log).
+  for ((i = 0; i < 100; i++)); do
+    [[ $({ tr '\0' '\n' <"/proc/$pid/cmdline" | head -n1; } 2>/dev/null) == "$1" ]] && return 0
+    [[ -d /proc/$pid ]] || return 0 # gone: wait_for reports it with its log
+    sleep 0.05
+  done
 }
 
 wait_for() {
