@@ -350,3 +350,28 @@ def test_the_installed_command_returns_the_exit_codes(tmp_path: Path) -> None:
 def test_completion_counts_are_shown_only_for_the_push_connector(capsys: pytest.CaptureFixture[str]) -> None:
     _, out, _ = run(capsys, "check", str(EXAMPLES / "bad-pull-hma-pp.yaml"))
     assert "  transfer: pull connector, hybrid KV cache (HMA), region-index routing\n" in out
+
+
+# The project's reference engine, whose policy split the layers itself (issue 22, finding 7).
+REFERENCE_IMAGE = "ghcr.io/disagg/disagg-transfer:0.1.0"
+
+
+@pytest.mark.parametrize("command", ["check", "plan"])
+def test_more_stages_than_layers_on_the_reference_engine_is_a_violation_not_a_traceback(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, command: str
+) -> None:
+    document = valid_document(
+        {
+            "model": {"numLayers": 9},
+            "prefill": {"pipelineParallelSize": 64},
+            "engine": {"image": REFERENCE_IMAGE},
+        }
+    )
+    code, out, _ = run(capsys, command, "-o", "json", str(_write(tmp_path, document)))
+    assert code == 1
+    violations = json.loads(out)["violations"]
+    assert violations[0] == {
+        "reason": "InvalidLayerPartition",
+        "message": "9 layers cannot fill 64 pipeline stages: lower pipelineParallelSize to at most 9",
+    }
+    assert "PolicyFailed" not in [violation["reason"] for violation in violations]

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import kopf
+import pytest
 from dd_specs import DELETE, spec, spec_dict
 
+from disagg.operator.api import ROLES
 from disagg.operator.builders import Installation
 from disagg.operator.compat import evaluate
-from disagg.operator.policies import COMPATIBILITY_CHAIN, REFUSAL_CHAIN
+from disagg.operator.policies import COMPATIBILITY_CHAIN, REFUSAL_CHAIN, PolicyInput, evaluate_chain
 from disagg.operator.reconcile import judge
-from disagg.operator.webhook import refusal
+from disagg.operator.webhook import refusal, validate
+from disagg.worker.kv.errors import Violation
 
 
 def test_the_chain_reads_top_to_bottom() -> None:
@@ -129,3 +133,27 @@ def test_a_release_that_cannot_run_the_topology_is_refused_naming_those_that_can
     assert evaluate(pp1, REFUSAL_CHAIN, Installation(worker_image="w:1")).reasons == [
         "UnsupportedEngineVersion"
     ]
+
+
+def test_more_stages_than_layers_on_the_reference_engine_is_refused_with_its_own_reason() -> None:
+    # pp_partition raised LayoutError inside reference_engine_violations: the webhook said VerdictFailed.
+    patch = {
+        "model": {"numLayers": 9},
+        "prefill": {"pipelineParallelSize": 64},
+        "engine": {"image": "ghcr.io/disagg/disagg-transfer:0.1.0"},
+    }
+    with pytest.raises(kopf.AdmissionError) as refused:
+        validate(spec=kopf.Spec(kopf.Body({"spec": spec_dict(spec(patch))})))
+    message = str(refused.value)
+    assert message.startswith("InvalidLayerPartition: 9 layers cannot fill 64 pipeline stages"), message
+    assert "VerdictFailed" not in message and "PolicyFailed" not in message
+
+
+def test_a_policy_that_raises_is_a_named_refusal_not_an_exception() -> None:
+    def broken(given: PolicyInput) -> list[Violation]:
+        raise ZeroDivisionError("a gap")
+
+    given = PolicyInput.of(spec(), {role: {} for role in ROLES}, Installation(), {})
+    found = evaluate_chain((COMPATIBILITY_CHAIN[0], broken), given)
+    assert [v.reason for v in found] == ["PolicyFailed"]
+    assert "broken" in found[0].message and "ZeroDivisionError: a gap" in found[0].message

@@ -9,6 +9,7 @@ import json
 import random
 import re
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -163,7 +164,7 @@ def template(rng: random.Random) -> str:
 def role_patch(rng: random.Random) -> dict[str, Any]:
     fields = {
         "replicas": lambda: rng.choice([0, 1, 2, 3, 256, 257, 4294967296]),
-        "pipelineParallelSize": lambda: rng.choice([1, 2, 3, 4, 62, 63, 300]),
+        "pipelineParallelSize": lambda: rng.choice([1, 2, 3, 4, 9, 10, 62, 63, 64, 300]),
         "tensorParallelSize": lambda: rng.choice([1, 2, 3, 4, 8, 16, 1025, 2**40]),
         "blockSize": lambda: rng.choice([1, 16, 32, 64, 4097]),
         "layerPartition": lambda: [rng.choice([0, 1, 10, 31, 62]) for _ in range(rng.randrange(4))],
@@ -188,7 +189,7 @@ def role_patch(rng: random.Random) -> dict[str, Any]:
 def spec_patch(rng: random.Random) -> dict[str, Any]:
     parts = {
         "model": lambda: {
-            rng.choice(["numLayers", "numKvHeads", "headSize"]): rng.choice(INTS),
+            rng.choice(["numLayers", "numKvHeads", "headSize"]): rng.choice([*INTS, 9]),
             **({"layerNameTemplate": template(rng)} if rng.random() < 0.5 else {}),
             **({"layerPattern": {"fullEvery": rng.choice([0, 1, 2, 6, 100])}} if rng.random() < 0.2 else {}),
             **(
@@ -199,7 +200,15 @@ def spec_patch(rng: random.Random) -> dict[str, Any]:
         },
         "engine": lambda: {
             rng.choice(["image", "version", "attentionBackend"]): rng.choice(
-                ["vllm/vllm-openai:v0.14.0", "ghcr.io/disagg/reference-engine:0.1.0", "", "x" * 600, 7]
+                [
+                    "vllm/vllm-openai:v0.14.0",
+                    "ghcr.io/disagg/reference-engine:0.1.0",
+                    # The reference engine's own image: its policy splits the layers itself (issue 22, #7).
+                    "ghcr.io/disagg/disagg-transfer:0.1.0",
+                    "",
+                    "x" * 600,
+                    7,
+                ]
             ),
             **({"extraArgs": extra_args(rng)} if rng.random() < 0.6 else {}),
             **({"hybridKvCacheManager": rng.choice(["Enabled", "Disabled"])} if rng.random() < 0.3 else {}),
@@ -248,6 +257,14 @@ def merged(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+REFERENCE_IMAGE = "ghcr.io/disagg/disagg-transfer:0.1.0"
+
+
+def image_of(spec: Any) -> Any:
+    engine = spec.get("engine") if isinstance(spec, dict) else None
+    return engine.get("image") if isinstance(engine, dict) else None
+
+
 def check_judge(document: dict[str, Any], via_yaml: bool) -> tuple[str, ...] | None:
     """`disagg check`'s verdict: None when the file is invalid, else the violations' reasons."""
     try:
@@ -260,6 +277,9 @@ def check_judge(document: dict[str, Any], via_yaml: bool) -> tuple[str, ...] | N
     except ValidationError:  # what load_deployment reports as a SpecFileError
         return None
     report = cli_check.judge(dd)
+    # What `check` prints after the verdict, text and JSON, must not raise either.
+    assert cli_check._summary_lines(dd, report)
+    json.dumps(cli_check._report_json(Path("fuzz.yaml"), dd, report))
     return tuple(report.reasons)
 
 
@@ -283,6 +303,11 @@ def test_generated_specs_never_crash_and_what_is_accepted_builds(
             assert violation.message, (violation, spec)
             reasons[violation.reason] += 1
         assert "BuildFailed" not in found, (verdict.violations, spec)
+        # A policy that raised: `check` and the webhook survive it, but it is a gap in that policy.
+        assert "PolicyFailed" not in found, (verdict.violations, spec)
+        if image_of(spec) == REFERENCE_IMAGE:
+            outcomes["reference engine"] += 1
+            outcomes["reference engine, stages unfillable"] += "InvalidLayerPartition" in found
         checked = check_judge(document, via_yaml=index % YAML_EVERY == 0)
         if checked is None:
             assert found == ("InvalidSpec",), (found, spec)
@@ -299,6 +324,10 @@ def test_generated_specs_never_crash_and_what_is_accepted_builds(
     with capsys.disabled():
         print(
             f"\nspec fuzz (seed {SEED}): {COUNT} specs, {outcomes['accepted']} accepted and built, "
-            f"{outcomes['refused']} refused, 0 uncaught exceptions; reasons: {dict(reasons.most_common())}"
+            f"{outcomes['refused']} refused, {outcomes['reference engine']} on the reference engine "
+            f"({outcomes['reference engine, stages unfillable']} with stages its layers cannot fill), "
+            f"0 uncaught exceptions; reasons: {dict(reasons.most_common())}"
         )
     assert outcomes["accepted"] >= COUNT // 20 and outcomes["refused"] >= COUNT // 2
+    assert outcomes["reference engine"] >= COUNT // 100
+    assert outcomes["reference engine, stages unfillable"] >= 3
