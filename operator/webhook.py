@@ -33,6 +33,10 @@ from disagg.operator.api import GROUP, PLURAL, VERSION, nested_deeper_than
 from disagg.operator.reconcile import judge
 
 HANDLER_ID: Final = "validate-disaggdeployment"
+# The paths the server answers, one per handler id (`/<id>`, as kopf's managed configuration and the chart's
+# name them). kopf routes `/{id:.*}` and runs the handlers whose id matches, so on any other path (`/`, `/x`)
+# it ran none and allowed the request: every write would pass a webhook called on a mistyped path.
+SERVED_HANDLER_IDS: Final = frozenset({HANDLER_ID})
 # An AdmissionReview nests the object a few levels below its top; DisaggDeployment's free-form fields are
 # bounded at 32 levels (api.MAX_FREE_FORM_DEPTH), so nothing valid comes near this.
 MAX_REVIEW_DEPTH: Final = 100
@@ -134,11 +138,18 @@ class GuardedWebhookServer(kopf.WebhookServer):
 
     @staticmethod
     async def _serve(fn: ReviewFn, request: aiohttp.web.Request) -> aiohttp.web.Response:
+        handler = request.match_info.get("id")
+        if handler not in SERVED_HANDLER_IDS:
+            # Not a review anyone may rely on: 404, so the API server fails the call (and, with the chart's
+            # failurePolicy Fail, the write) instead of reading "allowed".
+            return aiohttp.web.Response(
+                status=404, text=f"NoSuchWebhook: {request.path[:200]!r} names no admission handler"
+            )
         peer = request.transport.get_extra_info("peercert") if request.transport else None
         status, review, reason = await review_response(
             fn,
             await request.read(),
-            webhook=request.match_info.get("id"),
+            webhook=handler,
             sslpeer=peer,
             headers=dict(request.headers),
         )

@@ -163,3 +163,33 @@ def test_a_malformed_review_is_answered_with_a_reason_never_a_500(
             "allowed": False,
             "status": {"code": 400, "message": review["response"]["status"]["message"]},
         }
+
+
+@pytest.mark.parametrize("path", ["/", "/x"])
+def test_a_path_that_names_no_handler_is_404(webhook_operator: str, webhook_port: int, path: str) -> None:
+    """kopf ran no handler on a path that names none and allowed the review (issue 22, finding 9)."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    document = example("bad-block-size.yaml", webhook_operator, "paths")
+    body = {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "u1",
+            "resource": {"group": "disagg.io", "version": "v1alpha1", "resource": "disaggdeployments"},
+            "operation": "CREATE",
+            "userInfo": {"username": "tester"},
+            "object": document,
+        },
+    }
+    request = urllib.request.Request(
+        f"https://127.0.0.1:{webhook_port}{path}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    with pytest.raises(urllib.error.HTTPError) as answered:
+        urllib.request.urlopen(request, context=context, timeout=30).close()
+    assert answered.value.code == 404
+    assert "NoSuchWebhook" in answered.value.read().decode()
