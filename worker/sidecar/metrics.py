@@ -3,15 +3,20 @@
 `/healthz` answers 200 while the sidecar's main loop (the thread that owns the NIXL agent) has turned within
 `stall_after_s`; a wedged loop turns it 503, so the kubelet restarts the container. `/readyz` answers 200 once
 the engine has registered its KV pool and the side channel serves it; until then, 503 with the reason.
+The port is bounded in connections and idle time (`HttpServer`), so idle clients cannot fail the probes.
 """
 
 from __future__ import annotations
 
+import asyncio
+import socket
 import threading
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http import HTTPStatus
+from typing import Final
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -110,30 +115,27 @@ class Health:
         return (not reason, reason or "ready")
 
 
-def _handler(metrics: SidecarMetrics, health: Health) -> type[BaseHTTPRequestHandler]:
-    routes: dict[str, Callable[[], tuple[int, str, bytes]]] = {
+Route = Callable[[], tuple[int, str, bytes]]
+
+# The port serves the kubelet's probes and a Prometheus scraper, a handful of connections at a time. The old
+# one-thread-per-connection server with no timeout let 400 idle connections fail /healthz (and the kubelet
+# would restart a healthy sidecar); 1,994 of them held 2,003 threads. Here one event-loop thread serves every
+# connection, each gets one request and `REQUEST_TIMEOUT_S` to send its head, and past `MAX_CONNECTIONS` the
+# oldest connection still sending its head is dropped for the new one, so idle connections can never lock
+# a probe out, however many there are.
+MAX_CONNECTIONS: Final = 256
+REQUEST_TIMEOUT_S: Final = 10.0
+# A probe's request head is a few hundred bytes; a longer one is refused unread.
+MAX_HEAD_BYTES: Final = 8192
+LISTEN_BACKLOG: Final = 512
+
+
+def _routes(metrics: SidecarMetrics, health: Health) -> dict[str, Route]:
+    return {
         "/metrics": lambda: (200, CONTENT_TYPE_LATEST, metrics.render()),
         "/healthz": lambda: _status(health.alive()),
         "/readyz": lambda: _status(health.readiness()),
     }
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            route = routes.get(self.path.split("?", 1)[0])
-            code, content_type, body = (
-                route() if route else (404, "text/plain", b"try /healthz, /readyz or /metrics\n")
-            )
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: object) -> None:
-            # Probes every few seconds would drown the structured log.
-            return
-
-    return Handler
 
 
 def _status(state: tuple[bool, str]) -> tuple[int, str, bytes]:
@@ -141,20 +143,123 @@ def _status(state: tuple[bool, str]) -> tuple[int, str, bytes]:
     return (200 if ok else 503), "text/plain; charset=utf-8", (text + "\n").encode()
 
 
-class HttpServer:
-    """The endpoints on a daemon thread; `port` is the bound one (0 asks the OS for a free port)."""
+def respond(routes: Mapping[str, Route], head: bytes) -> tuple[int, str, bytes]:
+    """The answer to one request head (request line and headers). Pure but for the routes it calls."""
+    request_line = head.split(b"\r\n", 1)[0].decode("latin-1")
+    parts = request_line.split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+        return 400, "text/plain", b"malformed request line\n"
+    method, target, _ = parts
+    if method != "GET":
+        return 405, "text/plain", b"only GET is served\n"
+    route = routes.get(target.split("?", 1)[0])
+    return route() if route else (404, "text/plain", b"try /healthz, /readyz or /metrics\n")
 
-    def __init__(self, host: str, port: int, metrics: SidecarMetrics, health: Health) -> None:
-        self._server = ThreadingHTTPServer((host, port), _handler(metrics, health))
-        self._server.daemon_threads = True
-        self.port: int = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
+
+def _response_bytes(code: int, content_type: str, body: bytes) -> bytes:
+    reason = HTTPStatus(code).phrase
+    head = (
+        f"HTTP/1.1 {code} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    return head.encode("latin-1") + body
+
+
+class HttpServer:
+    """The endpoints on one daemon thread running an asyncio loop; `port` is the bound one (0 asks the OS
+    for a free port). At most `max_connections` are open at once and each is closed after one answer or
+    `request_timeout_s` without a full request head."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        metrics: SidecarMetrics,
+        health: Health,
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
+    ) -> None:
+        self._routes = _routes(metrics, health)
+        self._max_connections = max_connections
+        self._request_timeout_s = request_timeout_s
+        self._socket = socket.create_server((host, port), backlog=LISTEN_BACKLOG)
+        self.port: int = self._socket.getsockname()[1]
+        self._loop = asyncio.new_event_loop()
+        self._stopping: asyncio.Event | None = None
+        self._started = threading.Event()
+        # Connections still sending their request head, oldest first: the ones dropped past the cap.
+        self._waiting: OrderedDict[asyncio.StreamWriter, None] = OrderedDict()
+        self._handlers: set[asyncio.Task[None]] = set()
+        self._thread = threading.Thread(target=self._run, name="metrics-http", daemon=True)
+
+    @property
+    def open_connections(self) -> int:
+        """Connections still sending their request head (read on the server's thread; a snapshot here)."""
+        return len(self._waiting)
 
     def start(self) -> HttpServer:
         self._thread.start()
+        self._started.wait()
         return self
 
     def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        stopping = self._stopping
+        if stopping is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(stopping.set)
         self._thread.join(timeout=5)
+        self._socket.close()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._serve())
+        finally:
+            self._loop.close()
+
+    async def _serve(self) -> None:
+        self._stopping = asyncio.Event()
+        # The backlog again: asyncio listens anew on the socket it is given, with 100 unless told.
+        server = await asyncio.start_server(
+            self._connection, sock=self._socket, backlog=LISTEN_BACKLOG, limit=MAX_HEAD_BYTES
+        )
+        self._started.set()
+        try:
+            await self._stopping.wait()
+        finally:
+            server.close()
+            for task in self._handlers:
+                task.cancel()
+            # Every handler ends before the loop closes (a pending one would be destroyed with it).
+            await asyncio.gather(*self._handlers, return_exceptions=True)
+            await server.wait_closed()
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None  # a stream handler runs as a task
+        self._handlers.add(task)
+        try:
+            await self._answer(reader, writer)
+        finally:
+            self._handlers.discard(task)
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._waiting[writer] = None
+        while len(self._waiting) > self._max_connections:
+            oldest, _ = self._waiting.popitem(last=False)
+            oldest.transport.abort()  # its handler sees the reset and returns
+        try:
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self._request_timeout_s)
+            except asyncio.LimitOverrunError:
+                answer = (431, "text/plain", b"request head too large\n")
+            else:
+                answer = respond(self._routes, head)
+            self._waiting.pop(writer, None)
+            writer.write(_response_bytes(*answer))
+            await asyncio.wait_for(writer.drain(), self._request_timeout_s)
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+            pass  # an idle, half-sent or vanished client: closing it is the whole answer
+        finally:
+            self._waiting.pop(writer, None)
+            writer.close()
