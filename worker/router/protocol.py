@@ -31,6 +31,10 @@ CHAT_COMPLETIONS: Final = "/v1/chat/completions"
 # vLLM's request id prefix per endpoint family (`serving_completion.py`, `serving_chat.py`).
 REQUEST_ID_PREFIX: Final[Mapping[str, str]] = {COMPLETIONS: "cmpl", CHAT_COMPLETIONS: "chatcmpl"}
 REQUEST_ID_HEADER: Final = "X-Request-Id"
+# How deep a client's JSON may nest. OpenAI bodies nest a few levels (a JSON schema in `response_format` or a
+# tool a few dozen at most); a deeper one is refused here, since re-encoding it for the legs runs into
+# Python's recursion limit, which no client's body may reach.
+MAX_JSON_DEPTH: Final = 128
 
 # Keys of the prefill response's kv_transfer_params a decode could not do without (the ones vLLM's decode
 # side reads without a default), with their JSON types. `pp_size` is optional in vLLM, but when present it
@@ -113,6 +117,10 @@ def parse_client_request(endpoint: str, raw: bytes) -> ClientRequest:
         raise RouterError(Fault.CLIENT, "InvalidJSON", f"the request body is not JSON: {exc}") from None
     if not isinstance(body, dict):
         raise RouterError(Fault.CLIENT, "InvalidRequest", "the request body must be a JSON object")
+    if _depth_exceeds(body, MAX_JSON_DEPTH):
+        raise RouterError(
+            Fault.CLIENT, "InvalidRequest", f"the request body nests deeper than {MAX_JSON_DEPTH} levels"
+        )
     if "kv_transfer_params" in body:
         # The router alone decides where the KV comes from; a client's params could point a decoder anywhere.
         raise RouterError(
@@ -135,12 +143,35 @@ def parse_client_request(endpoint: str, raw: bytes) -> ClientRequest:
 
 def _prompt_weight(prompt: Any) -> int:
     """A prompt's length in characters, or in tokens where the client sent token ids (the prefill cost the
-    balancer weighs; the router has no tokenizer)."""
-    if isinstance(prompt, str):
-        return len(prompt)
-    if isinstance(prompt, list):
-        return sum(_prompt_weight(p) if isinstance(p, str | list) else 1 for p in prompt)
-    return 1
+    balancer weighs; the router has no tokenizer). Iterative: a prompt's nesting is the client's to choose,
+    and must not reach the recursion limit."""
+    if not isinstance(prompt, list):
+        return len(prompt) if isinstance(prompt, str) else 1
+    weight = 0
+    stack: list[list[Any]] = [prompt]
+    while stack:
+        for item in stack.pop():
+            if isinstance(item, str):
+                weight += len(item)
+            elif isinstance(item, list):
+                stack.append(item)
+            else:
+                weight += 1
+    return weight
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether `value` (parsed JSON) nests more than `limit` containers deep (iterative, as above)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
 
 
 def _chat_message_weight(message: Any) -> int:
