@@ -9,6 +9,12 @@ client that disconnects. Decode is never retried alone: its registration names o
 Every engine answer is untrusted: bodies are read up to a bound, JSON and SSE are checked before they reach
 the client, and reads that stall time out. Whatever an engine sends, the request fails with a status that says
 whose fault it was, and the router keeps serving.
+
+Clients are untrusted too. Their connections are capped and must send their headers in time (`server`),
+their bodies are read with a size bound (content-length first, then while streaming) and a time bound, and
+the bodies being read at once share a memory budget. A request waits for a decoder with room
+(`admission`) rather than being sent into a queue where its KV would expire, and every request ends by its
+deadline (`request_timeout_s`) with its completion or an error, both legs closed.
 """
 
 from __future__ import annotations
@@ -19,18 +25,19 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, Final
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from disagg.worker.kv.pairing import Pair, Routing
+from disagg.worker.router.admission import Admission
 from disagg.worker.router.balance import Balancer, Ticket
+from disagg.worker.router.config import RouterConfig
 from disagg.worker.router.protocol import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
@@ -46,30 +53,14 @@ from disagg.worker.router.protocol import (
     parse_client_request,
     parse_prefill_response,
 )
+from disagg.worker.router.server import ConnectionGate, Serving, serve
 
 log = logging.getLogger("disagg.worker.router")
 
+# Request body failures after which the connection cannot carry another request.
+_BODY_UNREADABLE: Final = frozenset({"RequestBodyTimeout", "InvalidRequestBody"})
 LEG_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _SSE_DONE: Final = b"[DONE]"
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    """Bounds and timeouts. A timeout that expires fails the request with 504 and closes both legs."""
-
-    max_request_bytes: int = 8 * 1024 * 1024
-    # A non-streamed completion; the prefill's answer (its block ids grow with the prompt); one SSE event.
-    max_response_bytes: int = 64 * 1024 * 1024
-    max_prefill_response_bytes: int = 8 * 1024 * 1024
-    max_sse_event_bytes: int = 4 * 1024 * 1024
-    max_error_bytes: int = 64 * 1024
-    connect_timeout_s: float = 10.0
-    # The prefill leg's whole answer; the decode leg's first byte (it waits for the prefill and the KV).
-    prefill_timeout_s: float = 300.0
-    decode_timeout_s: float = 600.0
-    # Between two reads of a decode answer once it has started.
-    stall_timeout_s: float = 60.0
-    models_timeout_s: float = 10.0
 
 
 class RouterMetrics(Collector):
@@ -93,7 +84,7 @@ class RouterMetrics(Collector):
         )
         self.registry.register(self)
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         balancer, routing = self.router.balancer, self.router.routing
         legs = GaugeMetricFamily(
             "disagg_router_outstanding_legs", "Legs in flight per engine.", labels=["role", "engine"]
@@ -125,6 +116,21 @@ class RouterMetrics(Collector):
         for reason, n in sorted(reasons.items()):
             excluded.add_metric([reason], n)
         yield excluded
+        yield GaugeMetricFamily(
+            "disagg_router_queued_requests",
+            "Requests waiting for a decoder with room (none of their legs sent yet).",
+            value=self.router.admission.queued,
+        )
+        yield GaugeMetricFamily(
+            "disagg_router_client_connections",
+            "Client connections open (each counts against --max-connections).",
+            value=self.router.gate.open,
+        )
+        yield CounterMetricFamily(
+            "disagg_router_refused_connections",
+            "Client connections refused with 503 because --max-connections were open.",
+            value=self.router.gate.refused,
+        )
 
 
 class Router:
@@ -134,6 +140,15 @@ class Router:
         self.config = config or RouterConfig()
         self.routing: Routing | None = None
         self.balancer = Balancer()
+        self.admission = Admission(
+            self.balancer,
+            max_per_decoder=self.config.max_in_flight_per_decoder,
+            max_queued=self.config.max_queued,
+            queue_timeout_s=self.config.queue_timeout_s,
+            retry_after_s=self.config.retry_after_s,
+        )
+        self.gate = ConnectionGate(self.config.max_connections, retry_after_s=self.config.retry_after_s)
+        self._buffered_body_bytes = 0
         self.metrics = RouterMetrics(self)
         self.watch_alive = watch_alive
         self._session: aiohttp.ClientSession | None = None
@@ -141,6 +156,7 @@ class Router:
     def set_routing(self, routing: Routing) -> None:
         """Publish a new routing; requests already routed keep their pair."""
         self.routing = routing
+        self.admission.wake_all()
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -220,61 +236,138 @@ class Router:
 
     async def complete(self, request: web.Request) -> web.StreamResponse:
         endpoint = request.path
+        loop = asyncio.get_running_loop()
+        timeout = self.config.request_timeout_s
+        deadline = loop.time() + timeout if timeout > 0 else None
         try:
-            raw = await request.read()
+            raw = await self._read_body(request)
             client_request = parse_client_request(endpoint, raw)
-        except web.HTTPRequestEntityTooLarge:
-            return self._fail(
-                endpoint,
-                RouterError(
-                    Fault.CLIENT,
-                    "RequestTooLarge",
-                    f"the request body exceeds {self.config.max_request_bytes} bytes",
-                    status=413,
-                ),
+        except RouterError as exc:
+            response = self._fail(endpoint, exc)
+            if exc.reason in _BODY_UNREADABLE:
+                # The rest of the body is not awaited (the client is too slow, or its framing broke): the
+                # client hears so, then the connection closes, without aiohttp's lingering read of the rest.
+                response.force_close()
+                await response.prepare(request)
+                await response.write_eof()
+                request.protocol.force_close()
+            return response
+        try:
+            pair = await self.admission.choose(
+                self._pairs, None if deadline is None else deadline - loop.time()
             )
         except RouterError as exc:
             return self._fail(endpoint, exc)
-        routing = self.routing
-        pair = self.balancer.choose(() if routing is None else routing.pairs)
-        if pair is None:
-            return self._fail(endpoint, RouterError(Fault.UNAVAILABLE, "NoRoutablePair", "no routable pair"))
+        except TimeoutError:
+            return self._fail(endpoint, self._deadline_error())
         legs = build_legs(client_request, pair, uuid.uuid4().hex)
         ticket = self.balancer.start(pair, client_request.prompt_weight)
         try:
-            return await self._serve(request, client_request, pair, legs, ticket)
+            return await self._serve(request, client_request, pair, legs, ticket, deadline)
         except RouterError as exc:
             return self._fail(endpoint, exc, legs)
         except asyncio.CancelledError:
             self.metrics.requests.labels(endpoint, "ClientDisconnected").inc()
             raise
         finally:
-            self.balancer.done(ticket)
+            self._decode_done(ticket)
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The client's body, read with a size bound before it is buffered (its content-length first, then
+        as it streams), within `body_timeout_s`, and within the budget every body being read shares."""
+        limit = self.config.max_request_bytes
+        too_large = RouterError(
+            Fault.CLIENT, "RequestTooLarge", f"the request body exceeds {limit} bytes", status=413
+        )
+        if request.content_length is not None and request.content_length > limit:
+            raise too_large
+        body = bytearray()
+        taken = 0
+        try:
+            async with asyncio.timeout(self.config.body_timeout_s):
+                async for chunk in request.content.iter_any():
+                    if len(body) + len(chunk) > limit:
+                        raise too_large
+                    if self._buffered_body_bytes + len(chunk) > self.config.max_body_buffer_bytes:
+                        raise RouterError(
+                            Fault.UNAVAILABLE,
+                            "RequestBodyBufferFull",
+                            "the router is reading as many request bytes as it may hold; retry later",
+                            retry_after_s=self.config.retry_after_s,
+                        )
+                    self._buffered_body_bytes += len(chunk)
+                    taken += len(chunk)
+                    body += chunk
+        except TimeoutError:
+            raise RouterError(
+                Fault.CLIENT,
+                "RequestBodyTimeout",
+                f"the request body did not arrive in {self.config.body_timeout_s:g} s",
+                status=408,
+            ) from None
+        except web.RequestPayloadError as exc:
+            # A body the client's framing or encoding broke (bad chunking, a gzip body that is not gzip).
+            raise RouterError(
+                Fault.CLIENT, "InvalidRequestBody", f"the request body cannot be read: {_describe(exc)}"
+            ) from None
+        finally:
+            self._buffered_body_bytes -= taken
+        return bytes(body)
+
+    def _deadline_error(self) -> RouterError:
+        return RouterError(
+            Fault.TIMEOUT,
+            "RequestTimeout",
+            f"the request did not complete in {self.config.request_timeout_s:g} s (the router's "
+            "--request-timeout-s); both legs are closed",
+        )
+
+    def _pairs(self) -> Sequence[Pair]:
+        # Read at every look: a request waiting for room goes to the routing of the moment it gets some.
+        routing = self.routing
+        return () if routing is None else routing.pairs
+
+    def _decode_done(self, ticket: Ticket) -> None:
+        """Release everything `ticket` holds; its decoder's room goes to the next request waiting."""
+        self.balancer.done(ticket)
+        self.admission.release()
 
     # --- one request, two legs ------------------------------------------------------------------------------
 
     async def _serve(
-        self, request: web.Request, client_request: ClientRequest, pair: Pair, legs: Legs, ticket: Ticket
+        self,
+        request: web.Request,
+        client_request: ClientRequest,
+        pair: Pair,
+        legs: Legs,
+        ticket: Ticket,
+        deadline: float | None,
     ) -> web.StreamResponse:
         prefill = asyncio.create_task(self._prefill(pair, legs, ticket))
         decode = asyncio.create_task(self._decode_start(pair, legs, client_request.stream))
         response: aiohttp.ClientResponse | None = None
         try:
-            pending: set[asyncio.Task[Any]] = {prefill, decode}
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    # The first leg to fail decides the error; `finally` closes the other.
-                    task.result()
-            prefill.result()
-            response, started = decode.result()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    pending: set[asyncio.Task[Any]] = {prefill, decode}
+                    while pending:
+                        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                        for task in done:
+                            # The first leg to fail decides the error; `finally` closes the other.
+                            task.result()
+                    prefill.result()
+                    response, started = decode.result()
+                    if not client_request.stream:
+                        body = await self._decode_body(response, legs, started)
+            except TimeoutError:
+                # Every leg's own timeout is a RouterError by now: this is the request's deadline.
+                raise self._deadline_error() from None
             if not client_request.stream:
-                body = await self._decode_body(response, legs, started)
                 self.metrics.requests.labels(legs.endpoint, "ok").inc()
                 return web.Response(
                     body=body, content_type="application/json", headers={REQUEST_ID_HEADER: legs.request_id}
                 )
-            return await self._relay(request, response, legs, started)
+            return await self._relay(request, response, legs, started, deadline)
         finally:
             for task in (prefill, decode):
                 task.cancel()
@@ -288,6 +381,7 @@ class Router:
                 # its end; a fully read answer has already gone back to the pool.
                 response.close()
             self.balancer.decode_done(ticket)
+            self.admission.release()
 
     async def _prefill(self, pair: Pair, legs: Legs, ticket: Ticket) -> PrefillResult:
         target = pair.prefill
@@ -387,9 +481,16 @@ class Router:
         return raw
 
     async def _relay(
-        self, request: web.Request, response: aiohttp.ClientResponse, legs: Legs, started: float
+        self,
+        request: web.Request,
+        response: aiohttp.ClientResponse,
+        legs: Legs,
+        started: float,
+        deadline: float | None,
     ) -> web.StreamResponse:
-        """The decoder's SSE events to the client, each checked and forwarded as it completes."""
+        """The decoder's SSE events to the client, each checked and forwarded as it completes. The stall timer
+        counts data events only: comments (keep-alives) are forwarded but do not show that the decode
+        advances, so a decoder that sends nothing else is stalled."""
         out = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream",
@@ -399,42 +500,62 @@ class Router:
         )
         await out.prepare(request)
         events = SseEvents(self.config.max_sse_event_bytes)
+        loop = asyncio.get_running_loop()
+        # Until the first data event the decoder has the decode timeout; after, the stall timeout per event.
+        wait_s = self.config.decode_timeout_s
+        data_by = loop.time() + wait_s
+        data_events = 0
         first = True
         try:
-            while True:
-                timeout = self.config.decode_timeout_s if first else self.config.stall_timeout_s
-                try:
-                    async with asyncio.timeout(timeout):
-                        chunk = await response.content.readany()
-                except TimeoutError:
-                    raise RouterError(
-                        Fault.TIMEOUT, "DecodeStalled", f"the decoder sent nothing for {timeout:g} s"
-                    ) from None
-                except Exception as exc:
-                    raise RouterError(
-                        Fault.UPSTREAM, "DecodeFailed", f"the decoder's stream broke off: {_describe(exc)}"
-                    ) from None
-                if not chunk:
-                    raise RouterError(
-                        Fault.UPSTREAM, "DecodeTruncated", "the decoder's stream ended before [DONE]"
-                    )
-                if first:
-                    first = False
-                    self.metrics.leg_seconds.labels("decode_first_byte").observe(time.monotonic() - started)
-                for event, done in events.feed(chunk):
-                    await out.write(event)
-                    if done:
-                        self.metrics.leg_seconds.labels("decode").observe(time.monotonic() - started)
-                        self.metrics.requests.labels(legs.endpoint, "ok").inc()
-                        await out.write_eof()
-                        return out
+            try:
+                async with asyncio.timeout_at(deadline):
+                    while True:
+                        try:
+                            async with asyncio.timeout_at(data_by):
+                                chunk = await response.content.readany()
+                        except TimeoutError:
+                            raise RouterError(
+                                Fault.TIMEOUT,
+                                "DecodeStalled",
+                                f"the decoder sent no data event for {wait_s:g} s",
+                            ) from None
+                        except Exception as exc:
+                            raise RouterError(
+                                Fault.UPSTREAM,
+                                "DecodeFailed",
+                                f"the decoder's stream broke off: {_describe(exc)}",
+                            ) from None
+                        if not chunk:
+                            raise RouterError(
+                                Fault.UPSTREAM, "DecodeTruncated", "the decoder's stream ended before [DONE]"
+                            )
+                        if first:
+                            first = False
+                            self.metrics.leg_seconds.labels("decode_first_byte").observe(
+                                time.monotonic() - started
+                            )
+                        for event, done in events.feed(chunk):
+                            await out.write(event)
+                            if done:
+                                self.metrics.leg_seconds.labels("decode").observe(time.monotonic() - started)
+                                self.metrics.requests.labels(legs.endpoint, "ok").inc()
+                                await out.write_eof()
+                                return out
+                        if events.data_events > data_events:
+                            data_events = events.data_events
+                            wait_s = self.config.stall_timeout_s
+                            data_by = loop.time() + wait_s
+            except TimeoutError:
+                raise self._deadline_error() from None
         except RouterError as exc:
-            # The status has gone out: the error goes as an event, as vLLM sends one, then the stream ends.
+            # The status has gone out: the error goes as an event, as vLLM sends one, then the stream ends. A
+            # client that does not read gets a second to take it.
             self.metrics.requests.labels(legs.endpoint, exc.reason).inc()
             log.warning("%s %s: %s: %s", legs.endpoint, legs.request_id, exc.reason, exc.message)
-            with contextlib.suppress(ConnectionError):
-                await out.write(b"data: " + error_body(exc) + b"\n\ndata: [DONE]\n\n")
-                await out.write_eof()
+            with contextlib.suppress(ConnectionError, TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await out.write(b"data: " + error_body(exc) + b"\n\ndata: [DONE]\n\n")
+                    await out.write_eof()
             return out
         except ConnectionError:
             # The client went away mid-stream; `_serve` closes the decode leg.
@@ -456,6 +577,8 @@ class SseEvents:
 
     def __init__(self, max_event_bytes: int) -> None:
         self.max_event_bytes = max_event_bytes
+        # Events with a data line so far (comment-only events, such as keep-alives, are not counted).
+        self.data_events = 0
         self._buffer = bytearray()
 
     def feed(self, chunk: bytes) -> list[tuple[bytes, bool]]:
@@ -468,7 +591,8 @@ class SseEvents:
                 break
             event = bytes(self._buffer[: end + 2])
             del self._buffer[: end + 2]
-            done = _check_event(event)
+            done, data = _check_event(event)
+            self.data_events += data
             events.append((event, done))
             if done:
                 return events
@@ -481,8 +605,9 @@ class SseEvents:
         return events
 
 
-def _check_event(event: bytes) -> bool:
-    done = False
+def _check_event(event: bytes) -> tuple[bool, bool]:
+    """Whether the event is `[DONE]`, and whether it carries data at all."""
+    done = data_lines = False
     for line in event.split(b"\n"):
         if not line or line.startswith(b":") or line.startswith((b"event:", b"id:", b"retry:")):
             continue
@@ -490,6 +615,7 @@ def _check_event(event: bytes) -> bool:
             raise RouterError(
                 Fault.UPSTREAM, "DecodeInvalidStream", "the decoder sent a line that is not SSE"
             )
+        data_lines = True
         data = line[5:].strip()
         if data == _SSE_DONE:
             done = True
@@ -500,7 +626,7 @@ def _check_event(event: bytes) -> bool:
             raise RouterError(
                 Fault.UPSTREAM, "DecodeInvalidStream", "the decoder sent an SSE event that is not JSON"
             ) from None
-    return done
+    return done, data_lines
 
 
 async def _read_bounded(response: aiohttp.ClientResponse, limit: int, leg: str) -> bytes:
@@ -520,6 +646,8 @@ async def _read_bounded(response: aiohttp.ClientResponse, limit: int, leg: str) 
 
 def _error_response(error: RouterError, request_id: str | None = None) -> web.Response:
     headers = {} if request_id is None else {REQUEST_ID_HEADER: request_id}
+    if error.retry_after_s is not None:
+        headers["Retry-After"] = str(error.retry_after_s)
     return web.Response(
         status=error.status, body=error_body(error), content_type="application/json", headers=headers
     )
@@ -540,10 +668,8 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
 
 
-async def start(router: Router, host: str, port: int) -> web.AppRunner:
-    """Serve `router` on host:port. A client that disconnects cancels its handler (aiohttp's
-    handler_cancellation), which is what closes both legs of a non-streamed request."""
-    runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    return runner
+async def start(router: Router, host: str, port: int) -> Serving:
+    """Serve `router` on host:port, behind its connection cap and header timeout (`server`). A client that
+    disconnects cancels its handler (aiohttp's handler_cancellation), which is what closes both legs of a
+    non-streamed request."""
+    return await serve(router.app(), router.gate, host, port, header_timeout_s=router.config.header_timeout_s)

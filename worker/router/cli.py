@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from disagg.worker.kv.pod_contract import HTTP_HOST_ENV
+from disagg.worker.router.config import RouterConfig
 
 log = logging.getLogger("disagg.worker.router")
 
@@ -34,10 +35,88 @@ def register(subparsers: Any) -> None:
         "--prefill-timeout", type=float, default=300.0, help="seconds for the prefill leg's answer"
     )
     run.add_argument(
-        "--decode-timeout", type=float, default=600.0, help="seconds for the decode leg's first byte"
+        "--decode-timeout",
+        type=float,
+        default=600.0,
+        help="seconds for the decode leg's first byte, and for a stream's first data event",
     )
     run.add_argument(
-        "--stall-timeout", type=float, default=60.0, help="seconds between two reads of a decode answer"
+        "--stall-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a streamed decode answer may go without a data event before it fails as stalled "
+        "(SSE comments such as keep-alives do not count)",
+    )
+    defaults = RouterConfig()
+    clients = run.add_argument_group("client bounds (what one client may hold, and for how long)")
+    clients.add_argument(
+        "--max-connections",
+        type=int,
+        default=defaults.max_connections,
+        help="client connections held at once; one past it is answered 503 with Retry-After and closed "
+        "(0: no cap; default %(default)s)",
+    )
+    clients.add_argument(
+        "--header-timeout-s",
+        type=float,
+        default=defaults.header_timeout_s,
+        help="seconds a client has, from connecting or from its previous response, to send a request's "
+        "complete headers; a slower or idle keep-alive connection is closed (default %(default)s)",
+    )
+    clients.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=defaults.body_timeout_s,
+        help="seconds a client has, once its headers are in, to send its whole body; a slower one gets "
+        "408 and is disconnected (default %(default)s)",
+    )
+    clients.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=defaults.max_request_bytes,
+        help="largest request body: refused with 413 by its content-length, or as soon as it streams past "
+        "(default %(default)s)",
+    )
+    clients.add_argument(
+        "--max-body-buffer-bytes",
+        type=int,
+        default=defaults.max_body_buffer_bytes,
+        help="request body bytes the router holds while reading bodies, summed over every client; a body "
+        "that would pass it gets 503 with Retry-After (default %(default)s)",
+    )
+    clients.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=defaults.request_timeout_s,
+        help="seconds a request may take from its headers to its answer's end, queueing included; past it "
+        "the client gets 504 (or an SSE error event once streaming), and both legs are closed "
+        "(0: none; default %(default)s)",
+    )
+    load = run.add_argument_group("backpressure (work is queued or shed, never sent to expire)")
+    load.add_argument(
+        "--max-in-flight-per-decoder",
+        type=int,
+        default=defaults.max_in_flight_per_decoder,
+        help="requests one decoder may hold at once (set it to the decoder's --max-num-seqs); a request "
+        "finding no decoder with room waits, neither leg sent (0: no bound; default %(default)s)",
+    )
+    load.add_argument(
+        "--max-queued",
+        type=int,
+        default=defaults.max_queued,
+        help="requests that may wait for room; one more gets 503 with Retry-After (default %(default)s)",
+    )
+    load.add_argument(
+        "--queue-timeout-s",
+        type=float,
+        default=defaults.queue_timeout_s,
+        help="seconds a request waits for room before it gets 503 with Retry-After (default %(default)s)",
+    )
+    load.add_argument(
+        "--retry-after-s",
+        type=int,
+        default=defaults.retry_after_s,
+        help="the Retry-After, in seconds, of every 503 the router sheds load with (default %(default)s)",
     )
     run.add_argument("--log-level", default="INFO")
     run.set_defaults(func=_run)
@@ -57,15 +136,12 @@ async def _serve(args: argparse.Namespace) -> int:
     import signal
 
     from disagg.worker.kv.pairing import Routing, routing_from_pods
-    from disagg.worker.router.app import Router, RouterConfig, start
+    from disagg.worker.router.app import Router, start
     from disagg.worker.router.discovery import PodList, PodWatcher
 
     loop = asyncio.get_running_loop()
-    config = RouterConfig(
-        prefill_timeout_s=args.prefill_timeout,
-        decode_timeout_s=args.decode_timeout,
-        stall_timeout_s=args.stall_timeout,
-    )
+    config = config_from(args)
+    raise_open_files_limit(config)
     watcher: PodWatcher | None = None
     router = Router(config, watch_alive=lambda: watcher is not None and watcher.alive())
 
@@ -92,6 +168,50 @@ async def _serve(args: argparse.Namespace) -> int:
     watcher.stop()
     await runner.cleanup()
     return 0
+
+
+def config_from(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        prefill_timeout_s=args.prefill_timeout,
+        decode_timeout_s=args.decode_timeout,
+        stall_timeout_s=args.stall_timeout,
+        max_connections=args.max_connections,
+        header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
+        max_request_bytes=args.max_request_bytes,
+        max_body_buffer_bytes=args.max_body_buffer_bytes,
+        request_timeout_s=args.request_timeout_s,
+        max_in_flight_per_decoder=args.max_in_flight_per_decoder,
+        max_queued=args.max_queued,
+        queue_timeout_s=args.queue_timeout_s,
+        retry_after_s=args.retry_after_s,
+    )
+
+
+def raise_open_files_limit(config: RouterConfig) -> None:
+    """Every client connection and every leg is a file descriptor: the connection cap is only the bound if
+    the process may open that many (a container's soft limit is often 1024, its hard one far higher)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # A connection, and at most two legs for the request on it; a margin for the API server watch, the
+    # listener and logging. No cap: as many as the hard limit allows.
+    wanted = 3 * config.max_connections + 256 if config.max_connections > 0 else hard
+    if soft == resource.RLIM_INFINITY or (wanted != resource.RLIM_INFINITY and soft >= wanted):
+        return
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as exc:
+        log.warning("cannot raise the open-files limit from %d to %d: %s", soft, target, exc)
+        return
+    if target < wanted:
+        log.warning(
+            "the open-files limit is %d, under the %d that --max-connections %d needs",
+            target,
+            wanted,
+            config.max_connections,
+        )
 
 
 def kube_client(kubeconfig: str | None) -> Any:

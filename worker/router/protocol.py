@@ -70,7 +70,15 @@ _ERROR_TYPE: Final[Mapping[Fault, str]] = {
 class RouterError(Exception):
     """A request the router could not serve. `reason` is CamelCase and stable (metrics label, logs)."""
 
-    def __init__(self, fault: Fault, reason: str, message: str, *, status: int | None = None) -> None:
+    def __init__(
+        self,
+        fault: Fault,
+        reason: str,
+        message: str,
+        *,
+        status: int | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.fault = fault
         self.reason = reason
@@ -78,6 +86,8 @@ class RouterError(Exception):
         # An engine's own 4xx verdict on the client's request keeps the engine's status (404 for an unknown
         # model, 422 for a field it rejects); every other error has its fault's status.
         self.status = fault.value if status is None else status
+        # Set when the router sheds load: the client may try again after this many seconds (Retry-After).
+        self.retry_after_s = retry_after_s
 
     def body(self) -> dict[str, Any]:
         """OpenAI's error object (what vLLM's `ErrorResponse` serialises to)."""

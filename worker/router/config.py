@@ -1,0 +1,44 @@
+"""The router's bounds and timeouts, apart from the server so that `disagg router run`'s flags can show their
+defaults without importing aiohttp."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Bounds and timeouts. A timeout that expires fails the request with 504 and closes both legs.
+    `disagg router run` has a flag for each client-facing bound (its help says what the bound does)."""
+
+    # --- clients: what one may hold, and for how long
+    max_request_bytes: int = 8 * 1024 * 1024
+    # The request bodies being read at once, summed: what slow uploads can make the router hold.
+    max_body_buffer_bytes: int = 128 * 1024 * 1024
+    max_connections: int = 4096
+    # From a connection's start (or its previous response) to its request's last header byte; an idle
+    # keep-alive connection is closed after it too.
+    header_timeout_s: float = 10.0
+    # From the request's headers to its body's last byte.
+    body_timeout_s: float = 60.0
+    # From the request's headers to its answer's end, queueing included (0: none).
+    request_timeout_s: float = 3600.0
+    # --- backpressure (`admission`): decode legs one decoder may hold (0: no bound), and the wait for room
+    max_in_flight_per_decoder: int = 256
+    max_queued: int = 1024
+    queue_timeout_s: float = 30.0
+    retry_after_s: int = 1
+    # --- engines
+    # A non-streamed completion; the prefill's answer (its block ids grow with the prompt); one SSE event.
+    max_response_bytes: int = 64 * 1024 * 1024
+    max_prefill_response_bytes: int = 8 * 1024 * 1024
+    max_sse_event_bytes: int = 4 * 1024 * 1024
+    max_error_bytes: int = 64 * 1024
+    connect_timeout_s: float = 10.0
+    # The prefill leg's whole answer; the decode leg's first byte (it waits for the prefill and the KV).
+    prefill_timeout_s: float = 300.0
+    decode_timeout_s: float = 600.0
+    # Between two data events of a streamed decode answer once it has started (SSE comments, such as
+    # keep-alives, do not count: a decoder sending only those is stalled).
+    stall_timeout_s: float = 60.0
+    models_timeout_s: float = 10.0
