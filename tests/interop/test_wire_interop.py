@@ -3,9 +3,14 @@ encoder and decoder, and the project's side-channel client against the release's
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import msgspec
 import pytest
-from _vllm_peer import RELEASES, PeerFactory
+from _vllm_peer import RELEASES, PeerFactory, VllmPeer
 
 from disagg.rig.local import free_port
 from disagg.worker.connector.side_channel import handshake
@@ -114,3 +119,37 @@ def test_the_project_client_reads_vllm_listener(vllm_peers: PeerFactory, version
         assert peer.call("listener_alive", handle=listener)
     finally:
         peer.call("listener_stop", handle=listener)
+
+
+def test_the_probe_never_asks_a_pp1_vllm_engine_for_a_rank_it_does_not_serve(vllm_peer: VllmPeer) -> None:
+    """Issue 22, finding 10: `disagg probe --pp 2` asked a PP1 engine for (1, 0), and vLLM's listener thread
+    died of the KeyError. The head's payload (its regions hold all 4 layers) now refuses the claim first."""
+    port = free_port()
+    meta = metadata(vllm_peer.connector_version)
+    inner = vllm_peer.call("metadata_encode", fields=fields(meta, vllm_peer.connector_version))
+    payload = vllm_peer.call("payload_encode", compatibility_hash="cd" * 32, agent_metadata_bytes=inner)
+    listener = vllm_peer.call("listener_start", payloads={"0,0": payload}, host="127.0.0.1", port=port)
+    disagg = str(Path(sys.executable).with_name("disagg"))
+    try:
+        for claim, reason in (
+            (["--pp", "2"], "RanksUnconfirmed"),
+            (["--pp", "2", "--num-layers", "4"], "PipelineSizeMismatch"),
+            # Stage 0 of 4 over 16 layers is layers 0-3, as the head holds; but no payload tells TP ranks.
+            (["--pp", "4", "--tp", "2", "--num-layers", "16"], "RanksUnconfirmed"),
+            (["--tp", "2"], "RanksUnconfirmed"),
+        ):
+            done = subprocess.run(
+                [disagg, "probe", f"127.0.0.1:{port}", *claim],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env={**os.environ, "PYTHONSAFEPATH": "1"},
+            )
+            assert done.returncode == 1, done.stdout + done.stderr
+            assert f"refused: {reason}: " in done.stdout and "asked for (pp 0, tp 0) only" in done.stdout
+            assert vllm_peer.call("listener_alive", handle=listener), f"{claim} killed vLLM's listener"
+        # And it still serves its head.
+        (head,) = handshake("127.0.0.1", port, [(0, 0)], expected_hash="cd" * 32, expected_engine_id=None)
+        assert head.metadata.engine_id == meta.engine_id
+    finally:
+        vllm_peer.call("listener_stop", handle=listener)

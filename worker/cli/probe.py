@@ -1,14 +1,21 @@
 """`disagg probe HOST:PORT`: handshake a side channel (disagg or vLLM), print what each rank advertises.
 
-It asks only for the ranks it is given (`--pp`/`--tp`, or a topology document's sizes for a role), never
-more: vLLM's listener looks the requested `(pp_rank, tp_rank)` up unguarded, and a rank the engine does not
-serve ends its listener thread until the engine restarts. Without sizes it asks for `(pp 0, tp 0)` only,
-which every engine serves. A PP prefill engine serves every rank from its head pod's address.
+It never asks an engine for a rank the engine may not serve: vLLM's listener looks the requested
+`(pp_rank, tp_rank)` up unguarded, and a rank it does not serve ends its listener thread (a KeyError) until
+the engine restarts. So it asks for `(pp 0, tp 0)` first, which every engine serves, and asks for more only
+once that head's own payload confirms the pipeline the user or the topology claims: the layers its regions
+hold must be stage 0's layers of that pipeline (which takes the model's layer count, `--num-layers` or the
+topology's). A claim the payload contradicts is refused, saying what the payload shows; one it cannot
+confirm is refused too, never guessed. A PP prefill engine serves every rank from its head pod's address.
+Nothing in a payload tells how many TP ranks an engine has, so TP ranks are asked for only as the topology
+gives them.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -18,15 +25,22 @@ def register(subparsers: Any) -> None:
         help="handshake a live NIXL side channel and print what each (pp, tp) rank advertises",
         description=(
             "Sends vLLM's side-channel request for each (pp_rank, tp_rank) it is given and decodes the "
-            "replies (hash first, then the agent metadata). It asks only for the ranks --pp/--tp or "
-            "--topology give (else pp 0, tp 0 alone): a vLLM engine asked for a rank it does not serve "
-            "loses its side channel. Nothing is added to NIXL. Exits 1 with the typed reason when a "
-            "handshake fails."
+            "replies (hash first, then the agent metadata). It asks for (pp 0, tp 0) first and for the "
+            "ranks --pp/--tp or --topology give only once that head's payload confirms the pipeline (the "
+            "layers it holds; --pp needs --num-layers for that, TP ranks --topology): a vLLM engine asked "
+            "for a rank it does not serve loses its side channel. Nothing is added to NIXL. Exits 1 with "
+            "the typed reason when a handshake fails or the payload contradicts or cannot confirm the "
+            "claimed ranks."
         ),
     )
     parser.add_argument("target", metavar="HOST:PORT", help="side channel address, e.g. 10.0.0.5:5600")
     parser.add_argument("--pp", type=int, help="pipeline-parallel size of the engine")
     parser.add_argument("--tp", type=int, help="tensor-parallel size of the engine")
+    parser.add_argument(
+        "--num-layers",
+        type=int,
+        help="with --pp: the model's layer count, so the head's payload can confirm the pipeline",
+    )
     parser.add_argument(
         "--topology",
         metavar="FILE",
@@ -99,55 +113,149 @@ def describe(
     return lines
 
 
-def ranks(args: argparse.Namespace) -> tuple[list[tuple[int, int]], str]:
-    """The ranks to ask for and where they came from; never more than the user or the topology says."""
+@dataclass(frozen=True)
+class RankClaim:
+    """What the user or the topology says the engine serves, and what it takes to confirm the pipeline."""
+
+    pp: int
+    tp: int
+    source: str
+    # The layers stage 0 holds under that pipeline, when the model's layer count is known.
+    num_layers: int | None = None
+    stage0: range | None = None
+    # The operator's topology is its record of how the engine was started: a payload that names no layers
+    # (a non-HMA vLLM engine leaves region_members empty) does not contradict it.
+    from_topology: bool = False
+
+    @property
+    def ranks(self) -> list[tuple[int, int]]:
+        return [(p, t) for p in range(self.pp) for t in range(self.tp)]
+
+
+def claimed_ranks(args: argparse.Namespace) -> RankClaim:
+    """The ranks the user or the topology names; the head's payload must confirm them (`pipeline_refusal`)."""
+    from disagg.worker.kv.layout import pp_partition
+
     if args.topology is not None:
-        if args.pp is not None or args.tp is not None:
-            raise ValueError("give either --topology or --pp/--tp, not both")
+        if args.pp is not None or args.tp is not None or args.num_layers is not None:
+            raise ValueError("give either --topology or --pp/--tp/--num-layers, not both")
         from disagg.worker.sidecar.config import load_topology
 
         topology = load_topology(args.topology)
-        pp = topology.prefill_pp if args.role == "prefill" else 1
-        tp = topology.prefill_tp if args.role == "prefill" else topology.decode_tp
-        source = f"the topology {args.topology} ({args.role}: PP {pp} x TP {tp})"
-    elif args.pp is None and args.tp is None:
-        return [(0, 0)], "none given: (pp 0, tp 0) only, which every engine serves (--pp/--tp for the rest)"
-    else:
-        pp, tp = args.pp or 1, args.tp or 1
-        source = f"--pp {pp} --tp {tp}"
+        prefill = args.role == "prefill"
+        pp = topology.prefill_pp if prefill else 1
+        tp = topology.prefill_tp if prefill else topology.decode_tp
+        stage0 = topology.stage_layers[0] if prefill else range(topology.model.num_layers)
+        return RankClaim(
+            pp,
+            tp,
+            f"the topology {args.topology} ({args.role}: PP {pp} x TP {tp})",
+            topology.model.num_layers,
+            stage0,
+            from_topology=True,
+        )
+    if args.pp is None and args.tp is None:
+        source = "none given: (pp 0, tp 0) only, which every engine serves (--pp/--tp for the rest)"
+        return RankClaim(1, 1, source)
+    pp, tp = args.pp or 1, args.tp or 1
     if pp < 1 or tp < 1:
         raise ValueError("--pp and --tp must be at least 1")
-    return [(p, t) for p in range(pp) for t in range(tp)], source
+    source = f"--pp {pp} --tp {tp}"
+    if args.num_layers is None:
+        return RankClaim(pp, tp, source)
+    if args.num_layers < pp:
+        raise ValueError(f"--num-layers {args.num_layers} cannot fill --pp {pp} pipeline stages")
+    return RankClaim(pp, tp, source, args.num_layers, pp_partition(args.num_layers, pp)[0])
+
+
+def head_layers(region_members: Sequence[Sequence[str]]) -> list[int] | None:
+    """The layer indices the head's regions hold (the first all-digit part of each name: model.layers.7.…
+    is 7), sorted; None when the payload names no layer."""
+    found = set()
+    for members in region_members:
+        for name in members:
+            index = next((part for part in name.split(".") if part.isdecimal()), None)
+            if index is not None:
+                found.add(int(index))
+    return sorted(found) if found else None
+
+
+def _span(layers: Sequence[int]) -> str:
+    if list(layers) == list(range(layers[0], layers[-1] + 1)):
+        return f"layers {layers[0]}-{layers[-1]}" if len(layers) > 1 else f"layer {layers[0]}"
+    return f"layers {', '.join(map(str, layers))}"
+
+
+def pipeline_refusal(claim: RankClaim, held: list[int] | None) -> tuple[str, str] | None:
+    """(reason, message) when the head's payload contradicts the claimed pipeline or cannot confirm it; then
+    no rank past (pp 0, tp 0) may be asked for. Pure."""
+    if claim.pp == 1 and claim.tp == 1:
+        return None
+    if claim.tp > 1 and not claim.from_topology:
+        # vLLM's listener dies on (0, 1) of a TP1 engine just as on (1, 0) of a PP1 one.
+        return (
+            "RanksUnconfirmed",
+            f"nothing in the head's payload tells how many TP ranks the engine serves, so --tp {claim.tp} "
+            "cannot be confirmed: give --topology (the operator's record of the engine) to ask for them",
+        )
+    if held is None:
+        if claim.from_topology or claim.pp == 1:
+            return None
+        return (
+            "RanksUnconfirmed",
+            f"the head's payload names no layers, so nothing confirms that the engine has {claim.pp} "
+            "pipeline stages: give --topology (the operator's record of the engine) to ask for the rest",
+        )
+    if claim.stage0 is None or claim.num_layers is None:
+        if claim.pp == 1:
+            return None
+        return (
+            "RanksUnconfirmed",
+            f"the head (pp 0) holds {_span(held)}; whether that is stage 0 of {claim.pp} takes the model's "
+            "layer count: give --num-layers (or --topology) to ask for the rest",
+        )
+    if held == list(claim.stage0):
+        return None
+    whole = held == list(range(claim.num_layers))
+    actual = "every layer, so the engine is PP 1" if whole else _span(held)
+    return (
+        "PipelineSizeMismatch",
+        f"the head (pp 0) holds {actual}, but PP {claim.pp} over {claim.num_layers} layers puts "
+        f"{_span(list(claim.stage0))} on stage 0: the engine is not what {claim.source} says",
+    )
 
 
 def probe(args: argparse.Namespace) -> int:
-    from disagg.worker.connector.side_channel import fetch_payloads
+    from disagg.worker.connector.side_channel import RankReply, fetch_payloads
     from disagg.worker.kv import wire
     from disagg.worker.kv.errors import DisaggError
     from disagg.worker.kv.payload_facts import payload_facts
 
+    def show(reply: RankReply) -> Any:
+        facts = payload_facts(reply.payload)
+        meta = wire.decode_handshake_payload(
+            reply.payload, expected_hash=args.expect_hash, expected_engine_id=args.engine_id
+        )
+        lines = describe(
+            reply.pp_rank, reply.tp_rank, facts.compatibility_hash, meta, reply.clock_offset_s, facts
+        )
+        print("\n".join(lines))
+        return meta
+
     try:
         host, port = _split_target(args.target)
-        targets, source = ranks(args)
-        print(f"ranks: {source}")
-        replies = fetch_payloads(host, port, targets, timeout_s=args.timeout)
-        for reply in replies:
-            facts = payload_facts(reply.payload)
-            meta = wire.decode_handshake_payload(
-                reply.payload, expected_hash=args.expect_hash, expected_engine_id=args.engine_id
-            )
-            print(
-                "\n".join(
-                    describe(
-                        reply.pp_rank,
-                        reply.tp_rank,
-                        facts.compatibility_hash,
-                        meta,
-                        reply.clock_offset_s,
-                        facts,
-                    )
-                )
-            )
+        claim = claimed_ranks(args)
+        print(f"ranks: {claim.source}")
+        # The head first, alone: its payload decides whether any other rank may be asked for.
+        (head,) = fetch_payloads(host, port, [(0, 0)], timeout_s=args.timeout)
+        meta = show(head)
+        refused = pipeline_refusal(claim, head_layers(meta.region_members))
+        if refused is not None:
+            reason, message = refused
+            print(f"probe {args.target} refused: {reason}: {message}; asked for (pp 0, tp 0) only")
+            return 1
+        for reply in fetch_payloads(host, port, claim.ranks[1:], timeout_s=args.timeout):
+            show(reply)
     except DisaggError as exc:
         print(f"probe {args.target} failed: {exc.reason}: {exc.message}")
         return 1
