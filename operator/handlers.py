@@ -22,6 +22,7 @@ import kopf
 from kubernetes import client, config
 
 from disagg.operator.api import GROUP, PLURAL, VERSION
+from disagg.operator.api_backoffs import API_BACKOFFS
 from disagg.operator.builders import DEPLOYMENT_ANNOTATION, FIELD_MANAGER, MANAGED_BY_LABEL, Installation
 from disagg.operator.k8s_apply import Kube
 from disagg.operator.reconcile import Observed, RefreshQueue, reconcile, refresh_status
@@ -105,6 +106,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **indices: Any) 
     for resource in (("v1", "pods"), ("apps", "v1", "statefulsets"), ("apps", "v1", "deployments")):
         settings.watching.label_selectors[resource] = CHILD_SELECTOR
     settings.execution.max_workers = SPEC_WORKERS
+    # Retry the API server for as long as it is away: kopf's default gives up after ~54 s and ends the
+    # operator (`api_backoffs`).
+    settings.networking.error_backoffs = API_BACKOFFS
     # kopf lists a kind again whenever its watch must restart from scratch (410 Gone: the API server no
     # longer has the version it would resume from); paged, that holds one page of Pods, not thousands.
     settings.watching.chunk_size = LIST_PAGE
