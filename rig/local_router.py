@@ -91,10 +91,12 @@ def decode_routing(text: str) -> Routing:
 
 @dataclass
 class LocalRouter:
-    """`Router` in its own process on 127.0.0.1, routing over `routing`."""
+    """`Router` in its own process on 127.0.0.1, routing over `routing`; with `canary`, a pair gets traffic
+    only once the router's own canary request crossed it (so entering waits for that)."""
 
     routing: Routing
     port: int = field(default_factory=free_port)
+    canary: bool = True
     _proc: subprocess.Popen[bytes] | None = field(init=False, default=None)
     _dir: Path = field(init=False)
 
@@ -115,6 +117,7 @@ class LocalRouter:
                 "disagg.rig.local_router",
                 "--port",
                 str(self.port),
+                *(() if self.canary else ("--no-kv-canary",)),
                 str(routing_file),
             ],
             stdout=self._log,
@@ -260,10 +263,10 @@ async def load_run(
     return report
 
 
-async def _serve(port: int, routing: Routing) -> None:
-    from disagg.worker.router.app import Router, start
+async def _serve(port: int, routing: Routing, canary: bool) -> None:
+    from disagg.worker.router.app import Router, RouterConfig, start
 
-    router = Router()
+    router = Router(RouterConfig(kv_canary=canary))
     router.set_routing(routing)
     runner = await start(router, HOST, port)
     stop = asyncio.Event()
@@ -277,9 +280,10 @@ async def _serve(port: int, routing: Routing) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="the router on a fixed routing (the local rig's)")
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--no-kv-canary", dest="canary", action="store_false")
     parser.add_argument("routing_file", type=Path)
     args = parser.parse_args(argv)
-    asyncio.run(_serve(args.port, decode_routing(args.routing_file.read_text())))
+    asyncio.run(_serve(args.port, decode_routing(args.routing_file.read_text()), args.canary))
     return 0
 
 

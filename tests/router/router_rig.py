@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -43,7 +44,11 @@ class Rig:
 
 
 @contextlib.asynccontextmanager
-async def rig(config: RouterConfig | None = None, *, routed: bool = True) -> AsyncIterator[Rig]:
+async def rig(
+    config: RouterConfig | None = None, *, routed: bool = True, canary: bool = False
+) -> AsyncIterator[Rig]:
+    """The router in front of the fakes. The KV canary is off unless asked for: these tests count the
+    requests the fakes see, and `test_router_canary` tests the canary itself."""
     exchange = Exchange()
     async with engines(
         exchange, ("prefill", "tiny-prefill-0@1a2b", 2), ("decode", "tiny-decode@9f8e", 1)
@@ -51,7 +56,7 @@ async def rig(config: RouterConfig | None = None, *, routed: bool = True) -> Asy
         prefill,
         decode,
     ):
-        router = Router(config or RouterConfig())
+        router = Router(dataclasses.replace(config or RouterConfig(), kv_canary=canary))
         if routed:
             router.set_routing(routing_of(pair_of(prefill, decode, decode_pod="tiny-decode-x")))
         runner = await start(router, HOST, 0)

@@ -203,7 +203,7 @@ def test_load_spreads_over_two_decoders() -> None:
             d0,
             d1,
         ):
-            router = Router()
+            router = Router(RouterConfig(kv_canary=False))  # these fakes count every request they see
             router.set_routing(routing_of(pair_of(p, d0), pair_of(p, d1)))
             runner = await start(router, HOST, 0)
             url = f"http://{HOST}:{runner.addresses[0][1]}/v1/completions"

@@ -51,16 +51,22 @@ class Admission:
             return list(pairs)
         return [p for p in pairs if self.balancer.decode_legs[p.decode.pod] < self.max_per_decoder]
 
-    async def choose(self, pairs: Callable[[], Sequence[Pair]], timeout_s: float | None = None) -> Pair:
+    async def choose(
+        self,
+        pairs: Callable[[], Sequence[Pair]],
+        timeout_s: float | None = None,
+        coming: Callable[[], bool] = lambda: False,
+    ) -> Pair:
         """A pair with room, waiting for one when there is none. The caller starts its ticket before it next
         awaits, so the room it was given is not given twice. `timeout_s` (the request's own deadline) may
         shorten the wait; when it is what ends the wait, the caller's deadline error is raised
-        (TimeoutError), else 503 QueueTimeout."""
+        (TimeoutError), else 503 QueueTimeout. With no pair at all it fails at once (503 NoRoutablePair),
+        unless `coming()` says a pair is on its way (its first KV canary is in flight): then it waits."""
         if not self._waiters:
             pair = self._pick(pairs())
             if pair is not None:
                 return pair
-        if not pairs():
+        if not pairs() and not coming():
             raise _no_pair()
         if len(self._waiters) >= self.max_queued:
             raise RouterError(
@@ -77,7 +83,7 @@ class Admission:
                 while True:
                     await woken.wait()
                     woken.clear()
-                    if not pairs():
+                    if not pairs() and not coming():
                         raise _no_pair()
                     pair = self._pick(pairs())
                     if pair is not None:

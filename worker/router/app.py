@@ -37,6 +37,7 @@ from prometheus_client.registry import Collector
 from disagg.worker.kv.pairing import Pair, Routing
 from disagg.worker.router.admission import Admission
 from disagg.worker.router.balance import Balancer, Ticket
+from disagg.worker.router.canary import KvCanary
 from disagg.worker.router.config import RouterConfig
 from disagg.worker.router.protocol import (
     CHAT_COMPLETIONS,
@@ -61,6 +62,8 @@ log = logging.getLogger("disagg.worker.router")
 _BODY_UNREADABLE: Final = frozenset({"RequestBodyTimeout", "InvalidRequestBody"})
 LEG_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _SSE_DONE: Final = b"[DONE]"
+# The canary's prompt: a few tokens of any tokenizer, so one block crosses the pair.
+CANARY_PROMPT: Final = "KV canary: does the cache cross this pair?"
 
 
 class RouterMetrics(Collector):
@@ -152,11 +155,66 @@ class Router:
         self.metrics = RouterMetrics(self)
         self.watch_alive = watch_alive
         self._session: aiohttp.ClientSession | None = None
+        # What discovery found; `routing` is what clients are routed over (its canaried pairs only).
+        self.discovered: Routing | None = None
+        self.canary = (
+            KvCanary(self._canary_probe, self._publish, retry_s=self.config.canary_retry_s)
+            if self.config.kv_canary
+            else None
+        )
 
     def set_routing(self, routing: Routing) -> None:
-        """Publish a new routing; requests already routed keep their pair."""
+        """Publish a new routing; requests already routed keep their pair. Call it on the router's loop."""
+        self.discovered = routing
+        self._publish()
+
+    def _publish(self) -> None:
+        routing = self.discovered
+        if routing is not None and self.canary is not None:
+            routing = self.canary.admit(routing)
         self.routing = routing
         self.admission.wake_all()
+
+    async def _canary_probe(self, pair: Pair) -> None:
+        """One request of the router's own through `pair`, both legs as a client's go, one token long:
+        raises unless the decoder answered a completion (so the KV crossed the pair)."""
+        while self._session is None:
+            # A routing can arrive before the app (and its client session) has started.
+            await asyncio.sleep(0.05)
+        async with asyncio.timeout(self.config.canary_timeout_s):
+            model = await self._served_model(pair)
+            body = {"model": model, "prompt": CANARY_PROMPT, "max_tokens": 1, "temperature": 0}
+            request = parse_client_request(COMPLETIONS, json.dumps(body).encode())
+            legs = build_legs(request, pair, f"canary-{uuid.uuid4().hex}")
+            ticket = self.balancer.start(pair, request.prompt_weight)
+            prefill = asyncio.create_task(self._prefill(pair, legs, ticket))
+            decode = asyncio.create_task(self._decode_start(pair, legs, False))
+            response: aiohttp.ClientResponse | None = None
+            try:
+                await prefill
+                response, started = await decode
+                answer = json.loads(await self._decode_body(response, legs, started))
+                if not answer.get("choices"):
+                    raise RouterError(Fault.UPSTREAM, "CanaryEmpty", "the decoder answered no completion")
+            finally:
+                for task in (prefill, decode):
+                    task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await task
+                if response is not None:
+                    response.close()
+                self.balancer.decode_done(ticket)
+
+    async def _served_model(self, pair: Pair) -> str:
+        url = f"http://{_host(pair.decode.host)}:{pair.decode.http_port}/v1/models"
+        async with self.session.get(url) as response:
+            raw = await _read_bounded(response, self.config.max_error_bytes, "models")
+        if response.status != 200:
+            raise engine_error("decode", response.status, raw)
+        models = json.loads(raw).get("data") or []
+        if not models or not isinstance(models[0].get("id"), str):
+            raise RouterError(Fault.UPSTREAM, "CanaryNoModel", f"{url} lists no model")
+        return str(models[0]["id"])
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -184,6 +242,8 @@ class Router:
         try:
             yield
         finally:
+            if self.canary is not None:
+                await self.canary.close()
             await self._session.close()
             self._session = None
 
@@ -254,7 +314,9 @@ class Router:
             return response
         try:
             pair = await self.admission.choose(
-                self._pairs, None if deadline is None else deadline - loop.time()
+                self._pairs,
+                None if deadline is None else deadline - loop.time(),
+                coming=lambda: self.canary is not None and self.canary.first_in_flight(),
             )
         except RouterError as exc:
             return self._fail(endpoint, exc)

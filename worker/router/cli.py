@@ -118,6 +118,28 @@ def register(subparsers: Any) -> None:
         default=defaults.retry_after_s,
         help="the Retry-After, in seconds, of every 503 the router sheds load with (default %(default)s)",
     )
+    canary = run.add_argument_group("the KV canary (a pair is routed to only once KV has crossed it)")
+    canary.add_argument(
+        "--no-kv-canary",
+        dest="kv_canary",
+        action="store_false",
+        help="route to a pair as soon as its sidecars vouch for it, without a canary request first "
+        "(default: every new pair, and every pair of a restarted engine, first carries one one-token "
+        "request of the router's own through both legs)",
+    )
+    canary.add_argument(
+        "--canary-timeout-s",
+        type=float,
+        default=defaults.canary_timeout_s,
+        help="seconds a canary request may take before it counts as failed (default %(default)s)",
+    )
+    canary.add_argument(
+        "--canary-retry-s",
+        type=float,
+        default=defaults.canary_retry_s,
+        help="seconds between canaries of a pair whose last one failed; the pair is excluded meanwhile, "
+        "with the failure as its reason (default %(default)s)",
+    )
     run.add_argument("--log-level", default="INFO")
     run.set_defaults(func=_run)
 
@@ -185,6 +207,9 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         max_queued=args.max_queued,
         queue_timeout_s=args.queue_timeout_s,
         retry_after_s=args.retry_after_s,
+        kv_canary=args.kv_canary,
+        canary_timeout_s=args.canary_timeout_s,
+        canary_retry_s=args.canary_retry_s,
     )
 
 

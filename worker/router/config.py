@@ -42,3 +42,7 @@ class RouterConfig:
     # keep-alives, do not count: a decoder sending only those is stalled).
     stall_timeout_s: float = 60.0
     models_timeout_s: float = 10.0
+    # --- the KV canary (`canary`): a pair is routed to only after a request of the router's own crossed it
+    kv_canary: bool = True
+    canary_timeout_s: float = 60.0
+    canary_retry_s: float = 5.0

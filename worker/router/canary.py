@@ -1,0 +1,131 @@
+"""The KV canary: a pair is routable only once KV has really crossed it.
+
+Verified handshakes and equal live hashes say that a prefill engine and a decoder *can* exchange KV; they do
+not say that the first request will. Against real vLLM engines, the first request to a fresh pair has lost
+its KV (the decoder's first handshake with the prefill missed vLLM's fixed 5 s window while the engines'
+cores were busy, and the prefill's lease expired with the blocks unread). So before a pair gets client
+traffic the router sends one request of its own through it, both legs, as a client's request would go, with
+a one-token answer; only its success makes the pair routable. A pair is known by both engines' live ids and
+addresses: an engine that restarts draws a new id (the operator's launcher), so its pairs are probed again.
+A failed canary is retried every `retry_s`, and the pair is excluded with the reason meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+
+from disagg.worker.kv.pairing import Exclusion, Pair, Routing
+
+log = logging.getLogger("disagg.worker.router.canary")
+
+PENDING_REASON = "KVCanaryPending"
+FAILED_REASON = "KVCanaryFailed"
+
+PairKey = tuple[str, str, str, str]
+
+
+def pair_key(pair: Pair) -> PairKey:
+    return (pair.prefill.engine_id, pair.prefill.host, pair.decode.engine_id, pair.decode.host)
+
+
+@dataclass
+class _State:
+    task: asyncio.Task[None]
+    verified: bool = False
+    failure: str = ""
+
+
+class KvCanary:
+    """Which of a routing's pairs have carried KV; `admit` keeps only those. Runs on the router's loop."""
+
+    def __init__(
+        self,
+        probe: Callable[[Pair], Awaitable[None]],
+        on_change: Callable[[], None],
+        *,
+        retry_s: float = 5.0,
+    ) -> None:
+        self._probe = probe
+        self._on_change = on_change
+        self._retry_s = retry_s
+        self._pairs: dict[PairKey, _State] = {}
+
+    def admit(self, routing: Routing) -> Routing:
+        """`routing` with only its canaried pairs; the others become exclusions saying why, and get a canary
+        if they have none running. Pairs no longer in `routing` are forgotten (and their canary stopped)."""
+        wanted = {pair_key(pair): pair for pair in routing.pairs}
+        for key in [key for key in self._pairs if key not in wanted]:
+            self._pairs.pop(key).task.cancel()
+        admitted: list[Pair] = []
+        waiting: list[Exclusion] = []
+        for key, pair in wanted.items():
+            state = self._pairs.get(key)
+            if state is None:
+                state = self._pairs[key] = _State(
+                    asyncio.get_running_loop().create_task(self._run(key, pair))
+                )
+            if state.verified:
+                admitted.append(pair)
+                continue
+            reason, why = (
+                (
+                    FAILED_REASON,
+                    f"the last canary request failed: {state.failure}; retried every {self._retry_s:g} s",
+                )
+                if state.failure
+                else (PENDING_REASON, "a canary request has not yet carried KV through this pair")
+            )
+            waiting.append(
+                Exclusion(
+                    prefill=pair.prefill.head_pod,
+                    decode=pair.decode.pod,
+                    reason=reason,
+                    message=f"{pair.prefill.head_pod} ↔ {pair.decode.pod}: {why}",
+                )
+            )
+        return replace(routing, pairs=tuple(admitted), exclusions=(*routing.exclusions, *waiting))
+
+    def first_in_flight(self) -> bool:
+        """A pair's first canary is still running (none has failed yet): a request may wait for it."""
+        return any(not state.verified and not state.failure for state in self._pairs.values())
+
+    def verified(self, pair: Pair) -> bool:
+        state = self._pairs.get(pair_key(pair))
+        return state is not None and state.verified
+
+    async def _run(self, key: PairKey, pair: Pair) -> None:
+        while True:
+            try:
+                await self._probe(pair)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                state = self._pairs.get(key)
+                if state is None:
+                    return
+                state.failure = str(exc) or type(exc).__name__
+                log.warning(
+                    "KV canary %s ↔ %s failed: %s", pair.prefill.head_pod, pair.decode.pod, state.failure
+                )
+                self._on_change()
+                await asyncio.sleep(self._retry_s)
+                continue
+            state = self._pairs.get(key)
+            if state is not None:
+                state.verified, state.failure = True, ""
+                log.info("KV canary %s ↔ %s: KV crossed the pair", pair.prefill.head_pod, pair.decode.pod)
+                self._on_change()
+            return
+
+    async def close(self) -> None:
+        tasks = [state.task for state in self._pairs.values()]
+        self._pairs.clear()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
