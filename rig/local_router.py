@@ -264,7 +264,8 @@ async def load_run(
 
 
 async def _serve(port: int, routing: Routing, canary: bool) -> None:
-    from disagg.worker.router.app import Router, RouterConfig, start
+    from disagg.worker.router.app import Router, start
+    from disagg.worker.router.config import RouterConfig
 
     router = Router(RouterConfig(kv_canary=canary))
     router.set_routing(routing)

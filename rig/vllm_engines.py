@@ -185,7 +185,7 @@ class VllmEngines:
     workdir: Path = field(init=False)
     deployment: DisaggDeployment = field(init=False)
     pods: list[EnginePod] = field(init=False, default_factory=list)
-    hashes: Mapping[str, str] = field(init=False, default_factory=dict)
+    hashes: dict[str, str] = field(init=False, default_factory=dict)
     _procs: list[_Proc] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -195,7 +195,7 @@ class VllmEngines:
         if manifests is None:
             reasons = "; ".join(f"{v.reason}: {v.message}" for v in report.violations)
             raise EnginesError(f"the operator refuses this spec: {reasons}")
-        self.hashes = dict(report.hashes)
+        self.hashes = {str(role): value for role, value in report.hashes.items()}
         self.pods = engine_pods(manifests, self.subnet)
 
     def __enter__(self) -> VllmEngines:
