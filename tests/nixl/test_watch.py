@@ -180,3 +180,20 @@ def test_a_healthy_engine_without_peers_waits_for_them(tmp_path: Path) -> None:
     with worker(engine):
         outcome = watch_round(watcher, DECODE_POD, [])
     assert (outcome.status, outcome.reason) == ("Unknown", "NoPeers")
+
+
+def test_a_decoder_on_another_dtype_is_refused_for_its_dtype_not_its_version(tmp_path: Path) -> None:
+    """The issue's refusal: the same release on both sides, the decoder's engine in float32 where the spec
+    (and the prefill stage) say float16. The prefill's watcher names the dtype from the block_lens both
+    side channels serve, never the version."""
+    port = str(free_port())
+    engine = config(tmp_path, "prefill", PREFILL_POD, topology(), DISAGG_SIDE_CHANNEL_PORT=port)
+    watcher = config(tmp_path, "prefill", PREFILL_POD, topology(), DISAGG_SIDE_CHANNEL_PORT=port)
+    decode = config(tmp_path, "decode", DECODE_POD, topology(model={"dtype": "float32", "dtypeBytes": 4}))
+    with worker(engine), worker(decode):
+        outcome = watch_round(watcher, PREFILL_POD, [pod_of(decode, DECODE_POD)])
+    assert (outcome.status, outcome.reason) == ("False", "CompatibilityHashMismatch")
+    assert "the engines differ in the KV dtype" in outcome.message
+    assert "128 KV bytes per token here, 256 there" in outcome.message
+    assert "what bfloat16 or float16 here against float32 there" in outcome.message
+    assert "vLLM version" not in outcome.message

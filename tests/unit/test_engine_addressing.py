@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from dd_specs import spec
 from test_builders import container, env, objects
@@ -131,4 +132,132 @@ def test_a_prediction_on_connector_version_12_is_named_against_a_v15_engine() ->
     (named,) = prediction_differences(factors, live)
     assert named.startswith("nixl_connector_version (the engine speaks 14 or 15")
     other = prediction_differences({**factors, "nixl_connector_version": 15}, live)
-    assert other[0].startswith("one the payload does not show: vllm_version")
+    assert other[0].startswith("a factor the payload does not show: one of vllm_version")
+
+
+# --- mismatch reasons name only what the payloads or the spec show ------------------------------------------
+
+
+def golden_factors(version: str, case: str) -> dict[str, Any]:
+    """The factors vLLM hashed for a golden case, as captured from its own `hash_factors` call."""
+    cases = json.loads((GOLDEN / version / "compat_hash_cases.json").read_text())["cases"]
+    factors: dict[str, Any] = next(c["factors"] for c in cases if c["id"] == case)
+    return factors
+
+
+# vLLM 0.32.0's own pp1_decode_hma payload: Gemma 3 1B in bfloat16, FLASH_ATTN, its hash this case's.
+BF16_CASE = "gemma3_1b_push_pp1_tp2_decode"
+
+
+def variant(version: str, factors: dict[str, Any], **changes: Any) -> bytes:
+    """The release's real pp1_decode_hma payload with some metadata fields changed, re-encoded by the
+    project's wire encoder at that release's connector version and hashed from `factors`."""
+    meta = wire.decode_agent_metadata(
+        wire.decode_payload_envelope(golden(version, "pp1_decode_hma")).agent_metadata_bytes
+    )
+    changed = msgspec.structs.replace(meta, **changes)
+    return wire.encode_handshake_payload(
+        changed, wire.compat_hash(factors), connector_version=factors["nixl_connector_version"]
+    )
+
+
+def test_the_golden_payload_is_the_bf16_case_hash() -> None:
+    # The tests below lean on this: the golden bytes really are that engine's, hash and all.
+    facts = payload_facts(golden("0.32.0", "pp1_decode_hma"))
+    assert facts.compatibility_hash == wire.compat_hash(golden_factors("0.32.0", BF16_CASE))
+    assert (facts.block_lens, facts.block_size, facts.kv_cache_layout) == ((16384,) * 4, 16, "LBHNC")
+
+
+def test_a_bf16_peer_of_the_same_release_is_named_by_its_dtype_never_its_version() -> None:
+    # The issue's case: a float32 engine as the spec says and a decoder started with --dtype bfloat16, both
+    # on vLLM 0.32.0.
+    spec = {**golden_factors("0.32.0", BF16_CASE), "dtype": "torch.float32"}
+    here = payload_facts(variant("0.32.0", spec, block_lens=[32768] * 4, block_strides=[32768] * 4))
+    peer = payload_facts(golden("0.32.0", "pp1_decode_hma"))
+    told = live_differences(here, peer, spec)
+    assert told == [
+        "the KV dtype (dtype, or cache_dtype where set), likely, by block_lens: 2048 KV bytes per token "
+        "here, 1024 there (block_lens 32768 here, 16384 there at block size 16, backend 'FLASH_ATTN' and "
+        "layout 'LBHNC' on both), what torch.float32 (the spec's) here against bfloat16 or float16 there "
+        "gives; otherwise num_kv_heads x head_size is 2 times as large here",
+        "this engine's hash is the spec's prediction with vLLM 0.32.0; the peer's is the prediction with no "
+        "known release, so the peer departs from the spec in more than the release",
+    ]
+    assert not any("version" in line for line in told)
+    # From the decoder's side the spec's element is the peer's; without the spec both widths are inferred.
+    (named, _) = live_differences(peer, here, spec)
+    assert "what bfloat16 or float16 here against torch.float32 (the spec's) there gives" in named
+    (bare,) = live_differences(here, peer)
+    assert (
+        "what float32 here against bfloat16 or float16 there; or bfloat16 or float16 here against fp8" in bare
+    )
+
+
+def test_a_block_len_ratio_no_dtype_gives_names_the_head_shape() -> None:
+    factors = golden_factors("0.32.0", BF16_CASE)
+    here = payload_facts(golden("0.32.0", "pp1_decode_hma"))
+    peer = payload_facts(variant("0.32.0", {**factors, "num_kv_heads": 3}, block_lens=[49152] * 4))
+    (named,) = live_differences(here, peer)
+    assert named.startswith(
+        "num_kv_heads x head_size, by block_lens: 1024 KV bytes per token here, 3072 there"
+    )
+    assert "3 times as large there, which no dtype change gives alone" in named
+
+
+def test_same_release_and_block_lens_list_the_factors_the_payloads_do_not_show() -> None:
+    # Another --model string, the mismatch that leaves every visible field equal.
+    spec = golden_factors("0.32.0", BF16_CASE)
+    here = payload_facts(golden("0.32.0", "pp1_decode_hma"))
+    peer = payload_facts(variant("0.32.0", {**spec, "model": "/models/gemma-3-1b-it"}))
+    told = live_differences(here, peer, spec)
+    assert told[0] == (
+        "a factor the payloads do not show: one of vllm_version (the exact release string), "
+        "nixl_connector_version (14 and 15 write the same fields), model (the raw --model string: a repo id "
+        "and a local path differ), dtype or cache_dtype only as bfloat16 against float16, or under one "
+        "cache_dtype, num_kv_heads and head_size only with the same product, num_hidden_layers, "
+        "is_hma_enabled, speculative_config, transfer_mode"
+    )
+    assert told[1].startswith("this engine's hash is the spec's prediction with vLLM 0.32.0; the peer's")
+    assert not any(line.startswith("vLLM version") for line in told)
+
+
+def test_two_pp_stages_holding_other_layers_are_not_blamed_on_their_block_lens() -> None:
+    # A PP stage's regions are other layers than a PP1 decoder's: their block_lens pair up with nothing.
+    stage = wire.decode_agent_metadata(
+        wire.decode_payload_envelope(golden("0.32.0", "pp2_stage1_prefill_hma")).agent_metadata_bytes
+    )
+    other = msgspec.structs.replace(stage, block_lens=[8192] * 4)
+    peer = payload_facts(wire.encode_handshake_payload(other, "0" * 64, connector_version=14))
+    (told,) = live_differences(payload_facts(golden("0.32.0", "pp1_decode_hma")), peer)
+    assert told.startswith("a factor the payloads do not show: one of vllm_version") and ", dtype, " in told
+
+
+def test_another_backend_is_named_and_its_block_lens_are_not_compared() -> None:
+    factors = golden_factors("0.32.0", BF16_CASE)
+    here = payload_facts(golden("0.32.0", "pp1_decode_hma"))
+    peer = payload_facts(
+        variant(
+            "0.32.0",
+            {**factors, "attn_backend_name": "CPU_ATTN"},
+            attn_backend_name="CPU_ATTN",
+            block_lens=[8192] * 4,
+        )
+    )
+    assert live_differences(here, peer) == ["attention backend 'FLASH_ATTN' here, 'CPU_ATTN' there"]
+
+
+def test_different_releases_are_named_by_field_set_and_by_hash() -> None:
+    new = golden_factors("0.32.0", BF16_CASE)
+    old = {**new, "vllm_version": "0.31.0", "nixl_connector_version": 13}
+    here = payload_facts(golden("0.32.0", "pp1_decode_hma"))
+    peer = payload_facts(variant("0.31.0", old))
+    assert live_differences(here, peer, new) == [
+        "vLLM version: this engine runs vLLM 0.32.0, the peer vLLM 0.31.0 (by their hashes)",
+        "NIXL connector version 14 or 15 here, 13 there (by the metadata's fields): the engines run "
+        "different vLLM releases",
+    ]
+    # 0.32 and 0.33 write the same fields: only the hashes, each the spec's with one release, tell them apart.
+    newer = payload_facts(variant("0.33.0", {**new, "vllm_version": "0.33.0", "nixl_connector_version": 15}))
+    assert live_differences(here, newer, new) == [
+        "vLLM version: this engine runs vLLM 0.32.0, the peer vLLM 0.33.0 (by their hashes)"
+    ]

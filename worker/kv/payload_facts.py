@@ -3,8 +3,15 @@
 vLLM sends only the digest of its compatibility factors, never the factors, so a hash mismatch by itself says
 nothing about why. But the payload tells two of the factors outright: the connector version, by the field set
 of the encoded `NixlAgentMetadata` (vLLM's encoder writes every field, defaults included, in declaration
-order), and the attention backend, in `attn_backend_name`. Everything else hashed (the vLLM version string,
-the raw `--model` string, dtype, cache dtype, HMA, speculative config) is invisible on the wire.
+order), and the attention backend, in `attn_backend_name`. Two payloads of the same backend and layout show
+a third thing: their `block_lens` over `block_size` are the KV bytes per token of a layer, the product
+num_kv_heads x head_size x the KV element's width, so a ratio between them is a dtype (or cache dtype), head
+count or head size difference, never a version one. Everything else hashed (the vLLM version string, the raw
+`--model` string, the layer count, HMA, speculative config, transfer mode) is invisible on the wire.
+
+A message names a factor only where this evidence shows it; otherwise it lists the factors the payloads
+cannot show. A hash that is no known release's with the spec's factors says only that something besides the
+release differs, so it is never reported as a version difference.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Final
 
 import msgspec
@@ -20,20 +28,17 @@ from disagg.worker.kv import wire
 from disagg.worker.kv.errors import WireFormatError
 from disagg.worker.kv.releases import RELEASES
 
-# Hash factors a payload cannot show; named when what it shows does not explain a mismatch.
-_UNSEEN_FACTORS: Final = (
-    "vllm_version (the exact release string)",
-    "model (the raw --model string: a repo id and a local path differ)",
-    "dtype",
-    "cache_dtype",
-    "is_hma_enabled",
-    "speculative_config",
-)
+# The bytes of one KV element by the dtype vLLM hashes (`wire.torch_dtype_name`) or the cache dtype, for
+# reading a block_lens ratio as a width ratio; an fp8 cache is one byte whichever fp8 it is.
+_ELEMENT_BYTES: Final = {"torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2, "fp8": 1}
+# The widths' names, widest first, for saying which dtypes a ratio fits.
+_WIDTH_NAMES: Final = ((4, "float32"), (2, "bfloat16 or float16"), (1, "fp8"))
 
 
 @dataclass(frozen=True)
 class PayloadFacts:
-    """What one payload shows: its hash, its metadata's field names, its backend and engine id."""
+    """What one payload shows: its hash, its metadata's field names, its backend and engine id, and the KV
+    geometry (block_lens, block size, layout) that two payloads can be compared by."""
 
     compatibility_hash: str
     fields: tuple[str, ...]
@@ -42,6 +47,12 @@ class PayloadFacts:
     ple_block_len: int | None = None
     packed_member_layouts: Mapping[str, Any] | None = None
     field_versions: tuple[int, ...] = ()
+    block_lens: tuple[int, ...] = ()
+    block_size: int | None = None
+    kv_cache_layout: str | None = None
+    # Parallel to `block_lens` where the engine names its regions (HMA, packed); pairs regions by layer
+    # across a PP stage and a PP1 engine, which hold different layer sets.
+    region_names: tuple[str, ...] | None = None
 
     @property
     def connector_versions(self) -> tuple[int, ...]:
@@ -65,7 +76,8 @@ def payload_facts(payload: bytes) -> PayloadFacts:
     if not isinstance(raw, dict):
         raise WireFormatError(f"agent metadata is a {type(raw).__name__}, not a map")
     backend, engine, ple = raw.get("attn_backend_name"), raw.get("engine_id"), raw.get("ple_block_len")
-    packed = raw.get("packed_member_layouts")
+    packed, lens, names = raw.get("packed_member_layouts"), raw.get("block_lens"), raw.get("region_names")
+    block_size, layout = raw.get("block_size"), raw.get("kv_cache_layout")
     return PayloadFacts(
         compatibility_hash=envelope.compatibility_hash,
         fields=tuple(str(key) for key in raw),
@@ -74,7 +86,18 @@ def payload_facts(payload: bytes) -> PayloadFacts:
         ple_block_len=ple if isinstance(ple, int) and not isinstance(ple, bool) else None,
         packed_member_layouts=packed if isinstance(packed, dict) else None,
         field_versions=wire.field_set_versions(envelope.agent_metadata_bytes),
+        block_lens=tuple(lens) if isinstance(lens, list) and all(_count(n) for n in lens) else (),
+        block_size=block_size if _count(block_size) else None,
+        kv_cache_layout=layout if isinstance(layout, str) else None,
+        region_names=(
+            tuple(names) if isinstance(names, list) and all(isinstance(n, str) for n in names) else None
+        ),
     )
+
+
+def _count(value: object) -> bool:
+    """A positive int as msgpack gives it (a bool is an int to Python, never a size)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 # The releases a hash is tried against, each with the connector version it speaks: the release table's rows.
@@ -101,6 +124,50 @@ def _same(a: object, b: object) -> bool:
     return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
+def unseen_factors(
+    local: PayloadFacts, remote: PayloadFacts | None = None, *, kv_bytes_agree: bool = False
+) -> list[str]:
+    """The hashed factors, in vLLM's order, that the payload(s) cannot show, each with what limits it:
+    what a message lists when nothing shown explains a mismatch. `kv_bytes_agree` says two payloads showed
+    the same KV bytes per token, which leaves the KV-shape factors only in combinations that keep it."""
+    versions = set(local.connector_versions)
+    if remote is not None:
+        versions &= set(remote.connector_versions)
+    told = {
+        "vllm_version": "vllm_version (the exact release string)",
+        "model": "model (the raw --model string: a repo id and a local path differ)",
+        "num_hidden_layers": "num_hidden_layers",
+        "is_hma_enabled": "is_hma_enabled",
+        "speculative_config": "speculative_config",
+        "transfer_mode": "transfer_mode",
+    }
+    if len(versions) != 1:
+        # 14 and 15 write the same fields, so only the hash tells those two apart.
+        told["nixl_connector_version"] = (
+            "nixl_connector_version (14 and 15 write the same fields)"
+            if versions
+            else "nixl_connector_version"
+        )
+    if local.attn_backend_name is None or (remote is not None and remote.attn_backend_name is None):
+        told["attn_backend_name"] = "attn_backend_name"
+    if kv_bytes_agree:
+        told["dtype"] = "dtype or cache_dtype only as bfloat16 against float16, or under one cache_dtype"
+        told["num_kv_heads"] = "num_kv_heads and head_size only with the same product"
+    else:
+        told.update(
+            dtype="dtype", cache_dtype="cache_dtype", num_kv_heads="num_kv_heads", head_size="head_size"
+        )
+    return [told[key] for key in wire.COMPAT_FACTOR_KEYS if key in told]
+
+
+def _not_shown(
+    local: PayloadFacts, remote: PayloadFacts | None = None, *, kv_bytes_agree: bool = False
+) -> str:
+    return f"a factor the payload{'s do' if remote is not None else ' does'} not show: one of " + ", ".join(
+        unseen_factors(local, remote, kv_bytes_agree=kv_bytes_agree)
+    )
+
+
 def prediction_differences(predicted: Mapping[str, Any] | None, live: PayloadFacts) -> list[str]:
     """The factors where the spec's prediction and what the live payload shows differ, each with both values;
     the unseen factors when the payload shows no difference. Pure."""
@@ -124,25 +191,121 @@ def prediction_differences(predicted: Mapping[str, Any] | None, live: PayloadFac
                 f"attn_backend_name (the engine runs {live.attn_backend_name!r}, "
                 f"the prediction has {backend!r})"
             )
-    return told or [f"one the payload does not show: {', '.join(_UNSEEN_FACTORS)}"]
+    return told or [_not_shown(live)]
+
+
+def _kv_bytes_per_token(local: PayloadFacts, remote: PayloadFacts) -> list[tuple[Fraction, Fraction]] | None:
+    """(here, there) KV bytes per token of the layers both payloads show, or None where their block_lens are
+    not comparable: another backend or layout lays the same bytes out in other regions (a K/V split halves a
+    block_len), and two PP stages hold different layers."""
+    if not (local.block_lens and remote.block_lens and local.block_size and remote.block_size):
+        return None
+    if local.attn_backend_name != remote.attn_backend_name or local.kv_cache_layout != remote.kv_cache_layout:
+        return None
+    named = [
+        dict(zip(facts.region_names, facts.block_lens, strict=True))
+        for facts in (local, remote)
+        if facts.region_names is not None and len(facts.region_names) == len(facts.block_lens)
+    ]
+    if len(named) == 2:
+        pairs = [(length, named[1][name]) for name, length in named[0].items() if name in named[1]]
+    else:
+        # No layer names on one side (a non-HMA engine): one block_len per distinct layer kind, smallest to
+        # largest on both sides.
+        here, there = sorted(set(local.block_lens)), sorted(set(remote.block_lens))
+        pairs = list(zip(here, there, strict=True)) if len(here) == len(there) else []
+    if not pairs:
+        return None
+    return [(Fraction(a, local.block_size), Fraction(b, remote.block_size)) for a, b in pairs]
+
+
+def _number(value: Fraction) -> str:
+    return str(value.numerator) if value.denominator == 1 else f"{float(value):g}"
+
+
+def _spec_kv_bytes(predicted: Mapping[str, Any] | None) -> tuple[str, int] | None:
+    """The KV element the spec predicts (cache_dtype where set, else the model dtype) and its bytes."""
+    if predicted is None:
+        return None
+    cache, dtype = predicted.get("cache_dtype"), predicted.get("dtype")
+    name = cache if isinstance(cache, str) and cache != "auto" else dtype
+    if not isinstance(name, str):
+        return None
+    width = _ELEMENT_BYTES.get("fp8" if name.startswith("fp8") else name)
+    return (name, width) if width is not None else None
+
+
+def _kv_dtype_difference(
+    local: PayloadFacts,
+    remote: PayloadFacts,
+    per_token: list[tuple[Fraction, Fraction]],
+    spec_kv: tuple[str, str, int] | None,
+) -> str:
+    """What differing KV bytes per token say: the numbers, and the dtype widths whose ratio they are;
+    `spec_kv` is the side ("here" or "there") whose hash is the spec's, with the spec's KV element."""
+    here = "/".join(str(n) for n in sorted(set(local.block_lens)))
+    there = "/".join(str(n) for n in sorted(set(remote.block_lens)))
+    sizes = (
+        f"block size {local.block_size}"
+        if local.block_size == remote.block_size
+        else f"block size {local.block_size} here, {remote.block_size} there"
+    )
+    shown = (
+        f"block_lens {here} here, {there} there at {sizes}, backend {local.attn_backend_name!r} and "
+        f"layout {local.kv_cache_layout!r} on both"
+    )
+    ratios = {b / a for a, b in per_token}
+    if len(ratios) != 1:
+        return (
+            f"the KV dtype, num_kv_heads or head_size, by block_lens: the KV bytes per token of the same "
+            f"layers differ by layer ({shown})"
+        )
+    (ratio,) = ratios
+    a, b = per_token[0]
+    numbers = f"{_number(a)} KV bytes per token here, {_number(b)} there ({shown})"
+    fits = [
+        (f"{mine} here", theirs)
+        for width_a, mine in _WIDTH_NAMES
+        for width_b, theirs in _WIDTH_NAMES
+        if Fraction(width_b, width_a) == ratio
+    ]
+    if spec_kv is not None:
+        # That side's hash is the spec's, so its KV element is the spec's: only the other one is inferred.
+        side, name, width = spec_kv
+        fits = [
+            (f"{name} (the spec's) here", other)
+            if side == "here"
+            else (f"{other} here", f"{name} (the spec's)")
+            for other_width, other in _WIDTH_NAMES
+            if (Fraction(other_width, width) if side == "here" else Fraction(width, other_width)) == ratio
+        ]
+    larger = "here" if ratio < 1 else "there"
+    times = f"{_number(max(ratio, 1 / ratio))} times as large {larger}"
+    if not fits:
+        return (
+            f"num_kv_heads x head_size, by block_lens: {numbers}, {times}, which no dtype change gives alone"
+        )
+    dtypes = "; or ".join(f"{mine} against {theirs} there" for mine, theirs in fits)
+    return (
+        f"the KV dtype (dtype, or cache_dtype where set), likely, by block_lens: {numbers}, what {dtypes} "
+        f"gives; otherwise num_kv_heads x head_size is {times}"
+    )
 
 
 def live_differences(
     local: PayloadFacts, remote: PayloadFacts, predicted: Mapping[str, Any] | None = None
 ) -> list[str]:
-    """What two live payloads with different hashes show of why: connector version, backend, and with the
-    spec's `predicted` factors, the release each hash is of. Pure."""
+    """What two live payloads with different hashes show of why: connector version, backend, the KV bytes
+    per token, and with the spec's `predicted` factors, the release each hash is of. A factor is named only
+    where that evidence shows it; otherwise the factors the payloads do not show are listed. Pure."""
     told = []
     here, there = (
         identify_release(predicted, local.compatibility_hash),
         identify_release(predicted, remote.compatibility_hash),
     )
     if here is not None and there is not None and here != there:
+        # Each hash is the spec's factors with that release's version string: the version is what differs.
         told.append(f"vLLM version: this engine runs vLLM {here}, the peer vLLM {there} (by their hashes)")
-    elif there is not None and here is None:
-        told.append(f"vLLM version: the peer's hash is vLLM {there}'s, this engine's is no known release's")
-    elif here is not None and there is None:
-        told.append(f"vLLM version: this engine's hash is vLLM {here}'s, the peer's is no known release's")
     versions = (local.connector_versions, remote.connector_versions)
     if all(versions) and not set(versions[0]) & set(versions[1]):
         told.append(
@@ -155,4 +318,26 @@ def live_differences(
         and local.attn_backend_name != remote.attn_backend_name
     ):
         told.append(f"attention backend {local.attn_backend_name!r} here, {remote.attn_backend_name!r} there")
-    return told or [f"a factor the payloads do not show: {', '.join(_UNSEEN_FACTORS)}"]
+    per_token = _kv_bytes_per_token(local, remote)
+    kv_bytes_agree = per_token is not None and all(a == b for a, b in per_token)
+    if per_token is not None and not kv_bytes_agree:
+        # A side's KV element is known only where its hash is the spec's prediction (with some release).
+        spec = _spec_kv_bytes(predicted)
+        side = "here" if here is not None else "there" if there is not None else None
+        spec_kv = (side, *spec) if spec is not None and side is not None else None
+        told.append(_kv_dtype_difference(local, remote, per_token, spec_kv))
+    if not told:
+        told.append(_not_shown(local, remote, kv_bytes_agree=kv_bytes_agree))
+    if here is not None and there is None:
+        # The peer's hash is not the spec's with any known release, so something besides the release differs
+        # there: that says which side departs from the spec, not that the version does.
+        told.append(
+            f"this engine's hash is the spec's prediction with vLLM {here}; the peer's is the prediction "
+            "with no known release, so the peer departs from the spec in more than the release"
+        )
+    elif there is not None and here is None:
+        told.append(
+            f"the peer's hash is the spec's prediction with vLLM {there}; this engine's is the prediction "
+            "with no known release, so this engine departs from the spec in more than the release"
+        )
+    return told

@@ -199,7 +199,7 @@ def live_handshake(
                 f"this pod's own engine {live.engine_id or config.engine_id} advertises compatibility hash "
                 f"{live.compatibility_hash}, {peer.where} engine {facts.engine_id} rank (pp {reply.pp_rank}, "
                 f"tp {reply.tp_rank}) advertises {facts.compatibility_hash}, so vLLM refuses the handshake; "
-                f"the payloads differ in {'; '.join(live_differences(live, facts, config.compat_factors))}"
+                f"the engines differ in {'; '.join(live_differences(live, facts, config.compat_factors))}"
             )
         metadata = wire.decode_handshake_payload(
             reply.payload, expected_hash=None, expected_engine_id=peer.engine_id
