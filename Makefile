@@ -10,7 +10,7 @@ TORCH_PIN := torch==2.13.0
 export PYTHONSAFEPATH := 1
 
 .PHONY: all venv vllm-venv vllm-engine-venv image image-lock test test-unit test-vllm test-vllm-engine test-image fuzz \
-	demo bench lint crds check-crds \
+	demo demo-vllm bench lint crds check-crds \
 	control-plane-up control-plane-down clean
 
 all: test
@@ -73,6 +73,10 @@ fuzz: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/disagg demo
 	$(PY) -m disagg.rig.demo_cluster
+
+# Real vLLM engines under the operator: the vLLM CPU sample served through its router's Service (about 4 minutes).
+demo-vllm: $(STAMP) vllm-engine-venv
+	$(PY) -m disagg.rig.demo_vllm
 
 bench: $(STAMP)
 	$(VENV)/bin/disagg bench

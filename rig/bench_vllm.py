@@ -18,7 +18,8 @@ import uuid
 from typing import Any
 
 from disagg.rig.local_router import LocalRouter
-from disagg.rig.vllm_engines import VllmEngines, available, tiny_deployment
+from disagg.rig.vllm_engines import VllmEngines, tiny_deployment
+from disagg.rig.vllm_node import available
 from disagg.worker.kv.pairing import Pair
 
 PROMPT_WORDS = 240

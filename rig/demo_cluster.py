@@ -347,7 +347,7 @@ class Demo:
 
 
 @contextlib.contextmanager
-def _signals_as_exit() -> Iterator[None]:
+def signals_as_exit() -> Iterator[None]:
     """SIGTERM and SIGHUP unwind like Ctrl-C, so the cleanup in `finally` always runs; once unwinding, a
     repeated signal (a process group signalled twice) must not interrupt the cleanup itself."""
 
@@ -369,7 +369,7 @@ def run_demo(say: Say, *, timeout_s: float, keep: bool) -> int:
 
     workdir = Path(tempfile.mkdtemp(prefix="disagg-demo-cluster-"))
     demo = Demo(workdir, say)
-    with _signals_as_exit():
+    with signals_as_exit():
         try:
             demo.start_control_plane()
             demo.start_operator()

