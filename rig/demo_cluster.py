@@ -286,7 +286,7 @@ class Demo:
     def stop(self) -> None:
         """Everything this run started, newest first; each step runs even if an earlier one failed."""
         if self.serving:
-            self.say("==> Stopping the reference deployment's processes and the kube-proxy stand-in")
+            self.say("==> Stopping the served deployment's processes and the kube-proxy stand-in")
             loop, proxy, kubelet = self.serving
             with contextlib.suppress(Exception):
                 loop.stop()  # its error, if any, was reported where it stopped the demo
