@@ -14,7 +14,7 @@ from disagg.operator.api import DisaggDeploymentSpec
 from disagg.operator.compat import evaluate
 from disagg.rig.local_kubelet import pod_ready, resolve_env
 from disagg.worker.kv.errors import CompatibilityHashMismatch, DisaggError, MissingLayers, PeerUnreachable
-from disagg.worker.kv.peer_report import MAX_PEERS, decode_peer_report, encode_peer_report
+from disagg.worker.kv.peer_report import MAX_DIFFERS_CHARS, MAX_PEERS, decode_peer_report, encode_peer_report
 from disagg.worker.kv.pod_contract import PEER_REPORT_ANNOTATION, POD_CONDITION, SIDECAR_CONTAINER
 from disagg.worker.reporting.peer_check import (
     Outcome,
@@ -217,3 +217,26 @@ def test_the_peer_report_annotation_is_written_only_when_it_changed() -> None:
     assert annotation_patch(None, None) is None, "a round without a report leaves the annotation alone"
     changed = peer_report("e-1", "aa", [PeerResult(decoder("d-1"), PeerUnreachable("gone"), "", "")])
     assert annotation_patch({PEER_REPORT_ANNOTATION: encode_peer_report(report)}, changed) is not None
+
+
+def test_a_hash_refusal_reports_what_differs_within_its_bound_and_a_full_report_still_fits() -> None:
+    dtype = (
+        "the KV dtype (dtype, or cache_dtype where set), likely, by block_lens: 256 KV bytes per token here"
+    )
+    refusal = CompatibilityHashMismatch("hash mismatch", differences=(dtype + " " + "x" * 400, "the model"))
+    [verdict] = peer_report("e-1", "aa", [PeerResult(decoder("d-2"), refusal, "d-2-1a2b3c4d", "bb")]).peers
+    assert verdict.differs.startswith(dtype) and verdict.differs.endswith("…")
+    assert len(verdict.differs) == MAX_DIFFERS_CHARS
+    # Other refusals carry none, and the annotation round-trips it.
+    [other] = peer_report("e-1", "aa", [PeerResult(decoder("d-3"), MissingLayers("no layer 40"))]).peers
+    assert other.differs == ""
+    text = encode_peer_report(peer_report("e-1", "aa", [PeerResult(decoder("d-2"), refusal)]))
+    assert decode_peer_report(text).peers[0].differs == verdict.differs
+    # Every peer refused with a long difference: the differences go, the report still fits its bound.
+    many = [
+        PeerResult(decoder(f"d-{i:04d}".ljust(60, "x")), refusal, "e" * 70, "b" * 64)
+        for i in range(MAX_PEERS)
+    ]
+    full = peer_report("e-1", "aa", many)
+    assert len(full.peers) == MAX_PEERS and {v.differs for v in full.peers} == {""}
+    decode_peer_report(encode_peer_report(full))

@@ -96,9 +96,9 @@ def live(name: str) -> str:
 
 
 def verdict(
-    peer: str, *, ok: bool = True, reason: str = "HandshakesSucceeded", kv_hash: str = HASH
+    peer: str, *, ok: bool = True, reason: str = "HandshakesSucceeded", kv_hash: str = HASH, differs: str = ""
 ) -> PeerVerdict:
-    return PeerVerdict(pod=peer, engine_id=live(peer), ok=ok, reason=reason, kv_hash=kv_hash)
+    return PeerVerdict(pod=peer, engine_id=live(peer), ok=ok, reason=reason, kv_hash=kv_hash, differs=differs)
 
 
 def report(name: str, *peers: PeerVerdict, kv_hash: str = HASH, engine_id: str | None = None) -> str:
@@ -376,3 +376,13 @@ def test_during_a_rolling_version_change_old_pairs_with_old_and_new_with_new() -
         (old[0], D2, "CompatibilityHashMismatch"),
         (new[0], D1, "CompatibilityHashMismatch"),
     ]
+
+
+def test_an_exclusion_for_a_hash_names_what_the_sidecar_found_different() -> None:
+    pods = healthy()
+    dtype = "the KV dtype (dtype, or cache_dtype where set), likely, by block_lens"
+    refused = (verdict(s, ok=False, reason="CompatibilityHashMismatch", differs=dtype) for s in STAGES)
+    pods[D2] = pod(D2, annotation=report(D2, *refused, kv_hash=OTHER_HASH))
+    exclusion = excluded(routing_from_pods(pods.values()))[(STAGES[0], D2)]
+    assert exclusion.reason == "CompatibilityHashMismatch"
+    assert f"; they differ in {dtype})" in exclusion.message

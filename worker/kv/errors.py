@@ -59,6 +59,11 @@ class WireFormatError(HandshakeError):
 class CompatibilityHashMismatch(HandshakeError):
     reason = "CompatibilityHashMismatch"
 
+    def __init__(self, message: str, *, differences: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.differences = differences
+        """What the payloads show of the difference (`payload_facts.live_differences`), where known."""
+
 
 class EngineIdMismatch(HandshakeError):
     reason = "EngineIdMismatch"

@@ -250,10 +250,12 @@ def _refusals(engine: _Engine, decode: _Reported) -> list[tuple[str, str]]:
 
 
 def _hashes(judge: PeerReport | None, verdict: PeerVerdict) -> str:
-    """` (its hash x, the peer's y)` when the refusal's two hashes are known and differ."""
+    """` (its hash x, the peer's y; they differ in z)` when the refusal's two hashes are known and differ
+    (and what differs, where the sidecar could tell)."""
     if judge is None or not judge.kv_hash or not verdict.kv_hash or judge.kv_hash == verdict.kv_hash:
         return ""
-    return f" (its hash {_short(judge.kv_hash)}, the peer's {_short(verdict.kv_hash)})"
+    differs = f"; they differ in {verdict.differs}" if verdict.differs else ""
+    return f" (its hash {_short(judge.kv_hash)}, the peer's {_short(verdict.kv_hash)}{differs})"
 
 
 def _reports(engine: _Engine, decode: _Reported) -> tuple[list[str], list[str]]:

@@ -31,6 +31,8 @@ MAX_NAME_CHARS: Final = 253
 MAX_ENGINE_ID_CHARS: Final = 320
 MAX_HASH_CHARS: Final = 128
 MAX_REASON_CHARS: Final = 128
+# What a refusal found different, for the router's and the status's exclusion messages: its start.
+MAX_DIFFERS_CHARS: Final = 160
 REASON_PATTERN: Final = "^[A-Z][A-Za-z0-9]*$"
 OK_REASON: Final = "HandshakesSucceeded"
 
@@ -46,7 +48,7 @@ class PeerReportError(DisaggError, ValueError):
     reason = "InvalidPeerReport"
 
 
-class PeerVerdict(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+class PeerVerdict(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_defaults=True):
     """This pod's sidecar's verdict on one peer pod from its latest handshake with it."""
 
     pod: PodName
@@ -58,6 +60,9 @@ class PeerVerdict(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     """`HandshakesSucceeded` when ok, else the refusal's reason (e.g. `CompatibilityHashMismatch`)."""
     kv_hash: KVHash
     """The compatibility hash the peer advertised ("" if unknown)."""
+    differs: Annotated[str, msgspec.Meta(max_length=MAX_DIFFERS_CHARS)] = ""
+    """For a hash refusal: what the payloads show of the difference (its start), "" if unknown. Readers of
+    reports written before it read ""."""
 
 
 class PeerReport(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):

@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Final, Literal
 
+import msgspec
+
 from disagg.worker.connector.producer import plan_decode_rank
 from disagg.worker.connector.push import LocalKV, as_disagg_error
 from disagg.worker.connector.side_channel import (
@@ -37,8 +39,10 @@ from disagg.worker.kv.engine_pods import engine_pod
 from disagg.worker.kv.errors import CompatibilityHashMismatch, DisaggError, HandshakeError
 from disagg.worker.kv.payload_facts import PayloadFacts, live_differences, payload_facts
 from disagg.worker.kv.peer_report import (
+    MAX_DIFFERS_CHARS,
     MAX_ENGINE_ID_CHARS,
     MAX_HASH_CHARS,
+    MAX_PEER_REPORT_BYTES,
     MAX_PEERS,
     MAX_REASON_CHARS,
     OK_REASON,
@@ -195,11 +199,13 @@ def live_handshake(
             observe(reply)
         facts = payload_facts(reply.payload)
         if facts.compatibility_hash != live.compatibility_hash:
+            differences = tuple(live_differences(live, facts, config.compat_factors))
             raise CompatibilityHashMismatch(
                 f"this pod's own engine {live.engine_id or config.engine_id} advertises compatibility hash "
                 f"{live.compatibility_hash}, {peer.where} engine {facts.engine_id} rank (pp {reply.pp_rank}, "
                 f"tp {reply.tp_rank}) advertises {facts.compatibility_hash}, so vLLM refuses the handshake; "
-                f"the engines differ in {'; '.join(live_differences(live, facts, config.compat_factors))}"
+                f"the engines differ in {'; '.join(differences)}",
+                differences=differences,
             )
         metadata = wire.decode_handshake_payload(
             reply.payload, expected_hash=None, expected_engine_id=peer.engine_id
@@ -377,6 +383,7 @@ def peer_report(engine_id: str, kv_hash: str, results: Sequence[PeerResult]) -> 
         reason = OK_REASON if result.error is None else result.error.reason
         if len(reason) > MAX_REASON_CHARS or not re.fullmatch(REASON_PATTERN, reason):
             reason = HandshakeError.reason
+        differences = result.error.differences if isinstance(result.error, CompatibilityHashMismatch) else ()
         verdicts.append(
             PeerVerdict(
                 pod=result.peer.pod,
@@ -384,11 +391,22 @@ def peer_report(engine_id: str, kv_hash: str, results: Sequence[PeerResult]) -> 
                 ok=result.error is None,
                 reason=reason,
                 kv_hash=_bounded(result.kv_hash, MAX_HASH_CHARS),
+                differs=_clipped(differences[0] if differences else "", MAX_DIFFERS_CHARS),
             )
         )
-    return PeerReport(
+    report = PeerReport(
         version=PEER_REPORT_VERSION,
         engine_id=engine_id[:MAX_ENGINE_ID_CHARS],
         kv_hash=_bounded(kv_hash, MAX_HASH_CHARS),
         peers=tuple(verdicts),
     )
+    if len(msgspec.json.encode(report)) > MAX_PEER_REPORT_BYTES:
+        # The differences are a courtesy: a report with every peer refused must still fit.
+        report = msgspec.structs.replace(
+            report, peers=tuple(msgspec.structs.replace(v, differs="") for v in report.peers)
+        )
+    return report
+
+
+def _clipped(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
