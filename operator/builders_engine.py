@@ -32,6 +32,15 @@ owned spelling is judged as that flag (no vLLM option is itself a strict prefix 
 key (`--kv-transfer-config.kv_role x`) becomes a whole new value of its base flag, appended after every other
 argument, so it replaces what the operator wrote; and `--config FILE` inserts arguments from a file the
 operator cannot read, so it is refused.
+
+A spelling near an owned flag that vLLM's parser refuses (it exits with status 2 and the engine crash-loops)
+is refused at admission too (`_parser_refuses`): argparse splits an attached value only from a one-letter
+short option (`-n2` is `-n 2`, `-r0` is `-r 0`), so `-tp4`, `-pp2`, `-t4` and `--block-size32` name no option
+(a long one splits only at `=`); and a negation exists only where vLLM declared it (`--enable-x` and
+`--no-disable-x` for `--disable-x`), so `--no-enable-hybrid-kv-cache-manager` or `--no-block-size` names none.
+Only spellings near owned flags are judged: the operator carries no table of vLLM's other options.
+tests/interop/test_engine_args_interop.py checks that every argv it admits parses with each supported
+release's own parser.
 """
 
 from __future__ import annotations
@@ -232,6 +241,51 @@ def _read_as(flag: str, by_spelling: Mapping[str, _Owned]) -> list[str]:
     return sorted(spelling for spelling in by_spelling if spelling.startswith(flag))
 
 
+def _attached_short(token: str, by_spelling: Mapping[str, _Owned]) -> tuple[str, str] | None:
+    """(owned one-letter short option, its attached value) where argparse reads `token` so: `-n2` is `-n 2`
+    (argparse splits a value off the first two characters only, and the whole rest is the value, `=` and
+    all: `-n4=5` is `-n 4=5`)."""
+    head = token[:2]
+    if len(token) > 2 and token[1] != "-" and head in by_spelling:
+        return head, token[2:]
+    return None
+
+
+def _parser_refuses(flag: str, by_spelling: Mapping[str, _Owned]) -> tuple[str, str] | None:
+    """(the owned spelling it is near, why vLLM's parser refuses it) for a `flag` that vLLM reads as no
+    option, where it names an owned flag in a way argparse does not accept; None otherwise. Only spellings
+    near owned ones are judged: the operator does not carry vLLM's whole option table."""
+    if flag.startswith("--no-"):
+        # `--no-X` exists only for a BooleanOptionalAction X (vLLM's EnableDisableAction adds `--no-` of
+        # the declared spelling only): any other negation of an owned flag, or of an abbreviation of one,
+        # is an unrecognized argument. `_read_as` found no owned spelling starting with it.
+        negated = _read_as("--" + flag[len("--no-") :], by_spelling)
+        if negated and len({id(by_spelling[match]) for match in negated}) == 1:
+            return negated[0], f"vLLM's parser has no {flag} and refuses it"
+        return None
+    if flag.startswith("--"):
+        # `--block-size32`: argparse splits a long option's value only at `=`. vLLM's option names go on
+        # from an owned one only with another dashed word (`--kv-cache-dtype-skip-layers`, kept as vLLM's).
+        for spelling in sorted(by_spelling):
+            rest = flag[len(spelling) :]
+            if spelling.startswith("--") and flag.startswith(spelling) and not rest.startswith("-"):
+                return spelling, f"vLLM's parser has no {flag}: write {spelling}={rest}"
+        return None
+    if len(flag) < 3:
+        return None
+    for spelling in sorted(by_spelling):
+        # A short option of several letters takes its value only after a space or `=`: `-tp4` is no option
+        # (argparse would split `-t` off, and vLLM has no `-t`).
+        if len(spelling) > 2 and spelling[1] != "-" and flag.startswith(spelling):
+            return spelling, f"vLLM's parser refuses it: write {spelling} and its value as two arguments"
+    if flag[2:].isdigit():
+        # `-t4`: `-t` abbreviates `-tp`, but an abbreviation cannot carry an attached value either.
+        near = [s for s in sorted(by_spelling) if len(s) > 2 and s[1] != "-" and s.startswith(flag[:2])]
+        if near:
+            return near[0], f"vLLM's parser refuses it: write {near[0]} and its value as two arguments"
+    return None
+
+
 def _split_user_args(
     args: Sequence[str], owned: Sequence[_Owned], role: Role
 ) -> tuple[list[str], list[Violation]]:
@@ -248,7 +302,10 @@ def _split_user_args(
             # A dotted key: vLLM takes the next argument as its value even when it starts with a dash.
             value = [] if has_inline else list(args[index : index + 1])
             index += len(value)
-            matches = _read_as(_normalise(name.split(".", 1)[0]), by_spelling)
+            base = _normalise(name.split(".", 1)[0])
+            attached = _attached_short(base, by_spelling)
+            refuses = _parser_refuses(base, by_spelling)
+            matches = _read_as(base, by_spelling) or [r[0] for r in (attached, refuses) if r is not None][:1]
             if not matches:
                 kept += [token, *value]
                 continue
@@ -257,8 +314,15 @@ def _split_user_args(
             continue
         flag = _normalise(name)
         matches = _read_as(flag, by_spelling)
+        if not matches and (attached := _attached_short(token, by_spelling)) is not None:
+            # Judged as the one-letter option with the rest as its inline value, as argparse reads it.
+            matches, has_inline, inline = [attached[0]], True, attached[1]
         if not matches:
-            kept.append(token)
+            refused = _parser_refuses(flag, by_spelling)
+            if refused is None:
+                kept.append(token)
+            else:
+                violations.append(_conflict(role, token, by_spelling[refused[0]], refused[1]))
             continue
         spelling = matches[0]
         item = by_spelling[spelling]
@@ -281,7 +345,7 @@ def _split_user_args(
         else:
             given = ""
         if not _same_value(spelling, given, item.value):
-            shown = f"{token} {given}".strip() + read_as
+            shown = (token if has_inline else f"{token} {given}".strip()) + read_as
             violations.append(_conflict(role, shown, item, f"the spec gives {item.value!r}"))
     return kept, violations
 

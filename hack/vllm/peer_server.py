@@ -17,7 +17,9 @@ Every operation calls vLLM's classes and functions; this file only converts argu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import sys
@@ -150,6 +152,22 @@ def op_parse_argv(argv: list[str]) -> dict[str, Any]:
     """`vllm serve`'s own parser and validation; the parsed namespace, JSON-safe values only."""
     args = peer.parse_serve_argv(argv)
     return {k: v for k, v in vars(args).items() if isinstance(v, str | int | float | bool | type(None))}
+
+
+def op_parse_refusal(argv: list[str]) -> str | None:
+    """None when `vllm serve`'s parser and validation accept `argv`; else why they refuse it. argparse's
+    error() prints to stderr and raises SystemExit(2), which would end this loop: it is caught here, and
+    the message it printed is the answer."""
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(printed):
+            peer.parse_serve_argv(argv)
+    except SystemExit as exc:
+        lines = printed.getvalue().strip().splitlines()
+        return f"exit status {exc.code}: {lines[-1] if lines else ''}"
+    except Exception as exc:  # vLLM's own checks (cmd.validate, parse_args) raise rather than exit
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def op_env_names() -> list[str]:

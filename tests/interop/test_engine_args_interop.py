@@ -3,6 +3,7 @@ with `vllm serve`'s parser and builds a VllmConfig, and every VLLM_* variable is
 
 from __future__ import annotations
 
+import random
 import re
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,11 @@ from _engine_argv import OWNER, engine_pods, example_spec, judged, kv_transfer_c
 from _vllm_peer import RELEASES, PeerFactory, VllmPeer
 from test_hash_interop import DEEPSEEK, GEMMA, LLAMA
 
+from disagg.operator.api import DisaggDeploymentSpec
 from disagg.operator.builders import ENGINE_CONTAINER, Installation, build
+from disagg.operator.builders_engine import ARG_CONFLICT_REASON
+from disagg.operator.compat import evaluate
+from disagg.operator.policies import REFUSAL_CHAIN
 
 SPECS: dict[str, dict[str, Any]] = {
     "pp2-hybrid": GEMMA,
@@ -77,3 +82,129 @@ def test_every_vllm_variable_the_operator_sets_is_known_to_the_release(
                 assert unknown == [], (name, container["name"], obj["metadata"]["name"])
                 if container["name"] == ENGINE_CONTAINER:
                     assert {"VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT"} <= names
+
+
+# Issue 22 (finding 8): what vLLM 0.33's parser refused (exit status 2) while admission let it through.
+PARSER_REFUSED = (("-tp4",), ("-pp2",), ("--no-enable-hybrid-kv-cache-manager",))
+# The owned spellings the variations are made of, with a value the example spec agrees with and one it
+# does not (None: a switch).
+OWNED_SPELLINGS: dict[str, tuple[str, str] | None] = {
+    "--tensor-parallel-size": ("2", "4"),
+    "-tp": ("2", "4"),
+    "--pipeline-parallel-size": ("2", "1"),
+    "-pp": ("2", "1"),
+    "--block-size": ("32", "16"),
+    "--port": ("8000", "8001"),
+    "--nnodes": ("2", "3"),
+    "-n": ("2", "3"),
+    "-r": ("0", "1"),
+    "--master-port": ("29500", "29501"),
+    "--attention-backend": ("FLASH_ATTN", "TRITON_ATTN"),
+    "--disable-hybrid-kv-cache-manager": None,
+    "--enable-hybrid-kv-cache-manager": None,
+    "--no-disable-hybrid-kv-cache-manager": None,
+    "--headless": None,
+}
+# vLLM options the operator does not own, some of them spelt like owned ones.
+OTHER_OPTIONS = (
+    ("--max-model-len", "2048"),
+    ("--enforce-eager",),
+    ("--gpu-memory-utilization=0.8",),
+    ("--max_num_seqs", "8"),
+    ("--no-enable-prefix-caching",),
+    ("--seed", "1"),
+)
+# Owned only on the stages of a PP prefill engine: elsewhere they are vLLM options the operator leaves alone.
+STAGE_ONLY = ("--nnodes", "-n", "-r", "--master-port", "--headless")
+VARIATIONS = 72
+
+
+def _variation(rng: random.Random) -> list[str]:
+    """One spelling of an owned flag: plain, abbreviated, with its value attached or after `=`, negated,
+    dotted, with underscores, or extended into a flag no release has."""
+    spelling = rng.choice(sorted(OWNED_SPELLINGS))
+    values = OWNED_SPELLINGS[spelling]
+    value = rng.choice(values) if values is not None else None
+    tail = [value] if value is not None else []
+    short = not spelling.startswith("--")
+    form = rng.choice(("plain", "abbrev", "attached", "equals", "negated", "dotted", "underscore", "unknown"))
+    if form == "abbrev":
+        cut = spelling[: rng.randrange(2 if short else 4, len(spelling))] if len(spelling) > 2 else spelling
+        return [cut, *tail]
+    if form == "attached" and value is not None:
+        return [spelling + value]
+    if form == "equals" and value is not None:
+        return [f"{spelling}={value}"]
+    if form == "negated" and not short:
+        return ["--no-" + spelling[2:][: rng.randrange(4, len(spelling) - 1)]]
+    if form == "dotted":
+        return rng.choice(([f"{spelling}.x", "1"], [f"{spelling}.x=1"]))
+    if form == "underscore" and not short:
+        return ["--" + spelling[2:].replace("-", "_"), *tail]
+    if form == "unknown":
+        return [spelling + rng.choice(("x", "9", "s")) if short else "--no-" + spelling[2:]]
+    return [spelling, *tail]
+
+
+def variations(seed: int = 22) -> list[tuple[str, list[str]]]:
+    """(where, the user's extra arguments): the issue's three, then seeded combinations of owned spellings
+    and vLLM options the operator does not own."""
+    rng = random.Random(seed)
+    cases = [("prefill", list(args)) for args in PARSER_REFUSED]
+    while len(cases) < VARIATIONS:
+        parts = [_variation(rng) for _ in range(rng.randint(1, 2))]
+        parts += [list(rng.choice(OTHER_OPTIONS)) for _ in range(rng.randint(0, 2))]
+        rng.shuffle(parts)
+        flat = [a for part in parts for a in part]
+        # Abbreviations (`--nnode`) and negations (`--no-headl`) name their flag too.
+        names = [a.removeprefix("--no-").lstrip("-").split("=")[0].split(".")[0] for a in flat]
+        stage_only = any(
+            (o.startswith("--") and (o[2:].startswith(n) or n.startswith(o[2:])))
+            or (a[:2] == o and a[2:3] != "-")
+            for a, n in zip(flat, names, strict=True)
+            for o in STAGE_ONLY
+        )
+        cases.append((rng.choice(("prefill",) if stage_only else ("engine", "prefill", "decode")), flat))
+    return cases
+
+
+def _with_args(version: str, where: str, args: list[str]) -> DisaggDeploymentSpec:
+    return example_spec({"engine": {"version": version}, where: {"extraArgs": args}})
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_every_argv_the_operator_admits_parses_with_vllms_own_parser(
+    vllm_peers: PeerFactory, tmp_path: Path, version: str
+) -> None:
+    """For seeded user arguments near the owned flags: every argv of an admitted spec (the operator's own
+    plus the user's it keeps) parses with the release's parser; a refused one is either refused by that
+    parser too or is an owned flag the operator refuses by design."""
+    peer = vllm_peers(version)
+    base = {pod.pod: pod for pod in engine_pods(example_spec({"engine": {"version": version}}), tmp_path)}
+    for pod in base.values():
+        assert peer.call("parse_refusal", argv=pod.argv) is None, pod.argv
+    counts = {"admitted": 0, "refused by both": 0, "refused by the operator only": 0}
+    for where, args in variations():
+        spec = _with_args(version, where, args)
+        report = evaluate(spec, REFUSAL_CHAIN, Installation(worker_image="w:1"))
+        if report.compatible:
+            for pod in engine_pods(spec, tmp_path):
+                refusal = peer.call("parse_refusal", argv=pod.argv)
+                assert refusal is None, (version, where, args, pod.pod, refusal)
+            counts["admitted"] += 1
+            continue
+        assert {v.reason for v in report.violations} == {ARG_CONFLICT_REASON}, report.violations
+        # What vLLM would have been given had the operator passed the user's arguments through.
+        passed = [pod.argv + args for pod in base.values() if where == "engine" or pod.role == where]
+        if any(peer.call("parse_refusal", argv=argv) is not None for argv in passed):
+            counts["refused by both"] += 1
+        else:
+            counts["refused by the operator only"] += 1
+    print(f"vLLM {version}: {len(variations())} user-argument variations: {counts}")
+    for args in PARSER_REFUSED:
+        head = next(pod for pod in base.values() if pod.role == "prefill" and pod.pod.endswith("-0"))
+        assert peer.call("parse_refusal", argv=[*head.argv, *args]) is not None, args
+        assert not evaluate(
+            _with_args(version, "prefill", list(args)), REFUSAL_CHAIN, Installation(worker_image="w:1")
+        ).compatible
+    assert min(counts.values()) > 0, counts

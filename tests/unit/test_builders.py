@@ -505,6 +505,45 @@ class TestVllmEngine:
         with pytest.raises(ValueError, match="EngineArgumentConflict"):
             engine_container(model, "prefill", report.plan, stage_service="s", identity_env=[])
 
+    @pytest.mark.parametrize(
+        ("extra", "field"),
+        [
+            # Issue 22 (finding 8): each exits vLLM 0.33's parser with status 2, so the engine crash-loops.
+            (["-tp4"], "spec.prefill.tensorParallelSize"),
+            (["-pp2"], "spec.prefill.pipelineParallelSize"),
+            (["--no-enable-hybrid-kv-cache-manager"], "spec.engine.hybridKvCacheManager"),
+            (["-tp2=2"], "spec.prefill.tensorParallelSize"),
+            (["-t4"], "spec.prefill.tensorParallelSize"),
+            (["--no-block-size"], "spec.prefill.blockSize"),
+            (["--block-size32"], "spec.prefill.blockSize"),
+            (["--attention-backendFLASH_ATTN"], "spec.engine.attentionBackend"),
+            (["--no_tensor_parallel_size"], "spec.prefill.tensorParallelSize"),
+            (["--no-headless"], "the pod's StatefulSet ordinal"),
+            (["-pp2.x", "1"], "spec.prefill.pipelineParallelSize"),
+            # argparse splits a value off a one-letter option: `-n3` is `--nnodes 3`, `-r1` `--node-rank 1`.
+            (["-n3"], "spec.prefill.pipelineParallelSize"),
+            (["-r1"], "the pod's StatefulSet ordinal"),
+        ],
+    )
+    def test_args_vllms_parser_refuses_or_reads_as_owned_are_refused(
+        self, extra: list[str], field: str
+    ) -> None:
+        model = spec({"prefill": {"extraArgs": extra}})
+        (violation,) = arg_violations(model)
+        assert violation.reason == "EngineArgumentConflict"
+        assert field in violation.message and f"sets '{extra[0]}" in violation.message
+
+    def test_an_agreeing_attached_value_is_dropped_and_vllm_options_near_owned_ones_kept(self) -> None:
+        # `-n2` is the PP2 prefill's own `--nnodes 2`; `--kv-cache-dtype-skip-layers` and
+        # `--no-enable-prefix-caching` are vLLM options that only look like owned ones.
+        kept = ["--kv-cache-dtype-skip-layers", "sliding_window", "--no-enable-prefix-caching"]
+        model = spec({"prefill": {"extraArgs": ["-n2", *kept]}})
+        assert arg_violations(model) == []
+        report = evaluate(model)
+        assert report.plan is not None
+        built = engine_container(model, "prefill", report.plan, stage_service="s", identity_env=[])
+        assert list(built.args[-3:]) == kept and "-n2" not in built.args
+
     def test_other_engines_get_user_args_verbatim(self) -> None:
         model = spec(
             {"engine": {"image": "ghcr.io/disagg/reference-engine:0.1.0", "extraArgs": ["--block-size", "8"]}}
