@@ -347,7 +347,7 @@ class Demo:
 
 
 @contextlib.contextmanager
-def signals_as_exit() -> Iterator[None]:
+def _signals_as_exit() -> Iterator[None]:
     """SIGTERM and SIGHUP unwind like Ctrl-C, so the cleanup in `finally` always runs; once unwinding, a
     repeated signal (a process group signalled twice) must not interrupt the cleanup itself."""
 
@@ -364,26 +364,16 @@ def signals_as_exit() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def run_demo(say: Say, *, timeout_s: float, keep: bool) -> int:
+def run_steps(say: Say, steps: Callable[[Demo], str], *, keep: bool, prefix: str) -> int:
+    """Run `steps` (which return what they showed) on a fresh `Demo`; whatever happens, stop everything it
+    started. 0 when they showed it, 1 (with the logs) when a step failed, 130 when interrupted."""
     from disagg.rig.local_kubelet import SidecarExited
 
-    workdir = Path(tempfile.mkdtemp(prefix="disagg-demo-cluster-"))
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
     demo = Demo(workdir, say)
-    with signals_as_exit():
+    with _signals_as_exit():
         try:
-            demo.start_control_plane()
-            demo.start_operator()
-            demo.apply_valid_sample()
-            demo.run_pods_until_ready(timeout_s)
-            demo.break_and_fix_a_decoder(timeout_s)
-            demo.apply_broken_sample()
-            demo.serve_requests(timeout_s)
-            say(
-                "==> Done: the valid sample reached Compatible, KV and Ready; the sidecars caught a stale "
-                "decoder and cleared it once fixed; the broken sample was refused at admission; the "
-                "reference deployment served curl through its router, identical to the monolithic run, and "
-                "kept serving through the healthy pair while a skewed decoder was excluded"
-            )
+            say(steps(demo))
             return 0
         except (DemoFailed, SidecarExited) as exc:
             say(f"demo failed: {exc}")
@@ -401,6 +391,25 @@ def run_demo(say: Say, *, timeout_s: float, keep: bool) -> int:
                 say(f"logs kept in {workdir}")
             else:
                 shutil.rmtree(workdir, ignore_errors=True)
+
+
+def run_demo(say: Say, *, timeout_s: float, keep: bool) -> int:
+    def steps(demo: Demo) -> str:
+        demo.start_control_plane()
+        demo.start_operator()
+        demo.apply_valid_sample()
+        demo.run_pods_until_ready(timeout_s)
+        demo.break_and_fix_a_decoder(timeout_s)
+        demo.apply_broken_sample()
+        demo.serve_requests(timeout_s)
+        return (
+            "==> Done: the valid sample reached Compatible, KV and Ready; the sidecars caught a stale "
+            "decoder and cleared it once fixed; the broken sample was refused at admission; the "
+            "reference deployment served curl through its router, identical to the monolithic run, and "
+            "kept serving through the healthy pair while a skewed decoder was excluded"
+        )
+
+    return run_steps(say, steps, keep=keep, prefix="disagg-demo-cluster-")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,14 +14,12 @@ again, it serves again.
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from disagg.rig.demo_cluster import NAMESPACE, Demo, DemoFailed, Say, signals_as_exit, wait_for
+from disagg.rig.demo_cluster import NAMESPACE, Demo, DemoFailed, Say, run_steps, wait_for
 from disagg.rig.demo_serving import ROUTABLE, Serving, sse_text
 from disagg.rig.local import REPO
 
@@ -142,42 +140,24 @@ def _decode_pod(demo: Demo, name: str) -> str:
 
 
 def run_demo(say: Say, *, timeout_s: float, keep: bool) -> int:
-    from disagg.rig.local_kubelet import SidecarExited
     from disagg.rig.vllm_node import available
 
     missing = available()
     if missing is not None:
         say(f"demo-vllm needs the engine venv: {missing}")
         return 1
-    workdir = Path(tempfile.mkdtemp(prefix="disagg-demo-vllm-"))
-    demo = Demo(workdir, say)
-    with signals_as_exit():
-        try:
-            demo.start_control_plane()
-            demo.start_operator()
-            run(demo, timeout_s)
-            say(
-                "==> Done: real vLLM engines ran as the operator generated them, curl through the router "
-                "equalled the monolithic run, and a decoder on another dtype was refused for it, then served "
-                "again once fixed"
-            )
-            return 0
-        except (DemoFailed, SidecarExited) as exc:
-            say(f"demo failed: {exc}")
-            for kubelet in demo.serving[2:]:
-                for pod in sorted(kubelet.pods):
-                    say(f"--- logs of {pod}\n{kubelet.log_tail(pod, 20)}")
-            say(f"--- operator log\n{demo.operator_tail()}")
-            return 1
-        except KeyboardInterrupt:
-            say("demo interrupted")
-            return 130
-        finally:
-            demo.stop()
-            if keep:
-                say(f"logs kept in {workdir}")
-            else:
-                shutil.rmtree(workdir, ignore_errors=True)
+
+    def steps(demo: Demo) -> str:
+        demo.start_control_plane()
+        demo.start_operator()
+        run(demo, timeout_s)
+        return (
+            "==> Done: real vLLM engines ran as the operator generated them, curl through the router "
+            "equalled the monolithic run, and a decoder on another dtype was refused for it, then served "
+            "again once fixed"
+        )
+
+    return run_steps(say, steps, keep=keep, prefix="disagg-demo-vllm-")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

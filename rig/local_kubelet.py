@@ -100,6 +100,14 @@ def resolve_env(pod: Mapping[str, Any], container: Mapping[str, Any]) -> dict[st
     return env
 
 
+def expanded_env(pod: Mapping[str, Any], container: Mapping[str, Any]) -> dict[str, str]:
+    """`resolve_env`, with Kubernetes' `$(NAME)` expansion of each value from the variables before it."""
+    env: dict[str, str] = {}
+    for key, value in resolve_env(pod, container).items():
+        env[key] = expand(value, env)
+    return env
+
+
 def pod_ready(pod: Mapping[str, Any], containers_ready: bool) -> bool:
     """The kubelet's rule: every container ready and every readiness gate's condition True."""
     conditions = {c.get("type"): c.get("status") for c in (pod.get("status") or {}).get("conditions") or ()}
@@ -477,10 +485,7 @@ class LocalKubelet:
         fault_env: Mapping[str, str],
     ) -> None:
         """A vLLM engine container as the node runs it (`vllm_node.engine_process`), on its pod's core."""
-        env: dict[str, str] = {}
-        for key, value in resolve_env(pod, container).items():
-            # Kubernetes expands $(NAME) in env values from the variables defined before them.
-            env[key] = expand(value, env)
+        env = expanded_env(pod, container)
         argv = [
             self._resolve_dns(expand(part, env))
             for part in [*(container.get("command") or ()), *(container.get("args") or ())]

@@ -30,20 +30,20 @@ from pathlib import Path
 from typing import Any, Final
 
 from disagg.operator.api import DisaggDeployment
+from disagg.operator.builders_engine import HTTP_PORT
 from disagg.operator.cli_check import judge, plan_manifests
 from disagg.rig.local import REPO
-from disagg.rig.local_kubelet import expand, pod_dns_to_ip, resolve_env
+from disagg.rig.local_kubelet import expand, expanded_env, pod_dns_to_ip
 from disagg.rig.vllm_node import ENGINE_VENV, core_for, engine_process, pinned
 from disagg.worker.connector.side_channel import fetch_payloads
 from disagg.worker.kv.pairing import DecodeTarget, Pair, PrefillTarget, Routing
 from disagg.worker.kv.payload_facts import PayloadFacts, payload_facts
+from disagg.worker.kv.pod_contract import ENGINE_CONTAINER, ROLE_LABEL
 
 TINY_MODEL_SCRIPT: Final = REPO / "hack" / "vllm" / "tiny_model.py"
 MODEL_CACHE: Final = (
     Path(os.environ.get("DISAGG_CACHE", Path.home() / ".cache" / "disagg")).expanduser() / "vllm-models"
 )
-ENGINE_CONTAINER: Final = "engine"
-HTTP_PORT: Final = 8000
 START_TIMEOUT_S: Final = 420.0
 
 
@@ -97,7 +97,7 @@ def engine_pods(manifests: Sequence[Mapping[str, Any]], subnet: str) -> list[Eng
         if obj["kind"] not in ("StatefulSet", "Deployment"):
             continue
         template = obj["spec"]["template"]
-        role = template["metadata"]["labels"].get("disagg.io/role", "")
+        role = template["metadata"]["labels"].get(ROLE_LABEL, "")
         if role not in ("prefill", "decode"):
             continue
         for k in range(int(obj["spec"].get("replicas", 1))):
@@ -112,10 +112,7 @@ def engine_pods(manifests: Sequence[Mapping[str, Any]], subnet: str) -> list[Eng
             "status": {"podIP": ips[name]},
         }
         container = next(c for c in template["spec"]["containers"] if c["name"] == ENGINE_CONTAINER)
-        env: dict[str, str] = {}
-        for key, value in resolve_env(pod, container).items():
-            # Kubernetes expands $(NAME) in env values from the variables defined before them.
-            env[key] = expand(value, env)
+        env = expanded_env(pod, container)
 
         def local(value: str, env: Mapping[str, str] = env) -> str:
             return pod_dns_to_ip(expand(value, env), ips.__getitem__)
@@ -286,7 +283,8 @@ def _healthy(url: str) -> bool:
 
 
 def metric(text: str, name: str, labels: Mapping[str, str] | None = None) -> float:
-    """The sum of a Prometheus metric's samples whose labels include `labels`."""
+    """The sum of a Prometheus metric's samples whose labels include `labels` (vLLM labels every sample with
+    its engine and model too; `local_engines.metric` wants a sample's labels exactly)."""
     total = 0.0
     for line in text.splitlines():
         if not line.startswith(name + "{") and not line.startswith(name + " "):
