@@ -59,9 +59,7 @@ class WireFormatError(HandshakeError):
 class CompatibilityHashMismatch(HandshakeError):
     reason = "CompatibilityHashMismatch"
 
-    def __init__(
-        self, message: str, *, reason: str | None = None, differences: tuple[str, ...] = ()
-    ) -> None:
+    def __init__(self, message: str, *, reason: str | None = None, differences: tuple[str, ...] = ()) -> None:
         super().__init__(message, reason=reason)
         self.differences = differences
         """What the payloads show of the difference (`payload_facts.live_differences`), where known."""
