@@ -29,6 +29,8 @@ from disagg.worker.connector.side_channel import SideChannelServer
 from disagg.worker.connector.transport import LOCAL_AGENT, NixlTransport, PreppedList
 
 TTL_S = 100.0
+PROBE_S = 10.0
+PROBE_TIMEOUT_S = 1.0
 DECODE_AGENT = agent_name("decode", 0, 0)
 PREFILL_AGENT = agent_name("prefill", 0, 0)
 
@@ -80,6 +82,9 @@ class Worker:
             kv_lease_duration_s=spec["lease_s"],
             push_registration_timeout_s=spec["registration_timeout_s"],
             engine_ttl_s=TTL_S,
+            # Off unless a test turns them on: probes are handshakes, which the tests below count.
+            peer_probe_interval_s=spec.get("probe_interval_s", 0.0),
+            handshake_timeout_s=PROBE_TIMEOUT_S,
         )
         self.transport = TrackingTransport(agent_name(spec["engine_id"], 0, 0))
         stack.callback(self.transport.close)
@@ -160,7 +165,7 @@ class Pair:
 
 
 @pytest.fixture
-def pair(tmp_path: Path) -> Iterator[Pair]:
+def pair(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Pair]:
     def spec(engine_id: str, role: str) -> dict[str, Any]:
         return {
             "engine_id": engine_id,
@@ -178,6 +183,7 @@ def pair(tmp_path: Path) -> Iterator[Pair]:
             "compat_hash": "0" * 64,
             "lease_s": 10 * TTL_S,
             "registration_timeout_s": 10 * TTL_S,
+            "probe_interval_s": request.param if hasattr(request, "param") else 0.0,
         }
 
     with contextlib.ExitStack() as stack:
@@ -283,3 +289,68 @@ def test_producer_drops_a_registration_it_never_serves_and_then_evicts_its_decod
     prefill.producer.request_finished("req-2", [[13, 14]])
     pair.poll()
     assert "req-2" in prefill.producer.held_requests and "req-2" not in pair.sent
+
+
+def poll_until_probed(pair: Pair, worker: Worker, served: int) -> None:
+    """Poll both sides until `worker`'s side channel has answered `served` requests (probes included)."""
+    pair.poll_until(
+        lambda: worker.server.served >= served, f"{served} answers from {worker.spec['engine_id']}"
+    )
+
+
+def poll_for_eviction(pair: Pair, side: PushProducer | PushConsumer, clock: Clock) -> list[tuple[str, str]]:
+    """Step `clock` one probe interval at a time, each step polled for longer than a probe can take, until
+    `side` evicts a peer (well before the TTL); what it evicted."""
+    for _ in range(int(TTL_S / PROBE_S) - 2):
+        clock.now += PROBE_S
+        waited = time.monotonic() + 2 * PROBE_TIMEOUT_S
+        while time.monotonic() < waited:
+            pair.poll()
+            evicted = side.take_evictions()
+            if evicted:
+                return evicted
+            time.sleep(0.02)
+    raise AssertionError("no eviction before the TTL")
+
+
+@pytest.mark.parametrize("pair", [PROBE_S], indirect=True)
+def test_a_probe_keeps_a_live_idle_decoder_and_evicts_one_gone_from_its_side_channel(pair: Pair) -> None:
+    prefill = pair.prefill
+    pair.push("req-1", [[3, 4]], [[1, 2]])
+    assert pair.decode.server.served == 1
+    # Idle for a probe interval: the producer asks the decoder's side channel, which answers as before.
+    prefill.clock.now = PROBE_S + 1
+    pair.poll()
+    poll_until_probed(pair, pair.decode, 2)
+    for _ in range(3):
+        pair.poll()
+    assert prefill.producer.take_evictions() == []
+    assert prefill.producer.connected_engines == {"decode"}
+    # The decoder's side channel goes away (its pod is gone): two unanswered probes, then eviction.
+    pair.decode.server.stop()
+    assert poll_for_eviction(pair, prefill.producer, prefill.clock) == [("decode", "PeerUnreachable")]
+    assert DECODE_AGENT not in prefill.transport.peers
+    assert remote_lists(prefill, DECODE_AGENT) == []
+
+
+@pytest.mark.parametrize("pair", [PROBE_S], indirect=True)
+def test_a_probe_evicts_a_peer_restarted_under_its_engine_id(pair: Pair, tmp_path: Path) -> None:
+    decode = pair.decode
+    pair.push("req-1", [[3, 4]], [[1, 2]])
+    # The prefill engine restarts under the same id and address: a new NIXL agent answers its side channel.
+    restarted = NixlTransport(PREFILL_AGENT)
+    try:
+        layout = layout_of(pair.prefill.spec)
+        pool = ShmPool.create(Path("/dev/shm") / f"disagg-evict-restart-{tmp_path.name}", layout.total_bytes)
+        try:
+            config = pair.prefill.producer.config
+            payload = LocalKV(layout, restarted, pool.addr, pool.nbytes, config).handshake_payload()
+            pair.prefill.server.set_payload(0, 0, payload)
+            decode.clock.now = PROBE_S + 1
+            assert poll_for_eviction(pair, decode.consumer, decode.clock) == [("prefill", "PeerRestarted")]
+            assert PREFILL_AGENT not in decode.transport.peers
+        finally:
+            pool.close()
+            pool.unlink()
+    finally:
+        restarted.close()

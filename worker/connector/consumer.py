@@ -133,7 +133,7 @@ class PushConsumer(PushSide[_PrefillEngine]):
             targets = handshake_targets(
                 self.config.tp_size, self.config.tp_rank, expected.remote.tp_size, expected.remote.pp_size
             )
-            self._handshakes.start(expected.remote, targets)
+            self._start_handshake(expected.remote, targets)
             return
         registration = wire.PushRegistration(
             request_id=request_id,

@@ -251,7 +251,7 @@ class PushProducer(PushSide[_DecodeEngine]):
                 )
                 targets = handshake_targets(self.config.tp_size, self.config.tp_rank, remote.tp_size, 1)
                 self._waiting.setdefault(engine_id, []).append((held_id, kept))
-                self._handshakes.start(remote, targets)
+                self._start_handshake(remote, targets)
             except Exception as exc:
                 self._fail(
                     held_id, decode_request_id, as_disagg_error(exc, "push", reason="InternalError"), events

@@ -22,12 +22,13 @@ from typing import Any, Generic, Protocol, TypeVar
 from disagg.worker.connector.side_channel import DEFAULT_HANDSHAKE_TIMEOUT_S, PeerHandshake, handshake
 from disagg.worker.connector.transport import LOCAL_AGENT, NixlTransport, PreppedList
 from disagg.worker.kv import rules, wire
-from disagg.worker.kv.errors import DisaggError, HandshakeError, InvalidRegistration
+from disagg.worker.kv.errors import DisaggError, HandshakeError, InvalidRegistration, PeerUnreachable
 from disagg.worker.kv.layout import ModelGeometry, StageLayout
 from disagg.worker.kv.routing import RegionGeometry, TransferLayers, local_descs
 
 log = logging.getLogger(__name__)
 
+PROBE_THREADS = 4
 _RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 
 
@@ -72,6 +73,12 @@ class PushConfig:
     push_registration_timeout_s: float = 480.0
     engine_ttl_s: float = 3600.0
     handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S
+    peer_probe_interval_s: float = 10.0
+    """How often an idle connected peer's side channel is asked whether the same engine still serves it. A
+    killed or restarted peer (a new engine id) is evicted, so its NIXL agents and descriptors do not stay
+    for `engine_ttl_s`; 0 turns the probe off."""
+    peer_probe_failures: int = 2
+    """Unanswered probes in a row that evict a peer (one answer from another engine evicts at once)."""
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -249,8 +256,88 @@ class HandshakeJobs:
                 done.append((engine_id, started_at, exc if exc is not None else future.result()))
         return done
 
+    @property
+    def running(self) -> frozenset[str]:
+        return frozenset(self._running)
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class PeerProbes:
+    """Side-channel probes of idle connected peers, on a thread of their own (a dead peer's probe waits out
+    the handshake timeout, which must not delay a real handshake).
+
+    UCX notices a dead peer only when something is sent to it, and nothing is sent to an idle peer, so
+    without these a killed decoder's agents and descriptors (megabytes for a large KV) stay until
+    `engine_ttl_s`. A probe is the handshake itself, checked against the engine id that connected: a
+    restarted peer answers with a new engine id (or another hash) and is gone at once; an unanswered probe
+    counts, and `peer_probe_failures` of them in a row are gone."""
+
+    def __init__(self, config: PushConfig, clock: Clock) -> None:
+        self.config = config
+        # Several threads: each dead peer's probe waits out the handshake timeout.
+        self._jobs = HandshakeJobs(
+            config,
+            clock,
+            ThreadPoolExecutor(max_workers=PROBE_THREADS, thread_name_prefix="disagg-peer-probe"),
+        )
+        self._known: dict[str, tuple[RemoteEngine, tuple[tuple[int, int], ...]]] = {}
+        self._agents: dict[str, dict[tuple[int, int], bytes]] = {}
+        self._last: dict[str, float] = {}
+        self._misses: dict[str, int] = {}
+
+    def know(self, remote: RemoteEngine, targets: Sequence[tuple[int, int]]) -> None:
+        self._known[remote.engine_id] = (remote, tuple(targets))
+
+    def connected(self, engine_id: str, peer: PeerHandshake) -> None:
+        """The agent loaded for one rank: a probe that finds another one there found a restarted peer."""
+        self._agents.setdefault(engine_id, {})[(peer.pp_rank, peer.tp_rank)] = peer.metadata.agent_metadata
+
+    def keep_only(self, engine_ids: Collection[str]) -> None:
+        """Drop what is known of peers neither connected nor connecting (a refused handshake's)."""
+        for engine_id in [e for e in self._known if e not in engine_ids]:
+            self.forget(engine_id)
+
+    def forget(self, engine_id: str) -> None:
+        self._known.pop(engine_id, None)
+        self._agents.pop(engine_id, None)
+        self._last.pop(engine_id, None)
+        self._misses.pop(engine_id, None)
+
+    def maybe_start(self, engine_id: str, last_active: float, now: float) -> None:
+        interval = self.config.peer_probe_interval_s
+        known = self._known.get(engine_id)
+        if interval <= 0 or known is None:
+            return
+        if now - max(last_active, self._last.get(engine_id, last_active)) < interval:
+            return
+        self._last[engine_id] = now
+        self._jobs.start(*known)
+
+    def gone(self) -> list[tuple[str, str, str]]:
+        """Peers whose probes say another engine, or nobody, serves their side channel now: (id, reason,
+        why), the reason `PeerRestarted` or `PeerUnreachable`."""
+        out = []
+        for engine_id, _, result in self._jobs.collect():
+            if engine_id not in self._known:
+                continue
+            if not isinstance(result, BaseException):
+                self._misses.pop(engine_id, None)
+                loaded = self._agents.get(engine_id, {})
+                if any(loaded.get((p.pp_rank, p.tp_rank)) != p.metadata.agent_metadata for p in result):
+                    out.append((engine_id, "PeerRestarted", "its side channel names another NIXL agent"))
+            elif isinstance(result, PeerUnreachable):
+                misses = self._misses[engine_id] = self._misses.get(engine_id, 0) + 1
+                if misses >= self.config.peer_probe_failures:
+                    why = f"{misses} probes of its side channel unanswered: {result}"
+                    out.append((engine_id, "PeerUnreachable", why))
+            else:
+                out.append((engine_id, "PeerRestarted", f"its side channel answers otherwise: {result}"))
+        return out
+
+    def close(self) -> None:
+        self._jobs.close()
 
 
 def as_disagg_error(exc: BaseException, what: str, reason: str = "HandshakeFailed") -> DisaggError:
@@ -286,13 +373,26 @@ class PushSide(Generic[E]):
         self._clock = clock
         self._engines: dict[str, E] = {}
         self._handshakes = HandshakeJobs(self.config, clock)
+        self._probes = PeerProbes(self.config, clock)
+        self._evicted: list[tuple[str, str]] = []
         self.ignored_notifs = 0
         """Notifs dropped unread or unmatched: garbage, or from an agent that may not complete the request."""
 
     def close(self) -> None:
         self._handshakes.close()
+        self._probes.close()
         for engine_id in list(self._engines):
-            self._evict(engine_id)
+            self._evict(engine_id, "Closed")
+
+    @property
+    def connected_engines(self) -> frozenset[str]:
+        """The peer engines whose NIXL agents are loaded."""
+        return frozenset(self._engines)
+
+    def take_evictions(self) -> list[tuple[str, str]]:
+        """The peer engines evicted since the last call, each with its CamelCase reason."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
 
     def _notifs(self) -> Iterator[tuple[str, bytes, wire.Notif | InvalidRegistration]]:
         """Every notif received since the last call. A registration whose sizes are out of bounds comes as
@@ -326,18 +426,37 @@ class PushSide(Generic[E]):
                 f"{role} rank (pp {peer.pp_rank}, tp {peer.tp_rank}) of {engine_id!r} runs NIXL "
                 f"agent {loaded!r}, expected {name!r}"
             )
+        self._probes.connected(engine_id, peer)
         return name
 
+    def _start_handshake(self, remote: RemoteEngine, targets: Sequence[tuple[int, int]]) -> None:
+        """Handshake `remote` in the background; once connected, the same targets are what probes ask."""
+        self._probes.know(remote, targets)
+        self._handshakes.start(remote, targets)
+
     def _evict_idle(self, now: float, busy: set[str]) -> None:
+        """Evict peers idle past their TTL and peers a probe found gone; start the probes that are due.
+        A busy peer (a transfer or registration names it) is never evicted here: its own path fails it."""
         for engine_id, engine in list(self._engines.items()):
             if engine_id not in busy and now - engine.last_active > self.config.engine_ttl_s:
                 log.info("evicting engine %r after %.0f s idle", engine_id, now - engine.last_active)
-                self._evict(engine_id)
+                self._evict(engine_id, "Idle")
+        for engine_id, reason, why in self._probes.gone():
+            if engine_id in self._engines and engine_id not in busy:
+                log.info("evicting engine %s: %s", wire.quote(engine_id), why)
+                self._evict(engine_id, reason)
+        self._probes.keep_only(self._engines.keys() | self._handshakes.running)
+        for engine_id, engine in self._engines.items():
+            if engine_id not in busy:
+                self._probes.maybe_start(engine_id, engine.last_active, now)
 
-    def _evict(self, engine_id: str) -> None:
+    def _evict(self, engine_id: str, reason: str = "PeerFailed") -> None:
+        """Release a peer's descriptors and agents; `reason` is what `take_evictions` reports."""
+        self._probes.forget(engine_id)
         engine = self._engines.pop(engine_id, None)
         if engine is None:
             return
+        self._evicted.append((engine_id, reason))
         for agent, prepped in engine.peers():
             try:
                 if prepped is not None:

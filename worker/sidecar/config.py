@@ -27,6 +27,9 @@ Environment (the operator's builders set these in the pod spec; names are stable
 - `DISAGG_PIPELINE_PARALLEL_SIZE`, `DISAGG_TENSOR_PARALLEL_SIZE`, `DISAGG_BLOCK_SIZE`: optional cross-checks;
   each must equal the topology's value for this role.
 - `DISAGG_LOG_LEVEL`: `debug`, `info` (default), `warning` or `error`.
+- `DISAGG_PEER_PROBE_INTERVAL_S`: how often an idle connected peer engine's side channel is asked whether
+  the same engine still serves it (a killed or restarted peer is then evicted); default 10, 0 turns it off.
+  Not set by the builders.
 
 Topology file: the operator's topology document (`disagg.worker.kv.topology`, which lists its keys), JSON
 or YAML; `load_topology` reads it and `decode_topology` checks it.
@@ -72,6 +75,9 @@ from disagg.worker.kv.pod_contract import (
 )
 from disagg.worker.kv.topology import ROLES, Role, Topology, WorkerEndpoint, decode_topology
 
+# A tuning knob the builders do not set, so not in the pod contract.
+PEER_PROBE_INTERVAL_ENV = "DISAGG_PEER_PROBE_INTERVAL_S"
+DEFAULT_PEER_PROBE_INTERVAL_S = 10.0
 DEFAULT_METRICS_PORT = 9090
 DEFAULT_ENGINE_SOCKET = "/dev/shm/disagg-engine.sock"
 _ORDINAL = re.compile(r"^(?P<base>.+)-(?P<ordinal>\d+)$")
@@ -112,6 +118,7 @@ class SidecarConfig:
     `side_channel_host`."""
     engine_workers: tuple[WorkerEndpoint, ...] | None = None
     """The engine's workers from `DISAGG_ENGINE_WORKERS`; None means the topology's `workers`."""
+    peer_probe_interval_s: float = DEFAULT_PEER_PROBE_INTERVAL_S
 
     @property
     def engine_host(self) -> str:
@@ -153,6 +160,7 @@ class SidecarConfig:
             connector_version=self.topology.connector_version,
             kv_lease_duration_s=self.topology.kv_lease_duration_s,
             push_registration_timeout_s=self.topology.push_registration_timeout_s,
+            peer_probe_interval_s=self.peer_probe_interval_s,
         )
 
 
@@ -166,6 +174,19 @@ def _env_int(env: Mapping[str, str], name: str, default: int | None) -> int:
         return int(raw)
     except ValueError:
         raise WorkerConfigError(f"{name}={raw!r} is not an integer") from None
+
+
+def _env_seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise WorkerConfigError(f"{name}={raw!r} is not a number of seconds") from None
+    if not 0 <= value < 1e6:
+        raise WorkerConfigError(f"{name}={raw!r} must be between 0 and 1e6 seconds")
+    return value
 
 
 def _check_env_equals(env: Mapping[str, str], name: str, expected: int, what: str) -> None:
@@ -242,6 +263,7 @@ def from_env(env: Mapping[str, str]) -> SidecarConfig:
     return SidecarConfig(
         engine_side_channel_host=env.get(ENGINE_SIDE_CHANNEL_HOST_ENV) or "",
         engine_workers=_engine_workers(env.get(ENGINE_WORKERS_ENV)),
+        peer_probe_interval_s=_env_seconds(env, PEER_PROBE_INTERVAL_ENV, DEFAULT_PEER_PROBE_INTERVAL_S),
         role=role,
         engine_id=engine_id,
         pp_rank=pp_rank,

@@ -73,6 +73,16 @@ class SidecarMetrics:
             ["reason"],
             registry=r,
         )
+        self.peer_engines = Gauge(
+            "disagg_peer_engines", "Peer engines whose NIXL agents this worker holds.", registry=r
+        )
+        self.peer_evictions = Counter(
+            "disagg_peer_engine_evictions",
+            "Peer engines whose agents and descriptors were released (Idle, PeerUnreachable, PeerRestarted, "
+            "PeerFailed).",
+            ["reason"],
+            registry=r,
+        )
         self.ready = Gauge("disagg_sidecar_ready", "1 once the KV pool is registered and served.", registry=r)
         self.info = Gauge(
             "disagg_sidecar_info",

@@ -356,6 +356,12 @@ class Sidecar:
                 _event(logging.INFO, "KV ready", request_id=request_id, seconds=round(seconds, 6))
             for failure in consumed.failed:
                 self._fail(failure)
+        else:
+            return
+        for engine_id, reason in connector.take_evictions():
+            self.metrics.peer_evictions.labels(reason).inc()
+            _event(logging.INFO, "peer engine evicted", engine_id=engine_id, reason=reason)
+        self.metrics.peer_engines.set(len(connector.connected_engines))
 
     def _connected(self, handshakes: Sequence[Handshake]) -> None:
         for handshake in handshakes:
