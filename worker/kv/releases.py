@@ -5,7 +5,8 @@ NIXL connector version the release speaks (it is hashed, with the exact version 
 ever pass each other's handshake), the agent metadata's field set in wire order (the `wire` struct of that
 connector version), the compatibility-hash factor keys and the topologies the release can run. The facts come
 from each release's wheel (`tests/golden/vllm/<release>/manifest.json` records them, and the interop tests
-check every row against that release's own code).
+check every row against that release's own code). The rows are the spoken connector versions of the wire's
+version table (`wire.VERSIONS`), so that a new release is one entry there.
 
 Capabilities by the first release that has them: the push connector (`NixlPushConnector`) from 0.24, a PP
 prefill pushing into a PP1 decoder from 0.26 (non-HMA), PP + attention-HMA push with layer-name routing and
@@ -64,17 +65,21 @@ class Release:
 
     @property
     def hash_factor_keys(self) -> tuple[str, ...]:
-        return wire.COMPAT_FACTOR_KEYS
+        return wire.compat_factor_keys(self.connector_version)
 
     def can(self, capability: Capability) -> bool:
         return self.line >= FIRST_LINE_WITH[capability]
 
 
-RELEASES: Final[tuple[Release, ...]] = (
-    Release(line=(0, 31), connector_version=13, tested="0.31.0"),
-    Release(line=(0, 32), connector_version=14, tested="0.32.0"),
-    Release(line=(0, 33), connector_version=15, tested="0.33.0"),
-)
+def _row(version: wire.ConnectorVersion) -> Release:
+    if version.release is None:
+        raise ValueError(f"connector version {version.number} names no release")  # wire.versions refuses it
+    major, minor, _ = version.release.split(".")
+    return Release(line=(int(major), int(minor)), connector_version=version.number, tested=version.release)
+
+
+# One row per connector version the wire speaks: the wire's version table is the one list of releases.
+RELEASES: Final[tuple[Release, ...]] = tuple(_row(version) for version in wire.VERSIONS if version.spoken)
 """Oldest first; the last is the newest release."""
 
 LATEST: Final = RELEASES[-1]
