@@ -18,7 +18,7 @@ from _engine_argv import EnginePod, engine_pods, example_spec, kv_transfer_confi
 from _vllm_peer import VllmPeer
 from test_hash_interop import GEMMA
 
-from disagg.worker.kv.pairing import DecodeTarget, Pair, PrefillTarget
+from disagg.worker.contracts.pairing import DecodeTarget, Pair, PrefillTarget
 from disagg.worker.router.protocol import (
     COMPLETIONS,
     RouterError,

@@ -50,7 +50,7 @@ def test_every_operator_module_imports_without_torch_or_nixl() -> None:
 
 def test_no_worker_module_imports_kopf() -> None:
     modules = _modules(disagg.worker)
-    assert "disagg.worker.sidecar.transfer" in modules and "disagg.worker.kv.pod_contract" in modules
+    assert "disagg.worker.sidecar.transfer" in modules and "disagg.worker.contracts.pod_contract" in modules
     assert _loaded(("kopf",), modules) == []
 
 

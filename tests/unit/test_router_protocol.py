@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from disagg.worker.kv.pairing import DecodeTarget, Pair, PrefillTarget
+from disagg.worker.contracts.pairing import DecodeTarget, Pair, PrefillTarget
 from disagg.worker.router.app import SseEvents
 from disagg.worker.router.balance import Balancer
 from disagg.worker.router.protocol import (

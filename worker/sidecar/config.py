@@ -28,8 +28,8 @@ Environment (the operator's builders set these in the pod spec; names are stable
   each must equal the topology's value for this role.
 - `DISAGG_LOG_LEVEL`: `debug`, `info` (default), `warning` or `error`.
 
-Topology file: the operator's topology document (`disagg.worker.kv.topology`, which lists its keys), JSON
-or YAML; `load_topology` reads it and `decode_topology` checks it.
+Topology file: the operator's topology document (`disagg.worker.contracts.topology`, which lists its
+keys), JSON or YAML; `load_topology` reads it and `decode_topology` checks it.
 """
 
 from __future__ import annotations
@@ -45,9 +45,7 @@ import msgspec
 import yaml
 
 from disagg.worker.connector.push import PushConfig
-from disagg.worker.kv import wire
-from disagg.worker.kv.errors import WorkerConfigError
-from disagg.worker.kv.pod_contract import (
+from disagg.worker.contracts.pod_contract import (
     BLOCK_SIZE_ENV,
     COMPATIBILITY_HASH_ENV,
     DEFAULT_SIDE_CHANNEL_PORT,
@@ -70,7 +68,9 @@ from disagg.worker.kv.pod_contract import (
     TOPOLOGY_FILE_ENV,
     TP_RANK_ENV,
 )
-from disagg.worker.kv.topology import ROLES, Role, Topology, WorkerEndpoint, decode_topology
+from disagg.worker.contracts.topology import ROLES, Role, Topology, WorkerEndpoint, decode_topology
+from disagg.worker.kv import wire
+from disagg.worker.kv.errors import WorkerConfigError
 
 DEFAULT_METRICS_PORT = 9090
 DEFAULT_ENGINE_SOCKET = "/dev/shm/disagg-engine.sock"
