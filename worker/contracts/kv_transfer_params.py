@@ -115,8 +115,8 @@ class PrefillHandoff:
     tp_size: int
     pp_size: int
     remote_block_ids: tuple[Any, ...]
-    """One list of block ids per KV cache group. A push decoder ignores them, so a reader checks only that
-    they are a list (vLLM's decoder reads the key without a default)."""
+    """One tuple of block ids per KV cache group. A push decoder ignores them, so a reader checks only that
+    they are a list (vLLM's decoder reads the key without a default) and takes what is in it as it is."""
     remote_num_tokens: int | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -281,7 +281,9 @@ def parse_handoff(params: Mapping[str, Any]) -> PrefillHandoff:
         remote_port=params["remote_port"],
         tp_size=params["tp_size"],
         pp_size=pp_size,
-        remote_block_ids=tuple(params["remote_block_ids"]),
+        remote_block_ids=tuple(
+            tuple(ids) if isinstance(ids, list) else ids for ids in params["remote_block_ids"]
+        ),
         # The router has no use for it (the decoder checks it), so an unusable one is left out, not refused.
         remote_num_tokens=num_tokens
         if isinstance(num_tokens, int) and not isinstance(num_tokens, bool)
