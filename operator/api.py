@@ -27,8 +27,8 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from disagg.worker.contracts.pod_contract import DEFAULT_SIDE_CHANNEL_PORT
 from disagg.worker.kv import layout
-from disagg.worker.kv.pod_contract import DEFAULT_SIDE_CHANNEL_PORT
 
 GROUP: Final = "disagg.io"
 VERSION: Final = "v1alpha1"

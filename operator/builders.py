@@ -33,7 +33,7 @@ from disagg.operator.builders_engine import (
     stage_dns,
 )
 from disagg.operator.plan import TopologyPlan
-from disagg.worker.kv.pod_contract import (
+from disagg.worker.contracts.pod_contract import (
     BLOCK_SIZE_ENV,
     COMPATIBILITY_HASH_ENV,
     DEPLOYMENT_ENV,
@@ -57,7 +57,7 @@ from disagg.worker.kv.pod_contract import (
     TENSOR_PARALLEL_SIZE_ENV,
     TOPOLOGY_FILE_ENV,
 )
-from disagg.worker.kv.topology import ModelDocument, TopologyDocument, encode_topology
+from disagg.worker.contracts.topology import ModelDocument, TopologyDocument, encode_topology
 
 FIELD_MANAGER: Final = "disagg-operator"
 NAME_LABEL: Final = "app.kubernetes.io/name"

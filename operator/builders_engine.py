@@ -52,9 +52,9 @@ from typing import Any, Final
 
 from disagg.operator.api import DisaggDeploymentSpec, HybridKVCacheManager, Role
 from disagg.operator.plan import TopologyPlan
+from disagg.worker.contracts.pod_contract import POD_IP_ENV, POD_NAME_ENV
+from disagg.worker.contracts.releases import LATEST, Release, release_of
 from disagg.worker.kv.errors import Violation
-from disagg.worker.kv.pod_contract import POD_IP_ENV, POD_NAME_ENV
-from disagg.worker.kv.releases import LATEST, Release, release_of
 
 HTTP_PORT: Final = 8000
 # vLLM's torch.distributed rendezvous between the pipeline stages of one prefill instance.

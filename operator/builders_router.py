@@ -35,7 +35,7 @@ from disagg.operator.builders import (
     child_name,
     label_value,
 )
-from disagg.worker.kv.pod_contract import (
+from disagg.worker.contracts.pod_contract import (
     DEPLOYMENT_LABEL,
     ROUTER_COMPONENT,
     ROUTER_COMPONENT_LABEL,

@@ -172,7 +172,7 @@ def _router_text(dd: DisaggDeployment) -> str:
 
 def _engine_text(spec: DisaggDeploymentSpec, role: Role) -> str:
     from disagg.operator.builders_engine import is_reference_engine_image, role_image
-    from disagg.worker.kv.releases import release_of
+    from disagg.worker.contracts.releases import release_of
 
     version = spec.effective(role, "version", spec.engine.version)
     release = release_of(version)

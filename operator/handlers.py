@@ -27,7 +27,7 @@ from disagg.operator.builders import DEPLOYMENT_ANNOTATION, FIELD_MANAGER, MANAG
 from disagg.operator.k8s_apply import Kube
 from disagg.operator.reconcile import Observed, RefreshQueue, reconcile, refresh_status
 from disagg.operator.status import Workload, workload
-from disagg.worker.kv.engine_pods import essentials
+from disagg.worker.contracts.engine_pods import essentials
 
 CHILD_SELECTOR = f"{MANAGED_BY_LABEL}={FIELD_MANAGER}"
 CHILD_LABELS = {MANAGED_BY_LABEL: FIELD_MANAGER}

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from disagg.operator.api import REASON_PATTERN, ConditionStatus
+from disagg.worker.contracts.pairing import Exclusion, Routing
+from disagg.worker.contracts.pod_contract import PEER_REPORT_ANNOTATION, POD_CONDITION, ROLE_LABEL
 from disagg.worker.kv.layout import natural_sort_key
-from disagg.worker.kv.pairing import Exclusion, Routing
-from disagg.worker.kv.pod_contract import PEER_REPORT_ANNOTATION, POD_CONDITION, ROLE_LABEL
 
 _ROLE_ORDER: Final = {"prefill": 0, "decode": 1}
 # A sidecar's True with this reason: its engine's peers accept it, the spec's predicted hash does not.

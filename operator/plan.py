@@ -20,9 +20,9 @@ from disagg.operator.api import (
     StageStatus,
     TopologyStatus,
 )
+from disagg.worker.contracts.topology import StageDocument
 from disagg.worker.kv.layout import ModelGeometry, pp_partition
 from disagg.worker.kv.rules import requires_layer_name_routing
-from disagg.worker.kv.topology import StageDocument
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class TopologyPlan:
         )
 
     def stage_documents(self) -> tuple[StageDocument, ...]:
-        """The stages as the topology document (`disagg.worker.kv.topology`) lists them."""
+        """The stages as the topology document (`disagg.worker.contracts.topology`) lists them."""
         return tuple(
             StageDocument(
                 stage=stage.stage,
@@ -83,7 +83,7 @@ class TopologyPlan:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form for `disagg check -o json` and `disagg plan -o json`; the topology document's
-        keys (the ConfigMap carries the same and more, `disagg.worker.kv.topology`)."""
+        keys (the ConfigMap carries the same and more, `disagg.worker.contracts.topology`)."""
         return {
             "transferMode": self.transfer_mode,
             "hma": self.hma,

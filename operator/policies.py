@@ -34,7 +34,7 @@ from disagg.operator.api import (
 from disagg.operator.builders import TRANSFER_IMAGE_ENV, WORKER_IMAGE_ENV, Installation, Owner, build
 from disagg.operator.builders_engine import arg_violations, is_reference_engine_image, role_image, user_args
 from disagg.operator.plan import TopologyPlan, model_geometry, plan_topology
-from disagg.worker.kv import releases
+from disagg.worker.contracts import releases
 from disagg.worker.kv.errors import LayoutError, Violation
 from disagg.worker.kv.layout import DEFAULT_LAYER_NAME_TEMPLATE, AttentionKind, ModelGeometry, pp_partition
 from disagg.worker.kv.rules import (

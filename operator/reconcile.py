@@ -37,8 +37,8 @@ from disagg.operator.k8s_apply import Kube
 from disagg.operator.kv_status import peers_reported, pod_kv
 from disagg.operator.policies import REFUSAL_CHAIN
 from disagg.operator.status import Workload, compute, incompatibility_message, to_json, workload
+from disagg.worker.contracts.pairing import routing_from_pods
 from disagg.worker.kv.errors import Violation
-from disagg.worker.kv.pairing import routing_from_pods
 
 _LOG = logging.getLogger("disagg.operator.status")
 

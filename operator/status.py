@@ -23,8 +23,8 @@ from disagg.operator.api import (
 from disagg.operator.builders import COMPONENT_LABEL, GENERATION_ANNOTATION
 from disagg.operator.compat import CompatReport
 from disagg.operator.kv_status import PodKV, aggregate, routable, routable_pairs
+from disagg.worker.contracts.pairing import Routing
 from disagg.worker.kv.errors import Violation
-from disagg.worker.kv.pairing import Routing
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,6 @@ import numpy as np
 import numpy.typing as npt
 
 from disagg.rig.local import free_port
-from disagg.worker.connector.kv_pool import ShmPool
 from disagg.worker.connector.producer import plan_decode_rank
 from disagg.worker.connector.push import LocalKV, PushConfig, agent_name
 from disagg.worker.connector.side_channel import SideChannelServer, handshake
@@ -47,6 +46,7 @@ from disagg.worker.connector.transport import (
 )
 from disagg.worker.kv.layout import ModelGeometry, StageLayout, build_stage_layout
 from disagg.worker.kv.routing import DescArray, IdArray, expand_logical_blocks
+from disagg.worker.link.kv_pool import ShmPool
 
 HOST = "127.0.0.1"
 DECODE_ENGINE = "bench-decode"

@@ -20,7 +20,7 @@ from typing import Any
 from disagg.rig.local_router import LocalRouter
 from disagg.rig.vllm_engines import VllmEngines, tiny_deployment
 from disagg.rig.vllm_node import available
-from disagg.worker.kv.pairing import Pair
+from disagg.worker.contracts.pairing import Pair
 
 PROMPT_WORDS = 240
 MAX_TOKENS = 8

@@ -36,8 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from disagg.rig.local import LOOPBACK_UCX_ENV, free_port
-from disagg.worker.engine.config import TinyConfig, encode
-from disagg.worker.kv.pod_contract import (
+from disagg.worker.contracts.pod_contract import (
     ENGINE_ID_ENV,
     ENGINE_SOCKET_ENV,
     KV_POOL_ENV,
@@ -51,13 +50,14 @@ from disagg.worker.kv.pod_contract import (
     TOPOLOGY_FILE_ENV,
     TP_RANK_ENV,
 )
-from disagg.worker.kv.topology import (
+from disagg.worker.contracts.topology import (
     ModelDocument,
     StageDocument,
     TopologyDocument,
     WorkerEndpoint,
     encode_topology,
 )
+from disagg.worker.engine.config import TinyConfig, encode
 
 HOST = "127.0.0.1"
 PREFILL_ENGINE = "demo-prefill"
@@ -181,7 +181,7 @@ def _engine_main(spec: EngineSpec, conn: Connection) -> None:
 
 def _register(spec: EngineSpec, model: Any) -> tuple[Any, Any]:
     from disagg.worker.engine.pp import map_kv_cache
-    from disagg.worker.sidecar.engine_link import EngineLink, register_layout_message
+    from disagg.worker.link.engine_link import EngineLink, register_layout_message
 
     w = spec.worker
     pp_size = spec.pp_size if w.role == "prefill" else 1
@@ -254,7 +254,7 @@ def _decoder(spec: EngineSpec, conn: Connection) -> None:
     import torch
 
     from disagg.worker.engine.model import TinyModel
-    from disagg.worker.sidecar.engine_link import PrefillEngine
+    from disagg.worker.link.engine_link import PrefillEngine
 
     torch.set_num_threads(1)
     model = TinyModel(spec.config)

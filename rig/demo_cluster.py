@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 from disagg.rig import local
 from disagg.rig.control_plane import SCRIPT, Paths, call_script
 from disagg.rig.local import REPO, free_port
-from disagg.worker.kv.pod_contract import POD_CONDITION, ROLE_LABEL
+from disagg.worker.contracts.pod_contract import POD_CONDITION, ROLE_LABEL
 
 CRD = REPO / "crds" / "disagg.io_disaggdeployments.yaml"
 VALID_SAMPLE = REPO / "examples" / "pp2-hma.yaml"

@@ -31,9 +31,9 @@ import msgspec
 
 from disagg.rig.demo import Worker, sidecar_env, topology_document
 from disagg.rig.local import HOST, free_port
+from disagg.worker.contracts.pod_contract import ENGINE_ID_ENV
+from disagg.worker.contracts.topology import encode_topology
 from disagg.worker.engine.config import TinyConfig
-from disagg.worker.kv.pod_contract import ENGINE_ID_ENV
-from disagg.worker.kv.topology import encode_topology
 
 START_TIMEOUT_S = 180.0
 PREFILL_ENGINE = "ref-prefill"

@@ -44,7 +44,7 @@ from disagg.operator.builders_engine import is_vllm_image
 from disagg.rig.local import free_port
 from disagg.rig.vllm_node import core_for, engine_process, pinned
 from disagg.worker.connector.transport import LOOPBACK_UCX_ENV
-from disagg.worker.kv.pod_contract import (
+from disagg.worker.contracts.pod_contract import (
     COMPATIBILITY_HASH_ENV,
     DEFAULT_SIDE_CHANNEL_PORT,
     DEPLOYMENT_LABEL,
@@ -201,7 +201,7 @@ class LocalKubelet:
     command: tuple[str, ...] = (
         sys.executable,
         "-m",
-        "disagg.worker.reporting.status_loop",
+        "disagg.rig.status_sidecar",
         "--interval",
         "1",
     )

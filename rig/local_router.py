@@ -35,7 +35,7 @@ import aiohttp
 
 from disagg.rig.local import HOST, free_port
 from disagg.rig.local_engines import LocalEngines
-from disagg.worker.kv.pairing import DecodeTarget, Pair, PrefillTarget, Routing
+from disagg.worker.contracts.pairing import DecodeTarget, Pair, PrefillTarget, Routing
 
 START_TIMEOUT_S = 60.0
 

@@ -36,9 +36,9 @@ from disagg.rig.local import REPO
 from disagg.rig.local_kubelet import expand, expanded_env, pod_dns_to_ip
 from disagg.rig.vllm_node import ENGINE_VENV, core_for, engine_process, pinned
 from disagg.worker.connector.side_channel import fetch_payloads
-from disagg.worker.kv.pairing import DecodeTarget, Pair, PrefillTarget, Routing
-from disagg.worker.kv.payload_facts import PayloadFacts, payload_facts
-from disagg.worker.kv.pod_contract import ENGINE_CONTAINER, ROLE_LABEL
+from disagg.worker.contracts.pairing import DecodeTarget, Pair, PrefillTarget, Routing
+from disagg.worker.contracts.payload_facts import PayloadFacts, payload_facts
+from disagg.worker.contracts.pod_contract import ENGINE_CONTAINER, ROLE_LABEL
 
 TINY_MODEL_SCRIPT: Final = REPO / "hack" / "vllm" / "tiny_model.py"
 MODEL_CACHE: Final = (

@@ -25,11 +25,11 @@ from operator_harness import Cluster, example, wait_for
 from disagg.operator.api import DisaggDeploymentSpec
 from disagg.operator.compat import role_factors
 from disagg.rig.local_kubelet import LocalKubelet, with_engine_hash, with_layer_names
+from disagg.worker.contracts.pairing import Routing, routing_from_pods
+from disagg.worker.contracts.peer_report import decode_peer_report
+from disagg.worker.contracts.pod_contract import PEER_REPORT_ANNOTATION, POD_CONDITION
 from disagg.worker.kv import wire
 from disagg.worker.kv.errors import MissingLayers, PeerUnreachable
-from disagg.worker.kv.pairing import Routing, routing_from_pods
-from disagg.worker.kv.peer_report import decode_peer_report
-from disagg.worker.kv.pod_contract import PEER_REPORT_ANNOTATION, POD_CONDITION
 from disagg.worker.reporting.peer_check import Outcome, Peer, PeerResult, peer_report
 from disagg.worker.reporting.pod_report import PodReporter
 

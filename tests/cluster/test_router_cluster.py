@@ -22,8 +22,13 @@ from kubernetes import client
 from local_cluster import ControlPlane
 
 from disagg.rig.local import free_port
-from disagg.worker.kv.peer_report import PEER_REPORT_VERSION, PeerReport, PeerVerdict, encode_peer_report
-from disagg.worker.kv.pod_contract import (
+from disagg.worker.contracts.peer_report import (
+    PEER_REPORT_VERSION,
+    PeerReport,
+    PeerVerdict,
+    encode_peer_report,
+)
+from disagg.worker.contracts.pod_contract import (
     DEPLOYMENT_LABEL,
     ENGINE_CONTAINER,
     ENGINE_HTTP_PORT_NAME,

@@ -32,9 +32,9 @@ from disagg.operator.api import DisaggDeploymentSpec
 from disagg.operator.compat import role_factors
 from disagg.rig.local_kubelet import KubeletLoop, LocalKubelet, with_engine_hash
 from disagg.rig.service_proxy import ServiceProxy
+from disagg.worker.contracts.pairing import routing_from_pods
+from disagg.worker.contracts.pod_contract import DEPLOYMENT_LABEL, ROLE_ENV
 from disagg.worker.kv import wire
-from disagg.worker.kv.pairing import routing_from_pods
-from disagg.worker.kv.pod_contract import DEPLOYMENT_LABEL, ROLE_ENV
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

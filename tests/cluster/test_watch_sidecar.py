@@ -26,15 +26,15 @@ from operator_harness import wait_for
 
 from disagg.rig.local import LOOPBACK_UCX_ENV as UCX_ENV
 from disagg.rig.local import free_port
+from disagg.rig.status_sidecar import registered_kv
 from disagg.worker.connector.side_channel import SideChannelServer
-from disagg.worker.kv.pod_contract import (
+from disagg.worker.contracts.pod_contract import (
     DEPLOYMENT_LABEL,
     ROLE_LABEL,
     SIDE_CHANNEL_PORT_NAME,
     SIDECAR_CONTAINER,
 )
 from disagg.worker.reporting.pod_report import find_condition
-from disagg.worker.reporting.status_loop import registered_kv
 from disagg.worker.sidecar.config import SidecarConfig, from_env
 
 HOST = "127.0.0.1"

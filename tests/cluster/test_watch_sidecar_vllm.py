@@ -43,8 +43,8 @@ from test_topology_interop import (
 from test_watch_sidecar import DEPLOYMENT, create_pod, kv_condition
 
 from disagg.rig.local import free_port
-from disagg.worker.kv.peer_report import PeerReport, decode_peer_report
-from disagg.worker.kv.pod_contract import PEER_REPORT_ANNOTATION
+from disagg.worker.contracts.peer_report import PeerReport, decode_peer_report
+from disagg.worker.contracts.pod_contract import PEER_REPORT_ANNOTATION
 
 pytestmark = pytest.mark.vllm
 

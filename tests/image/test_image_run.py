@@ -18,12 +18,12 @@ import pytest
 from image_layout import Image, commands_in_help, in_root_argv, run_in_root
 
 from disagg.rig.local import LOOPBACK_UCX_ENV, free_port
-from disagg.worker.connector.kv_pool import ShmPool
 from disagg.worker.connector.side_channel import fetch_payloads
+from disagg.worker.contracts.payload_facts import payload_facts
 from disagg.worker.kv import wire
 from disagg.worker.kv.layout import ModelGeometry, build_stage_layout
-from disagg.worker.kv.payload_facts import payload_facts
-from disagg.worker.sidecar.engine_link import EngineLink, register_layout_message
+from disagg.worker.link.engine_link import EngineLink, register_layout_message
+from disagg.worker.link.kv_pool import ShmPool
 
 # Commands every image has (the operator's and the worker's halves), and the `--help` of each subcommand
 # that the images' processes run; a command listed by `disagg --help` is checked whenever it is there, so

@@ -15,7 +15,8 @@ from test_wire_interop import metadata
 
 from disagg.rig.local import free_port
 from disagg.worker.connector.side_channel import SideChannelServer
-from disagg.worker.kv import releases, wire
+from disagg.worker.contracts import releases
+from disagg.worker.kv import wire
 
 
 @pytest.mark.parametrize("version", RELEASES)

@@ -18,7 +18,7 @@ from _engine_argv import EnginePod, engine_pods, example_spec, kv_transfer_confi
 from _vllm_peer import VllmPeer
 from test_hash_interop import GEMMA
 
-from disagg.worker.kv.pairing import DecodeTarget, Pair, PrefillTarget
+from disagg.worker.contracts.pairing import DecodeTarget, Pair, PrefillTarget
 from disagg.worker.router.protocol import (
     COMPLETIONS,
     RouterError,
@@ -132,8 +132,8 @@ def test_the_router_accepts_what_vllms_request_finished_returns(
     params = found["kv_transfer_params"]
     assert found["delay_free_blocks"] is True and params["transfer_mode"] == "push"
     result = parse_prefill_response(200, response_with(params), pair_for(pods))
-    assert (result.engine_id, result.pp_size) == (pair_for(pods).prefill.engine_id, 2)
-    assert result.request_id.startswith("cmpl-0f3c9a")
+    assert (result.remote_engine_id, result.pp_size) == (pair_for(pods).prefill.engine_id, 2)
+    assert result.remote_request_id.startswith("cmpl-0f3c9a")
 
 
 @pytest.mark.parametrize("key", ["remote_engine_id", "remote_request_id", "tp_size", "remote_block_ids"])

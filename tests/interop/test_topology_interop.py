@@ -19,11 +19,11 @@ import pytest
 from _vllm_peer import PeerFactory, VllmPeer
 
 from disagg.rig.local import free_port
+from disagg.rig.status_sidecar import registered_kv
 from disagg.worker.connector.push import LocalKV
 from disagg.worker.connector.side_channel import SideChannelServer
+from disagg.worker.contracts.pod_contract import ROLE_LABEL, SIDE_CHANNEL_PORT_NAME, SIDECAR_CONTAINER
 from disagg.worker.kv import wire
-from disagg.worker.kv.pod_contract import ROLE_LABEL, SIDE_CHANNEL_PORT_NAME, SIDECAR_CONTAINER
-from disagg.worker.reporting.status_loop import registered_kv
 from disagg.worker.reporting.watch import watch_round
 from disagg.worker.sidecar.config import SidecarConfig, from_env
 from disagg.worker.sidecar.republisher import Republisher

@@ -20,11 +20,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _procs import initial_pool, layout_of, model_of
 
 from disagg.worker.connector.consumer import PushConsumer
-from disagg.worker.connector.kv_pool import ShmPool
 from disagg.worker.connector.producer import PushProducer
 from disagg.worker.connector.push import LocalKV, PushConfig, RemoteEngine, agent_name
 from disagg.worker.connector.side_channel import SideChannelServer
 from disagg.worker.connector.transport import NixlTransport
+from disagg.worker.link.kv_pool import ShmPool
 
 LIFETIME_S = 300.0
 

@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 
 from disagg.rig.local import LOOPBACK_UCX_ENV as UCX_ENV
-from disagg.worker.connector.kv_pool import ShmPool
 from disagg.worker.kv.layout import AttentionKind, ModelGeometry, StageLayout, build_stage_layout
+from disagg.worker.link.kv_pool import ShmPool
 
 PEER_SCRIPT = Path(__file__).with_name("_peer.py")
 EVENT_TIMEOUT_S = 120.0

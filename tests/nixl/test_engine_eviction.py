@@ -22,11 +22,11 @@ from test_push import DENSE
 
 from disagg.rig.local import free_port
 from disagg.worker.connector.consumer import PushConsumer
-from disagg.worker.connector.kv_pool import ShmPool
 from disagg.worker.connector.producer import PushProducer
 from disagg.worker.connector.push import LocalKV, PushConfig, RemoteEngine, agent_name
 from disagg.worker.connector.side_channel import SideChannelServer
 from disagg.worker.connector.transport import LOCAL_AGENT, NixlTransport, PreppedList
+from disagg.worker.link.kv_pool import ShmPool
 
 TTL_S = 100.0
 PROBE_S = 10.0

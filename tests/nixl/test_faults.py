@@ -11,7 +11,7 @@ from _procs import Cluster, check_push, read_pool, written_bytes
 from test_push import DENSE, prefill_specs, remote
 
 from disagg.rig.local import free_port
-from disagg.worker.connector.kv_pool import ShmPool
+from disagg.worker.link.kv_pool import ShmPool
 
 # DENSE blocks are 4 KiB per layer, 6 layers: 21 000 blocks are 126 000 descriptors, ~490 MiB. On the 2-core
 # CPU machines one such WRITE takes ~0.45 s, of which ~0.33 s is copying; the kill below lands within a few

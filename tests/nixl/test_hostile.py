@@ -21,13 +21,13 @@ import zmq
 
 from disagg.rig.local import free_port
 from disagg.worker.connector.consumer import ConsumerEvents, PushConsumer
-from disagg.worker.connector.kv_pool import ShmPool
 from disagg.worker.connector.producer import ProducerEvents, PushProducer
 from disagg.worker.connector.push import LocalKV, PushConfig, RemoteEngine
 from disagg.worker.connector.side_channel import SideChannelServer, fetch_payloads
 from disagg.worker.connector.transport import NixlTransport
 from disagg.worker.kv import wire
 from disagg.worker.kv.layout import ModelGeometry, build_stage_layout
+from disagg.worker.link.kv_pool import ShmPool
 
 MODEL = ModelGeometry.with_full_every(4, 1, num_kv_heads=2, head_size=8, dtype_bytes=2, hma=False)
 HOST = "127.0.0.1"

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from disagg.worker.connector.kv_pool import ShmPool
 from disagg.worker.connector.producer import ProducerEvents, PushProducer
 from disagg.worker.connector.push import LocalKV, PushConfig
 from disagg.worker.connector.transport import NixlTransport
 from disagg.worker.kv import wire
 from disagg.worker.kv.layout import ModelGeometry, build_stage_layout
+from disagg.worker.link.kv_pool import ShmPool
 
 LEASE_S = 3.0  # heartbeats extend to now + 2 s
 

@@ -18,11 +18,11 @@ import msgspec
 import pytest
 
 from disagg.rig.local import free_port
+from disagg.rig.status_sidecar import registered_kv
 from disagg.worker.connector.push import LocalKV
 from disagg.worker.connector.side_channel import SideChannelServer
 from disagg.worker.kv import wire
 from disagg.worker.reporting.peer_check import Peer, PeerResult, check_peer, summarize
-from disagg.worker.reporting.status_loop import registered_kv
 from disagg.worker.sidecar.config import SidecarConfig, from_env
 
 HOST = "127.0.0.1"

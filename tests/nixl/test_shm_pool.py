@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from disagg.worker.connector.kv_pool import PAGE_BYTES, ShmPool
+from disagg.worker.link.kv_pool import PAGE_BYTES, ShmPool
 
 NBYTES = 64 * 2**20 + 3 * PAGE_BYTES  # not a multiple of a huge page
 

@@ -16,8 +16,8 @@ from test_peer_check import DECODE_POD, HEAD_POD, HOST, PREFILL_POD, config, pee
 from test_peer_check import engine as prefill_engine
 
 from disagg.rig.local import free_port
+from disagg.worker.contracts.pod_contract import ROLE_LABEL, SIDE_CHANNEL_PORT_NAME, SIDECAR_CONTAINER
 from disagg.worker.kv import wire
-from disagg.worker.kv.pod_contract import ROLE_LABEL, SIDE_CHANNEL_PORT_NAME, SIDECAR_CONTAINER
 from disagg.worker.reporting.peer_check import check_peer
 from disagg.worker.reporting.watch import check_decode_peer, check_own_engine, watch_round
 from disagg.worker.sidecar.config import SidecarConfig

@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict
 
-from disagg.worker.kv.pairing import DecodeTarget, Pair, PrefillTarget, Routing
+from disagg.worker.contracts.pairing import DecodeTarget, Pair, PrefillTarget, Routing
 
 HOST = "127.0.0.1"
 Behaviour = Callable[[web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]

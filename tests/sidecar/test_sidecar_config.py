@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
+from disagg.worker.contracts.topology import decode_topology
 from disagg.worker.kv import wire
 from disagg.worker.kv.errors import WorkerConfigError
 from disagg.worker.kv.layout import AttentionKind
-from disagg.worker.kv.topology import decode_topology
 from disagg.worker.sidecar.config import from_env, load_topology
 
 
@@ -170,7 +170,7 @@ def test_the_sidecar_speaks_the_connector_version_of_the_release_its_spec_names(
     from disagg.operator.api import DisaggDeployment
     from disagg.operator.builders import Owner, topology_document
     from disagg.operator.compat import evaluate, role_factors
-    from disagg.worker.kv.topology import encode_topology
+    from disagg.worker.contracts.topology import encode_topology
 
     example = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "pp2-hma.yaml").read_text())
     example["spec"]["engine"].update(version=version, image=f"vllm/vllm-openai:v{version}")

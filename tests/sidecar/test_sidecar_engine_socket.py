@@ -14,7 +14,6 @@ import pytest
 from sidecar_procs import SidecarProcess, metric
 
 from disagg.rig.local import free_port
-from disagg.worker.connector.kv_pool import ShmPool
 from disagg.worker.kv.errors import (
     BlockIdOutOfRange,
     DisaggError,
@@ -26,7 +25,7 @@ from disagg.worker.kv.errors import (
     WrongRole,
 )
 from disagg.worker.kv.layout import ModelGeometry, StageLayout, build_stage_layout
-from disagg.worker.sidecar.engine_link import (
+from disagg.worker.link.engine_link import (
     MAX_FRAME_BYTES,
     EngineLink,
     Error,
@@ -40,6 +39,7 @@ from disagg.worker.sidecar.engine_link import (
     read_frame,
     register_layout_message,
 )
+from disagg.worker.link.kv_pool import ShmPool
 
 GEOMETRY = ModelGeometry.with_full_every(6, 3, num_kv_heads=2, head_size=8, dtype_bytes=2)
 BLOCK_SIZE, NUM_BLOCKS = 16, 24

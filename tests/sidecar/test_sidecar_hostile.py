@@ -21,10 +21,8 @@ from sidecar_procs import SidecarProcess, http_get
 from test_sidecar_engine_socket import ENGINE_ID, NUM_BLOCKS, registration, stage_layout, topology
 
 from disagg.rig.local import free_port
-from disagg.worker.connector.kv_pool import ShmPool
 from disagg.worker.kv.errors import DisaggError, EngineProtocolError
-from disagg.worker.sidecar.config import from_env
-from disagg.worker.sidecar.engine_link import (
+from disagg.worker.link.engine_link import (
     MAX_FRAME_BYTES,
     EngineLink,
     Error,
@@ -39,6 +37,8 @@ from disagg.worker.sidecar.engine_link import (
     encode_frame,
     read_frame,
 )
+from disagg.worker.link.kv_pool import ShmPool
+from disagg.worker.sidecar.config import from_env
 from disagg.worker.sidecar.transfer import Sidecar
 
 FUZZ_MESSAGES = 5_000

@@ -13,9 +13,8 @@ from typing import Any
 from sidecar_procs import SidecarProcess, metric
 from test_sidecar_hostile import proc_rss
 
-from disagg.worker.connector.kv_pool import ShmPool
 from disagg.worker.kv.layout import ModelGeometry, StageLayout, build_stage_layout
-from disagg.worker.sidecar.engine_link import (
+from disagg.worker.link.engine_link import (
     EngineLink,
     KVReady,
     KVSent,
@@ -23,6 +22,7 @@ from disagg.worker.sidecar.engine_link import (
     RegisterLayout,
     register_layout_message,
 )
+from disagg.worker.link.kv_pool import ShmPool
 
 CYCLES = 20
 WARM_UP = 5

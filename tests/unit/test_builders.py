@@ -28,8 +28,8 @@ from disagg.operator.builders_engine import arg_violations, engine_container, is
 from disagg.operator.compat import evaluate
 from disagg.operator.policies import worker_image_violations
 from disagg.operator.reconcile import judge
-from disagg.worker.kv.pod_contract import POD_CONDITION, SIDECAR_CONTAINER
-from disagg.worker.kv.topology import decode_topology
+from disagg.worker.contracts.pod_contract import POD_CONDITION, SIDECAR_CONTAINER
+from disagg.worker.contracts.topology import decode_topology
 from disagg.worker.reporting.status_loop import SERVICE_ACCOUNT_TOKEN
 from disagg.worker.sidecar.config import from_env
 

@@ -28,10 +28,10 @@ from disagg.operator.policies import (
     reference_tensor_parallel,
 )
 from disagg.operator.status import Workload, compute
+from disagg.worker.contracts.pairing import routing_from_pods
+from disagg.worker.contracts.pod_contract import POD_CONDITION, ROLE_LABEL, SIDECAR_CONTAINER
+from disagg.worker.contracts.topology import decode_topology
 from disagg.worker.engine.config import TinyConfig
-from disagg.worker.kv.pairing import routing_from_pods
-from disagg.worker.kv.pod_contract import POD_CONDITION, ROLE_LABEL, SIDECAR_CONTAINER
-from disagg.worker.kv.topology import decode_topology
 from disagg.worker.sidecar.config import from_env
 
 OWNER = Owner(name="gemma-pp2", namespace="ns1", uid="0f0e-uid", generation=7)

@@ -18,7 +18,7 @@ from disagg.operator.api import DisaggDeployment
 from disagg.operator.builders import Installation, Owner, build
 from disagg.operator.cli import main
 from disagg.operator.compat import evaluate
-from disagg.worker.kv.pod_contract import POD_CONDITION
+from disagg.worker.contracts.pod_contract import POD_CONDITION
 
 REPO = Path(__file__).resolve().parents[2]
 

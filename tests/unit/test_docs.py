@@ -22,7 +22,8 @@ import yaml
 from disagg.operator import builders_engine, crd
 from disagg.operator.api import DisaggDeployment
 from disagg.operator.compat import deployment_factors, evaluate
-from disagg.worker.kv import errors, releases, wire
+from disagg.worker.contracts import releases
+from disagg.worker.kv import errors, wire
 from disagg.worker.kv.layout import ModelGeometry, build_stage_layout, transfer_group_index_by_layer
 from disagg.worker.kv.routing import RegionGeometry, TransferLayers, plan_transfer
 
@@ -36,6 +37,8 @@ CAMEL = re.compile(r"^[A-Z][A-Za-z0-9]*$")
 BACKTICKED = re.compile(r"`([^`]+)`")
 CODE_PACKAGES = (
     "disagg.worker.kv",
+    "disagg.worker.contracts",
+    "disagg.worker.link",
     "disagg.worker.connector",
     "disagg.worker.sidecar",
     "disagg.worker.reporting",
@@ -45,7 +48,6 @@ CODE_PACKAGES = (
 REASON_SOURCES = (
     "worker/kv/rules.py",
     "worker/kv/routing.py",
-    "worker/kv/wire.py",
     "worker/connector/transport.py",
     "worker/connector/side_channel.py",
     "worker/connector/push.py",

@@ -14,9 +14,9 @@ from test_builders import container, env, objects
 from test_kv_report import built_pods, sidecar_config
 
 from disagg.operator.builders import SIDECAR_CONTAINER
+from disagg.worker.contracts.payload_facts import live_differences, payload_facts, prediction_differences
+from disagg.worker.contracts.topology import WorkerEndpoint
 from disagg.worker.kv import wire
-from disagg.worker.kv.payload_facts import live_differences, payload_facts, prediction_differences
-from disagg.worker.kv.topology import WorkerEndpoint
 from disagg.worker.reporting.peer_check import Peer, peers_from_pods, summarize, through_heads
 from disagg.worker.sidecar.config import from_env
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from disagg.worker.contracts.kv_transfer_params import DecodeLeg, PrefillLeg
 from disagg.worker.engine.api_errors import ApiError
 from disagg.worker.engine.kv_cache import BlockPool, OutOfBlocks
 from disagg.worker.engine.openai_api import (
@@ -20,8 +21,6 @@ from disagg.worker.engine.openai_api import (
 )
 from disagg.worker.engine.scheduler import BlockScheduler
 from disagg.worker.engine.transfer_params import (
-    DecodeLeg,
-    PrefillLeg,
     internal_request_id,
     parse_kv_transfer_params,
     prefill_response_params,

@@ -13,9 +13,14 @@ from disagg.operator import builders
 from disagg.operator.api import DisaggDeploymentSpec
 from disagg.operator.compat import evaluate
 from disagg.rig.local_kubelet import pod_ready, resolve_env
+from disagg.worker.contracts.peer_report import (
+    MAX_DIFFERS_CHARS,
+    MAX_PEERS,
+    decode_peer_report,
+    encode_peer_report,
+)
+from disagg.worker.contracts.pod_contract import PEER_REPORT_ANNOTATION, POD_CONDITION, SIDECAR_CONTAINER
 from disagg.worker.kv.errors import CompatibilityHashMismatch, DisaggError, MissingLayers, PeerUnreachable
-from disagg.worker.kv.peer_report import MAX_DIFFERS_CHARS, MAX_PEERS, decode_peer_report, encode_peer_report
-from disagg.worker.kv.pod_contract import PEER_REPORT_ANNOTATION, POD_CONDITION, SIDECAR_CONTAINER
 from disagg.worker.reporting.peer_check import (
     Outcome,
     Peer,

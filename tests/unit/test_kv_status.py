@@ -8,9 +8,9 @@ import pytest
 
 from disagg.operator.api import ConditionStatus
 from disagg.operator.kv_status import MAX_ROUTABLE_MESSAGE, aggregate, pod_kv, routable, routable_pairs
+from disagg.worker.contracts.pairing import Exclusion, Routing
+from disagg.worker.contracts.pod_contract import POD_CONDITION
 from disagg.worker.kv import errors
-from disagg.worker.kv.pairing import Exclusion, Routing
-from disagg.worker.kv.pod_contract import POD_CONDITION
 
 HANDSHAKE_REASONS = [
     cls.reason

@@ -50,7 +50,7 @@ def test_every_operator_module_imports_without_torch_or_nixl() -> None:
 
 def test_no_worker_module_imports_kopf() -> None:
     modules = _modules(disagg.worker)
-    assert "disagg.worker.sidecar.transfer" in modules and "disagg.worker.kv.pod_contract" in modules
+    assert "disagg.worker.sidecar.transfer" in modules and "disagg.worker.contracts.pod_contract" in modules
     assert _loaded(("kopf",), modules) == []
 
 
@@ -67,3 +67,16 @@ def test_the_router_imports_neither_torch_nor_nixl_nor_the_data_path() -> None:
     assert "disagg.worker.router.app" in modules and "disagg.worker.router.cli" in modules
     forbidden = ("torch", "nixl", "nixl_cu12", "zmq", "kopf")
     assert _loaded(forbidden, [*modules, "disagg.worker.router.discovery"]) == []
+
+
+def test_the_contracts_import_no_io_stack() -> None:
+    # The router and the operator read them, so they stay as light as the core.
+    import disagg.worker.contracts
+
+    modules = _modules(disagg.worker.contracts)
+    assert (
+        "disagg.worker.contracts.kv_transfer_params" in modules
+        and "disagg.worker.contracts.pairing" in modules
+    )
+    forbidden = ("torch", "nixl", "nixl_cu12", "zmq", "kopf", "kubernetes", "aiohttp")
+    assert _loaded(forbidden, modules) == []

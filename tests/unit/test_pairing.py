@@ -19,22 +19,22 @@ from disagg.operator import builders
 from disagg.operator.api import DisaggDeploymentSpec
 from disagg.operator.compat import evaluate
 from disagg.operator.kv_status import pod_kv
-from disagg.worker.kv.engine_pods import engine_pod, essentials
-from disagg.worker.kv.pairing import (
+from disagg.worker.contracts.engine_pods import engine_pod, essentials
+from disagg.worker.contracts.pairing import (
     DecodeTarget,
     Exclusion,
     PrefillTarget,
     Routing,
     routing_from_pods,
 )
-from disagg.worker.kv.peer_report import (
+from disagg.worker.contracts.peer_report import (
     MAX_PEER_REPORT_BYTES,
     PEER_REPORT_VERSION,
     PeerReport,
     PeerVerdict,
     encode_peer_report,
 )
-from disagg.worker.kv.pod_contract import (
+from disagg.worker.contracts.pod_contract import (
     DEPLOYMENT_LABEL,
     PEER_REPORT_ANNOTATION,
     POD_CONDITION,

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from disagg.worker.kv.peer_report import (
+from disagg.worker.contracts.peer_report import (
     MAX_PEER_REPORT_BYTES,
     MAX_PEERS,
     PEER_REPORT_VERSION,

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from disagg.worker.kv.pairing import DecodeTarget, Pair, PrefillTarget
+from disagg.worker.contracts.pairing import DecodeTarget, Pair, PrefillTarget
 from disagg.worker.router.app import SseEvents
 from disagg.worker.router.balance import Balancer
 from disagg.worker.router.protocol import (
@@ -143,7 +143,7 @@ def test_a_bad_client_body_is_a_client_error(raw: bytes) -> None:
 
 def test_vllms_request_finished_params_are_accepted() -> None:
     result = parse_prefill_response(200, prefill_answer(), pair())
-    assert (result.engine_id, result.request_id, result.pp_size) == (
+    assert (result.remote_engine_id, result.remote_request_id, result.pp_size) == (
         "tiny-prefill-0@1a2b",
         "cmpl-abc-1f2e3d4c",
         2,

@@ -14,8 +14,8 @@ from disagg.operator.api import ConditionStatus, DisaggDeploymentStatus
 from disagg.operator.compat import evaluate
 from disagg.operator.kv_status import PodKV, peers_reported
 from disagg.operator.status import Workload, compute, incompatibility_message, to_json, workload
+from disagg.worker.contracts.pairing import routing_from_pods
 from disagg.worker.kv.errors import Violation
-from disagg.worker.kv.pairing import routing_from_pods
 
 T0 = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
 

@@ -7,9 +7,7 @@ from typing import Any
 
 import pytest
 
-from disagg.worker.kv.errors import WorkerConfigError
-from disagg.worker.kv.layout import AttentionKind
-from disagg.worker.kv.topology import (
+from disagg.worker.contracts.topology import (
     TOPOLOGY_VERSION,
     ModelDocument,
     StageDocument,
@@ -18,6 +16,8 @@ from disagg.worker.kv.topology import (
     decode_topology,
     encode_topology,
 )
+from disagg.worker.kv.errors import WorkerConfigError
+from disagg.worker.kv.layout import AttentionKind
 
 
 def document() -> TopologyDocument:

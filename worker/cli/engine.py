@@ -24,8 +24,8 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from disagg.worker.contracts.pod_contract import HTTP_HOST_ENV, LOG_LEVEL_ENV
 from disagg.worker.kv.errors import DisaggError
-from disagg.worker.kv.pod_contract import HTTP_HOST_ENV, LOG_LEVEL_ENV
 
 if TYPE_CHECKING:
     from disagg.worker.engine.serve import ServeSettings

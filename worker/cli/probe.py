@@ -227,9 +227,9 @@ def pipeline_refusal(claim: RankClaim, held: list[int] | None) -> tuple[str, str
 
 def probe(args: argparse.Namespace) -> int:
     from disagg.worker.connector.side_channel import RankReply, fetch_payloads
+    from disagg.worker.contracts.payload_facts import payload_facts
     from disagg.worker.kv import wire
     from disagg.worker.kv.errors import DisaggError
-    from disagg.worker.kv.payload_facts import payload_facts
 
     def show(reply: RankReply) -> Any:
         facts = payload_facts(reply.payload)

@@ -1,4 +1,4 @@
-"""The NIXL push connector: transport, side channel, the shared KV pool, and the producer and consumer.
+"""The NIXL push connector: transport, side channel, registrations, and the producer and consumer.
 
 Data flows registration → handshake → alignment → descriptors → transfer → completion, with the pure
 `disagg.worker.kv` core deciding every layout and descriptor.

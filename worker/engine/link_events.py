@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 from disagg.worker.kv.errors import DisaggError, PeerUnreachable
-from disagg.worker.sidecar.engine_link import EngineLink, Event, RegisterLayout
+from disagg.worker.link.engine_link import EngineLink, Event, RegisterLayout
 
 log = logging.getLogger(__name__)
 

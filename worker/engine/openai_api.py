@@ -12,7 +12,7 @@ Requests (`/v1/completions`, `/v1/chat/completions`); fields this subset does no
   it (`finish_reason: "stop"`, `stop_reason` the string).
 - `stream` (SSE `data: {...}` chunks, then `data: [DONE]`), `stream_options.include_usage`.
 - `return_token_ids` (vLLM's): each choice carries `token_ids`, the generated tokens.
-- `kv_transfer_params` (vLLM's, `disagg.worker.engine.transfer_params`).
+- `kv_transfer_params` (vLLM's, `disagg.worker.contracts.kv_transfer_params`).
 
 Tokens are bytes: text is the UTF-8 of the prompt, and the output's bytes decoded as UTF-8 with
 replacement; a stream decodes incrementally, so its deltas join to the same text.
@@ -26,9 +26,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from disagg.worker.contracts.kv_transfer_params import Endpoint, Transfer
 from disagg.worker.engine.api_errors import ApiError, bad_request
 from disagg.worker.engine.config import encode
-from disagg.worker.engine.transfer_params import Endpoint, Transfer, parse_kv_transfer_params
+from disagg.worker.engine.transfer_params import parse_kv_transfer_params
 
 DEFAULT_MAX_TOKENS = 16
 MAX_STOPS = 16

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from disagg.worker.connector.kv_pool import ShmPool
 from disagg.worker.engine.config import TinyConfig
 from disagg.worker.engine.kv_cache import BlockTables, PagedKVCache
 from disagg.worker.engine.model import TinyModel
+from disagg.worker.link.kv_pool import ShmPool
 
 
 def map_kv_cache(

@@ -43,6 +43,8 @@ from typing import Any, Literal, TypeVar
 import torch
 from aiohttp import web
 
+from disagg.worker.contracts.kv_transfer_params import DecodeLeg, Endpoint, PrefillLeg
+from disagg.worker.contracts.topology import Role, Topology
 from disagg.worker.engine import stages
 from disagg.worker.engine.api_errors import ApiError, bad_request, error_body
 from disagg.worker.engine.config import TinyConfig
@@ -63,16 +65,9 @@ from disagg.worker.engine.openai_api import (
 )
 from disagg.worker.engine.pp import map_kv_cache
 from disagg.worker.engine.scheduler import BlockScheduler, State
-from disagg.worker.engine.transfer_params import (
-    DecodeLeg,
-    Endpoint,
-    PrefillLeg,
-    internal_request_id,
-    prefill_response_params,
-)
+from disagg.worker.engine.transfer_params import internal_request_id, prefill_response_params
 from disagg.worker.kv.errors import DisaggError, DuplicateRequest, WorkerConfigError
-from disagg.worker.kv.topology import Role, Topology
-from disagg.worker.sidecar.engine_link import (
+from disagg.worker.link.engine_link import (
     EngineLink,
     Event,
     KVFailed,

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from disagg.worker.engine.kv_cache import BlockTables, PagedKVCache
 from disagg.worker.engine.model import TinyModel
 from disagg.worker.kv.errors import DisaggError
-from disagg.worker.sidecar.engine_link import EngineLink, Event, KVFailed, KVSent
+from disagg.worker.link.engine_link import EngineLink, Event, KVFailed, KVSent
 
 log = logging.getLogger(__name__)
 

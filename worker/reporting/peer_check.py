@@ -34,11 +34,9 @@ from disagg.worker.connector.side_channel import (
     handshake_target_tp_ranks,
     handshake_targets,
 )
-from disagg.worker.kv import wire
-from disagg.worker.kv.engine_pods import engine_pod
-from disagg.worker.kv.errors import CompatibilityHashMismatch, DisaggError, HandshakeError
-from disagg.worker.kv.payload_facts import PayloadFacts, live_differences, payload_facts
-from disagg.worker.kv.peer_report import (
+from disagg.worker.contracts.engine_pods import engine_pod
+from disagg.worker.contracts.payload_facts import PayloadFacts, live_differences, payload_facts
+from disagg.worker.contracts.peer_report import (
     MAX_DIFFERS_CHARS,
     MAX_ENGINE_ID_CHARS,
     MAX_HASH_CHARS,
@@ -51,7 +49,9 @@ from disagg.worker.kv.peer_report import (
     PeerReport,
     PeerVerdict,
 )
-from disagg.worker.kv.topology import Role
+from disagg.worker.contracts.topology import Role
+from disagg.worker.kv import wire
+from disagg.worker.kv.errors import CompatibilityHashMismatch, DisaggError, HandshakeError
 from disagg.worker.sidecar.config import SidecarConfig
 
 MAX_MESSAGE_CHARS: Final = 4000

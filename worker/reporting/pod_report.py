@@ -29,8 +29,8 @@ from typing import Any, Final
 
 from kubernetes import client, config
 
-from disagg.worker.kv.peer_report import PeerReport, PeerReportError, encode_peer_report
-from disagg.worker.kv.pod_contract import PEER_REPORT_ANNOTATION, POD_CONDITION
+from disagg.worker.contracts.peer_report import PeerReport, PeerReportError, encode_peer_report
+from disagg.worker.contracts.pod_contract import PEER_REPORT_ANNOTATION, POD_CONDITION
 from disagg.worker.reporting.peer_check import Outcome, refusal_message
 
 COMPONENT: Final = "disagg-kv-worker"

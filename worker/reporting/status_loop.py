@@ -1,55 +1,42 @@
-"""A sidecar that only reports: it serves its handshake payload and checks its peers, moving no KV.
+"""A pod's peer reporter: every few seconds, handshake the other role's pods and write what was found.
 
-`python -m disagg.worker.reporting.status_loop` reads the sidecar's configuration (`sidecar.config.from_env`:
-the pod's downward-API identity and the topology file), lays out and registers a KV pool of its own with a
-real NIXL agent (no engine attaches to it), serves that worker's payload on the side channel as the connector
-does, and then, every `--interval` seconds, handshakes the other role's pods of its deployment (`peer_check`)
-and writes the result to its own Pod (`pod_report`: the condition, and the peer report annotation
-`disagg.io/kv-peers` the router and the operator pair pods by). The cluster tests and the control-plane demo
-run one per pod, as the sidecar would run in it. A transferring sidecar in a pod (`pod_api_client`,
-`disagg.worker.cli.transfer`) runs the same `PeerReporter` beside its main loop, with the `LocalKV` the
+`PeerReporter` runs `report_once` on a thread of its own: list the other role's pods of this pod's deployment,
+handshake each (`peer_check`) and write the result to this pod (`pod_report`: the condition, and the peer
+report annotation `disagg.io/kv-peers` the router and the operator pair pods by). A transferring sidecar in a
+pod (`pod_api_client`, `disagg.worker.cli.transfer`) runs it beside its main loop, with the `LocalKV` the
 engine registered; a watching sidecar (`disagg.worker.reporting.watch`) runs it with a round that handshakes
-its own engine first.
+its own engine first. (The rig's local kubelet runs a reporting-only stand-in, `disagg.rig.status_sidecar`.)
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import logging
 import os
-import signal
-import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from types import FrameType
 from typing import Any, Final
 
 import urllib3
 from kubernetes import client
 from kubernetes import config as kube_config
 
-from disagg.worker.connector.kv_pool import ShmPool
-from disagg.worker.connector.push import LocalKV, agent_name
-from disagg.worker.connector.side_channel import DEFAULT_HANDSHAKE_TIMEOUT_S, SideChannelServer
-from disagg.worker.kv.errors import DisaggError, WorkerConfigError
-from disagg.worker.kv.layout import build_stage_layout
-from disagg.worker.kv.pod_contract import (
+from disagg.worker.connector.push import LocalKV
+from disagg.worker.connector.side_channel import DEFAULT_HANDSHAKE_TIMEOUT_S
+from disagg.worker.contracts.pod_contract import (
     DEPLOYMENT_ENV,
     DEPLOYMENT_LABEL,
     POD_NAME_ENV,
     POD_NAMESPACE_ENV,
     ROLE_LABEL,
 )
+from disagg.worker.kv.errors import WorkerConfigError
 from disagg.worker.reporting.peer_check import Outcome, check_round, peer_role
-from disagg.worker.reporting.pod_report import PodReporter, kube_client
-from disagg.worker.sidecar.config import SidecarConfig, from_env
-from disagg.worker.sidecar.republisher import Republisher
+from disagg.worker.reporting.pod_report import PodReporter
+from disagg.worker.sidecar.config import SidecarConfig
 
 log = logging.getLogger("disagg.worker.reporting.status_loop")
 DEFAULT_INTERVAL_S = 10.0
-DEFAULT_NUM_BLOCKS = 4
 SERVICE_ACCOUNT_TOKEN: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 
 Check = Callable[[Sequence[Mapping[str, Any]]], Outcome]
@@ -164,89 +151,3 @@ def _required(env: Mapping[str, str], name: str) -> str:
     if not value:
         raise WorkerConfigError(f"{name} is not set (the pod spec sets it from the downward API)")
     return value
-
-
-@contextlib.contextmanager
-def registered_kv(config: SidecarConfig, num_blocks: int, pool_path: Path) -> Iterator[LocalKV]:
-    """This worker's KV layout in a fresh pool at `pool_path`, registered with a NIXL agent of its own."""
-    from disagg.worker.connector.transport import NixlTransport
-
-    topology = config.topology
-    layout = build_stage_layout(
-        topology.model,
-        pp_rank=config.pp_rank,
-        pp_size=config.pp_size,
-        tp_size=config.tp_size,
-        block_size=topology.block_size,
-        num_blocks=num_blocks,
-        partition=topology.layer_partition if config.role == "prefill" else None,
-        packed=topology.packed,
-    )
-    pool = ShmPool.create(pool_path, layout.total_bytes)
-    try:
-        transport = NixlTransport(agent_name(config.engine_id, config.pp_rank, config.tp_rank))
-        try:
-            yield LocalKV(layout, transport, pool.addr, pool.nbytes, config.push_config())
-        finally:
-            transport.close()
-    finally:
-        pool.close()
-        pool.unlink()
-
-
-def run(env: Mapping[str, str], interval_s: float, num_blocks: int, stop: threading.Event) -> int:
-    config = from_env(env)
-    pod = _required(env, POD_NAME_ENV)
-    pool_path = Path("/dev/shm") / f"disagg-status-{pod}-{os.getpid()}"
-    with registered_kv(config, num_blocks, pool_path) as local, kube_client() as api:
-        server = SideChannelServer(config.side_channel_host, config.side_channel_port)
-        server.set_payload(config.pp_rank, config.tp_rank, local.handshake_payload())
-        server.start()
-        # The head of a PP engine answers for every stage, as the transfer sidecar's head does.
-        republisher = Republisher(config, server).start()
-        try:
-            log.info(
-                "%s: %s engine %s (pp %d, tp %d) serves its side channel on %s:%d",
-                pod,
-                config.role,
-                config.engine_id,
-                config.pp_rank,
-                config.tp_rank,
-                config.side_channel_host,
-                config.side_channel_port,
-            )
-            reporter = PeerReporter.for_pod(config, local, api, env, interval_s=interval_s).start()
-            stop.wait()
-            reporter.stop()
-        finally:
-            republisher.stop()
-            server.stop()
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m disagg.worker.reporting.status_loop", description=__doc__
-    )
-    parser.add_argument("--interval", type=float, default=DEFAULT_INTERVAL_S, help="Seconds between rounds.")
-    parser.add_argument(
-        "--num-blocks", type=int, default=DEFAULT_NUM_BLOCKS, help="Logical KV blocks of the registered pool."
-    )
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    try:
-        return run(os.environ, args.interval, args.num_blocks, stop)
-    except DisaggError as exc:
-        log.error("%s: %s", exc.reason, exc.message)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

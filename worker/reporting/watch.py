@@ -33,13 +33,13 @@ from disagg.worker.connector.side_channel import (
     handshake,
     handshake_targets,
 )
+from disagg.worker.contracts.payload_facts import PayloadFacts, payload_facts, prediction_differences
+from disagg.worker.contracts.peer_report import PeerReport
+from disagg.worker.contracts.pod_contract import LOG_LEVEL_ENV, POD_NAME_ENV
 from disagg.worker.kv import rules, wire
 from disagg.worker.kv.decode_checks import LocalRegion, PrefillRank, check_decode_agent
 from disagg.worker.kv.errors import CompatibilityHashMismatch, DisaggError, WorkerConfigError
 from disagg.worker.kv.layout import AttentionKind
-from disagg.worker.kv.payload_facts import PayloadFacts, payload_facts, prediction_differences
-from disagg.worker.kv.peer_report import PeerReport
-from disagg.worker.kv.pod_contract import LOG_LEVEL_ENV, POD_NAME_ENV
 from disagg.worker.reporting.peer_check import (
     Advertised,
     Outcome,

@@ -6,6 +6,7 @@
 - `app`: the aiohttp server and the two-leg request path.
 - `cli`: `disagg router run`.
 
-It ships in the light image: it imports the pure core (`disagg.worker.kv`) and nothing of the data path,
-the sidecar or torch/NIXL (an import contract in pyproject.toml says so).
+It ships in the light image: it imports the pure core (`disagg.worker.kv`) and the contracts
+(`disagg.worker.contracts`: pairing, pod contract, `kv_transfer_params`) and nothing of the data path, the
+engine link, the sidecar or torch/NIXL (an import contract in pyproject.toml says so).
 """

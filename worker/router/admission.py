@@ -19,7 +19,7 @@ import asyncio
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from disagg.worker.kv.pairing import Pair
+from disagg.worker.contracts.pairing import Pair
 from disagg.worker.router.balance import Balancer
 from disagg.worker.router.protocol import Fault, RouterError
 

@@ -34,7 +34,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from disagg.worker.kv.pairing import Pair, Routing
+from disagg.worker.contracts.kv_transfer_params import PrefillHandoff
+from disagg.worker.contracts.pairing import Pair, Routing
 from disagg.worker.router.admission import Admission
 from disagg.worker.router.balance import Balancer, Ticket
 from disagg.worker.router.canary import KvCanary
@@ -46,7 +47,6 @@ from disagg.worker.router.protocol import (
     ClientRequest,
     Fault,
     Legs,
-    PrefillResult,
     RouterError,
     build_legs,
     engine_error,
@@ -445,7 +445,7 @@ class Router:
             self.balancer.decode_done(ticket)
             self.admission.release()
 
-    async def _prefill(self, pair: Pair, legs: Legs, ticket: Ticket) -> PrefillResult:
+    async def _prefill(self, pair: Pair, legs: Legs, ticket: Ticket) -> PrefillHandoff:
         target = pair.prefill
         url = f"http://{_host(target.host)}:{target.http_port}{legs.endpoint}"
         started = time.monotonic()

@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from disagg.worker.kv.pairing import Pair
+from disagg.worker.contracts.pairing import Pair
 
 
 @dataclass

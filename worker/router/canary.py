@@ -18,7 +18,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
-from disagg.worker.kv.pairing import Exclusion, Pair, Routing
+from disagg.worker.contracts.pairing import Exclusion, Pair, Routing
 
 log = logging.getLogger("disagg.worker.router.canary")
 

@@ -12,7 +12,7 @@ import logging
 import os
 from typing import Any
 
-from disagg.worker.kv.pod_contract import HTTP_HOST_ENV
+from disagg.worker.contracts.pod_contract import HTTP_HOST_ENV
 from disagg.worker.router.config import RouterConfig
 
 log = logging.getLogger("disagg.worker.router")
@@ -157,7 +157,7 @@ async def _serve(args: argparse.Namespace) -> int:
     import asyncio
     import signal
 
-    from disagg.worker.kv.pairing import Routing, routing_from_pods
+    from disagg.worker.contracts.pairing import Routing, routing_from_pods
     from disagg.worker.router.app import Router, start
     from disagg.worker.router.discovery import PodList, PodWatcher
 

@@ -20,8 +20,8 @@ from typing import Any
 from kubernetes import client
 from kubernetes.watch.watch import iter_resp_lines
 
-from disagg.worker.kv.engine_pods import essentials
-from disagg.worker.kv.pod_contract import DEPLOYMENT_LABEL, ROLE_LABEL
+from disagg.worker.contracts.engine_pods import essentials
+from disagg.worker.contracts.pod_contract import DEPLOYMENT_LABEL, ROLE_LABEL
 
 log = logging.getLogger("disagg.worker.router.discovery")
 

@@ -13,6 +13,9 @@
 - The prefill response's `kv_transfer_params` (vLLM's `request_finished`) say the prefill holds the KV for the
   lease; a response without them means vLLM finished the request in a state it does not push from.
 
+The params themselves are typed in `disagg.worker.contracts.kv_transfer_params`, which the reference engine
+reads and writes too.
+
 Errors reach the client as OpenAI's error JSON; the status says whose fault it was (`RouterError.status`).
 """
 
@@ -24,30 +27,21 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Final
 
-from disagg.worker.kv.pairing import Pair
+from disagg.worker.contracts import kv_transfer_params as kv_params
+from disagg.worker.contracts.pairing import Pair
 
 COMPLETIONS: Final = "/v1/completions"
 CHAT_COMPLETIONS: Final = "/v1/chat/completions"
-# vLLM's request id prefix per endpoint family (`serving_completion.py`, `serving_chat.py`).
-REQUEST_ID_PREFIX: Final[Mapping[str, str]] = {COMPLETIONS: "cmpl", CHAT_COMPLETIONS: "chatcmpl"}
+# The endpoint family of each path the router serves (it picks vLLM's request id prefix).
+ENDPOINT_FAMILY: Final[Mapping[str, kv_params.Endpoint]] = {
+    COMPLETIONS: "completions",
+    CHAT_COMPLETIONS: "chat",
+}
 REQUEST_ID_HEADER: Final = "X-Request-Id"
 # How deep a client's JSON may nest. OpenAI bodies nest a few levels (a JSON schema in `response_format` or a
 # tool a few dozen at most); a deeper one is refused here, since re-encoding it for the legs runs into
 # Python's recursion limit, which no client's body may reach.
 MAX_JSON_DEPTH: Final = 128
-
-# Keys of the prefill response's kv_transfer_params a decode could not do without (the ones vLLM's decode
-# side reads without a default), with their JSON types. `pp_size` is optional in vLLM, but when present it
-# must be an int.
-_REQUIRED_PREFILL_PARAMS: Final[Mapping[str, type | tuple[type, ...]]] = {
-    "do_remote_prefill": bool,
-    "remote_engine_id": str,
-    "remote_host": str,
-    "remote_port": int,
-    "tp_size": int,
-    "remote_request_id": str,
-    "remote_block_ids": list,
-}
 
 
 class Fault(Enum):
@@ -119,7 +113,7 @@ def parse_client_request(endpoint: str, raw: bytes) -> ClientRequest:
     """The client's body, refused (400) when it is not a JSON object the router can route.
 
     Everything else about the request is the engine's to judge: the router passes any other field through."""
-    if endpoint not in REQUEST_ID_PREFIX:
+    if endpoint not in ENDPOINT_FAMILY:
         raise RouterError(Fault.CLIENT, "UnknownEndpoint", f"the router serves no endpoint {endpoint}")
     try:
         body = json.loads(raw)
@@ -201,7 +195,7 @@ def _chat_message_weight(message: Any) -> int:
 
 def request_id_for(endpoint: str, unique: str) -> str:
     """The internal id vLLM gives a request that arrived with `X-Request-Id: unique` on `endpoint`."""
-    return f"{REQUEST_ID_PREFIX[endpoint]}-{unique}"
+    return kv_params.request_id_for(ENDPOINT_FAMILY[endpoint], unique)
 
 
 @dataclass(frozen=True)
@@ -227,34 +221,22 @@ def build_legs(request: ClientRequest, pair: Pair, request_id: str) -> Legs:
         prefill["max_completion_tokens"] = 1
     prefill["stream"] = False
     prefill.pop("stream_options", None)
-    prefill["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
+    prefill["kv_transfer_params"] = kv_params.PrefillLeg().to_json()
 
     target = pair.prefill
     decode = dict(request.body)
-    decode["kv_transfer_params"] = {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_engine_id": target.engine_id,
-        "remote_host": target.host,
-        "remote_port": target.side_channel_port,
-        "tp_size": target.tp_size,
-        "pp_size": target.pp_size,
-        "remote_request_id": request_id_for(request.endpoint, request_id),
-    }
+    decode["kv_transfer_params"] = kv_params.DecodeLeg(
+        remote_engine_id=target.engine_id,
+        remote_host=target.host,
+        remote_port=target.side_channel_port,
+        tp_size=target.tp_size,
+        pp_size=target.pp_size,
+        remote_request_id=request_id_for(request.endpoint, request_id),
+    ).to_json()
     return Legs(request.endpoint, request_id, prefill, decode)
 
 
-@dataclass(frozen=True)
-class PrefillResult:
-    """What the prefill engine says it holds for the decoder: its `kv_transfer_params`, checked."""
-
-    engine_id: str
-    request_id: str
-    pp_size: int
-    params: Mapping[str, Any]
-
-
-def parse_prefill_response(status: int, raw: bytes, pair: Pair) -> PrefillResult:
+def parse_prefill_response(status: int, raw: bytes, pair: Pair) -> kv_params.PrefillHandoff:
     """The prefill leg's answer, accepted only when it is what vLLM's `request_finished` returns for a request
     whose KV it holds for the decoder. Anything else is a prefill failure (`RouterError`), which closes the
     decode leg: a decoder waiting for KV that no prefill holds would wait out its registration timeout."""
@@ -280,35 +262,20 @@ def parse_prefill_response(status: int, raw: bytes, pair: Pair) -> PrefillResult
         raise RouterError(
             Fault.UPSTREAM, "PrefillHoldsNoKV", "the prefill engine's response carries no kv_transfer_params"
         )
-    for key, kind in _REQUIRED_PREFILL_PARAMS.items():
-        value = params.get(key)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise RouterError(
-                Fault.UPSTREAM,
-                "PrefillInvalidKVParams",
-                f"the prefill engine's kv_transfer_params lack a valid {key!r}",
-            )
-    pp_size = params.get("pp_size", 1)
-    if not isinstance(pp_size, int) or isinstance(pp_size, bool):
-        raise RouterError(
-            Fault.UPSTREAM, "PrefillInvalidKVParams", "the prefill engine's pp_size is not an int"
-        )
-    if params["do_remote_prefill"] is not True:
-        raise RouterError(
-            Fault.UPSTREAM,
-            "PrefillInvalidKVParams",
-            "the prefill engine's kv_transfer_params hand no KV over",
-        )
-    if params["remote_engine_id"] != pair.prefill.engine_id:
+    try:
+        handoff = kv_params.parse_handoff(params)
+    except kv_params.InvalidTransferParams as exc:
+        raise RouterError(Fault.UPSTREAM, "PrefillInvalidKVParams", exc.message) from None
+    if handoff.remote_engine_id != pair.prefill.engine_id:
         # The decoder registered with the engine id the router sent; a prefill answering with another one
         # restarted since its report, and no registration it will ever see names it.
         raise RouterError(
             Fault.UPSTREAM,
             "PrefillEngineIdChanged",
-            f"the prefill engine answered as {params['remote_engine_id']!r}, "
+            f"the prefill engine answered as {handoff.remote_engine_id!r}, "
             f"the decode leg was sent to {pair.prefill.engine_id!r}",
         )
-    return PrefillResult(params["remote_engine_id"], params["remote_request_id"], pp_size, params)
+    return handoff
 
 
 def engine_error(leg: str, status: int, raw: bytes) -> RouterError:

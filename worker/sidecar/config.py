@@ -31,8 +31,8 @@ Environment (the operator's builders set these in the pod spec; names are stable
   the same engine still serves it (a killed or restarted peer is then evicted); default 10, 0 turns it off.
   Not set by the builders.
 
-Topology file: the operator's topology document (`disagg.worker.kv.topology`, which lists its keys), JSON
-or YAML; `load_topology` reads it and `decode_topology` checks it.
+Topology file: the operator's topology document (`disagg.worker.contracts.topology`, which lists its
+keys), JSON or YAML; `load_topology` reads it and `decode_topology` checks it.
 """
 
 from __future__ import annotations
@@ -48,9 +48,7 @@ import msgspec
 import yaml
 
 from disagg.worker.connector.push import PushConfig
-from disagg.worker.kv import wire
-from disagg.worker.kv.errors import WorkerConfigError
-from disagg.worker.kv.pod_contract import (
+from disagg.worker.contracts.pod_contract import (
     BLOCK_SIZE_ENV,
     COMPATIBILITY_HASH_ENV,
     DEFAULT_SIDE_CHANNEL_PORT,
@@ -73,7 +71,9 @@ from disagg.worker.kv.pod_contract import (
     TOPOLOGY_FILE_ENV,
     TP_RANK_ENV,
 )
-from disagg.worker.kv.topology import ROLES, Role, Topology, WorkerEndpoint, decode_topology
+from disagg.worker.contracts.topology import ROLES, Role, Topology, WorkerEndpoint, decode_topology
+from disagg.worker.kv import wire
+from disagg.worker.kv.errors import WorkerConfigError
 
 # A tuning knob the builders do not set, so not in the pod contract.
 PEER_PROBE_INTERVAL_ENV = "DISAGG_PEER_PROBE_INTERVAL_S"

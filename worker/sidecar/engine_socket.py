@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from disagg.worker.kv import wire
 from disagg.worker.kv.errors import DisaggError, EngineProtocolError, InternalError
-from disagg.worker.sidecar.engine_link import (
+from disagg.worker.link.engine_link import (
     FRAME_TIMEOUT_S,
     EngineMessage,
     SidecarMessage,

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 from disagg.worker.kv.errors import BlockIdOutOfRange, DisaggError, EngineLayoutMismatch, EngineProtocolError
 from disagg.worker.kv.layout import StageLayout, build_stage_layout
+from disagg.worker.link.engine_link import RegisterLayout
 from disagg.worker.sidecar.config import SidecarConfig
-from disagg.worker.sidecar.engine_link import RegisterLayout
 
 
 def expected_layout(config: SidecarConfig, message: RegisterLayout) -> StageLayout:

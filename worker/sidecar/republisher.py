@@ -7,9 +7,9 @@ import logging
 import threading
 
 from disagg.worker.connector.side_channel import SideChannelServer, fetch_payloads
+from disagg.worker.contracts.topology import WorkerEndpoint
 from disagg.worker.kv import wire
 from disagg.worker.kv.errors import DisaggError
-from disagg.worker.kv.topology import WorkerEndpoint
 from disagg.worker.sidecar.config import SidecarConfig
 from disagg.worker.sidecar.logs import event
 

@@ -2,7 +2,7 @@
 
 One process per worker (PP stage, TP rank). It
 - takes the engine's calls on a Unix socket (`disagg.worker.sidecar.engine_socket`, the protocol in
-  `disagg.worker.sidecar.engine_link`): the engine registers the
+  `disagg.worker.link.engine_link`): the engine registers the
   layout of its KV pool (a shared-memory file both processes map), then reports finished requests (prefill)
   or announces requests it expects (decode), and is told when each request's KV has been sent, has arrived,
   or has failed;
@@ -46,7 +46,6 @@ from types import FrameType
 from typing import Any, Protocol
 
 from disagg.worker.connector.consumer import PushConsumer
-from disagg.worker.connector.kv_pool import ShmPool
 from disagg.worker.connector.producer import PushProducer, Sent
 from disagg.worker.connector.push import Failure, Handshake, LocalKV, RemoteEngine, agent_name
 from disagg.worker.connector.side_channel import SideChannelServer
@@ -65,8 +64,7 @@ from disagg.worker.kv.errors import (
 )
 from disagg.worker.kv.layout import StageLayout
 from disagg.worker.kv.wire import clip
-from disagg.worker.sidecar.config import SidecarConfig
-from disagg.worker.sidecar.engine_link import (
+from disagg.worker.link.engine_link import (
     MAX_ID_CHARS,
     Ack,
     EngineMessage,
@@ -81,6 +79,8 @@ from disagg.worker.sidecar.engine_link import (
     RequestStatus,
     SidecarMessage,
 )
+from disagg.worker.link.kv_pool import ShmPool
+from disagg.worker.sidecar.config import SidecarConfig
 from disagg.worker.sidecar.engine_socket import EngineConnection, EngineSocketServer, Inbound, Refusal
 from disagg.worker.sidecar.layout_checks import check_block_ids, expected_layout
 from disagg.worker.sidecar.logs import event

@@ -5,9 +5,9 @@ A row names the first vLLM release that spoke the version (None for one only eve
 whether this worker speaks it. Versions it knows but does not speak still count for telling a peer's field
 set apart (`metadata.field_set_versions`). Every struct of `disagg.worker.kv.wire` whose field set changes
 with the connector version declares that change on the field (`Annotated[..., Since(14)]`) and derives its
-encoders, decoders and checks from this table (`versioned.VersionedStruct`); `disagg.worker.kv.releases`
-derives its release rows from it. Adding a release is one row here (plus, when its metadata gains a field,
-that field with its `Since`). Pure data.
+encoders, decoders and checks from this table (`versioned.VersionedStruct`);
+`disagg.worker.contracts.releases` derives its release rows from it. Adding a release is one row here (plus,
+when its metadata gains a field, that field with its `Since`). Pure data.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ VERSIONS: Final[tuple[ConnectorVersion, ...]] = (
     ConnectorVersion(14, "0.32.0"),
     ConnectorVersion(15, "0.33.0"),
 )
-"""Oldest first; the spoken ones are the releases this project supports (`disagg.worker.kv.releases`)."""
+"""Oldest first; the spoken ones are the releases this project supports (`contracts.releases`)."""
 
 
 def spoken_numbers(table: Sequence[ConnectorVersion]) -> tuple[int, ...]:

@@ -20,7 +20,8 @@ Sidecar -> engine: replies `Ack`, `Error(reason, message)`, `RequestStatus`; eve
 acknowledged request gets exactly one of them; a frame that is no message gets an `Error` in its turn.
 
 Both ends of the protocol (messages, framing, the engine's client) stay in this one module of some 450 lines,
-so that they change together; an engine needs this module and nothing else of the sidecar package.
+so that they change together; an engine needs this module (and the KV pool) and nothing of the sidecar
+package, which serves the protocol (`disagg.worker.sidecar.engine_socket`).
 """
 
 from __future__ import annotations

@@ -24,9 +24,9 @@ from typing import Any, Final
 
 import msgspec
 
+from disagg.worker.contracts.releases import RELEASES
 from disagg.worker.kv import wire
 from disagg.worker.kv.errors import WireFormatError
-from disagg.worker.kv.releases import RELEASES
 
 # The bytes of one KV element by the dtype vLLM hashes (`wire.torch_dtype_name`) or the cache dtype, for
 # reading a block_lens ratio as a width ratio; an fp8 cache is one byte whichever fp8 it is.

@@ -27,10 +27,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from disagg.worker.kv.engine_pods import ORDINAL, EnginePod, engine_pod
+from disagg.worker.contracts.engine_pods import ORDINAL, EnginePod, engine_pod
+from disagg.worker.contracts.peer_report import PeerReport, PeerReportError, PeerVerdict, decode_peer_report
+from disagg.worker.contracts.pod_contract import PEER_REPORT_ANNOTATION
 from disagg.worker.kv.layout import natural_sort_key
-from disagg.worker.kv.peer_report import PeerReport, PeerReportError, PeerVerdict, decode_peer_report
-from disagg.worker.kv.pod_contract import PEER_REPORT_ANNOTATION
 
 POD_NOT_READY: Final = "PodNotReady"
 NOT_YET_CHECKED: Final = "NotYetChecked"

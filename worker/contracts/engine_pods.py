@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from disagg.worker.kv.pod_contract import (
+from disagg.worker.contracts.pod_contract import (
     DEFAULT_ENGINE_HTTP_PORT,
     DEFAULT_SIDE_CHANNEL_PORT,
     DEPLOYMENT_LABEL,
@@ -30,7 +30,7 @@ from disagg.worker.kv.pod_contract import (
     SIDECAR_CONTAINER,
     TENSOR_PARALLEL_SIZE_ENV,
 )
-from disagg.worker.kv.topology import Role
+from disagg.worker.contracts.topology import Role
 
 ORDINAL: Final = re.compile(r"^(?P<base>.+)-(?P<ordinal>\d+)$")
 # What `essentials` keeps of a Pod: the env variables, named ports and conditions anything here reads.
