@@ -18,7 +18,6 @@ the tokens are identical. Every process it starts is stopped (SIGTERM, then kill
 from __future__ import annotations
 
 import contextlib
-import math
 import multiprocessing
 import os
 import shutil
@@ -204,25 +203,16 @@ def _register(spec: EngineSpec, model: Any) -> tuple[Any, Any]:
 
 
 def _prefill_stage(spec: EngineSpec, conn: Connection) -> None:
-    import datetime
-
     import torch
-    import torch.distributed as dist
 
     from disagg.worker.engine.model import TinyModel
+    from disagg.worker.engine.stages import join, leave, prefill_step, prompt_block_ids
 
     torch.set_num_threads(1)
     model = TinyModel(spec.config)
     kv, link = _register(spec, model)
     rank, world = spec.worker.pp_rank, spec.pp_size
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{HOST}:{spec.master_port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=STEP_TIMEOUT_S),
-    )
-    layers = spec.config.stages(world)[rank]
+    join(HOST, spec.master_port, rank, world, timeout_s=STEP_TIMEOUT_S)
     conn.send(("ready",))
     try:
         while True:
@@ -230,23 +220,15 @@ def _prefill_stage(spec: EngineSpec, conn: Connection) -> None:
             if command[0] == "quit":
                 break
             _, request_id, token_ids, tables = command
-            hidden_in = None
-            if rank > 0:
-                hidden_in = torch.empty(len(token_ids), spec.config.hidden_size, dtype=torch.float32)
-                dist.recv(hidden_in, src=rank - 1)
-            out = model.prefill(token_ids, kv, tables, layers=layers, hidden_in=hidden_in)
-            first_token = None
-            if rank < world - 1:
-                dist.send(out.contiguous(), dst=rank + 1)
-            else:
-                first_token = int(torch.argmax(out[-1]))
+            first_token = prefill_step(model, kv, rank, world, token_ids, tables)
             done = time.monotonic()
-            prompt_blocks = math.ceil(len(token_ids) / spec.config.block_size)
-            link.request_finished(request_id, [tables[g][:prompt_blocks] for g in sorted(tables)])
+            link.request_finished(
+                request_id, prompt_block_ids(tables, len(token_ids), spec.config.block_size)
+            )
             sent = link.wait(request_id, STEP_TIMEOUT_S)
             conn.send(("sent", first_token, done, sent.bytes, sent.seconds))
     finally:
-        dist.destroy_process_group()
+        leave()
         link.close()
 
 
@@ -254,6 +236,7 @@ def _decoder(spec: EngineSpec, conn: Connection) -> None:
     import torch
 
     from disagg.worker.engine.model import TinyModel
+    from disagg.worker.engine.stages import prompt_block_ids
     from disagg.worker.link.engine_link import PrefillEngine
 
     torch.set_num_threads(1)
@@ -272,10 +255,10 @@ def _decoder(spec: EngineSpec, conn: Connection) -> None:
             if command[0] == "expect":
                 _, request_id, num_prompt, max_new = command
                 tables = kv.allocate(num_prompt + max_new - 1)
-                prompt_blocks = math.ceil(num_prompt / spec.config.block_size)
-                link.expect_request(request_id, [tables[g][:prompt_blocks] for g in sorted(tables)], prefill)
+                blocks = prompt_block_ids(tables, num_prompt, spec.config.block_size)
+                link.expect_request(request_id, blocks, prefill)
                 requests[request_id] = (tables, num_prompt, max_new)
-                conn.send(("expected", sum(prompt_blocks for _ in tables)))
+                conn.send(("expected", sum(len(ids) for ids in blocks)))
             elif command[0] == "decode":
                 _, request_id, first_token = command
                 tables, num_prompt, max_new = requests.pop(request_id)

@@ -483,8 +483,8 @@ def test_every_accepted_geometry_is_one_the_reference_engine_serves(
     num_layers: int, kv_heads: int, half_head: int, pp_size: int, block_size: int
 ) -> None:
     """What the operator accepts, `disagg engine serve` builds its model from: its own check of the topology
-    the operator writes (`serve.model_config`) passes for both roles."""
-    from disagg.worker.engine.serve import model_config
+    the operator writes (`settings.model_config`) passes for both roles."""
+    from disagg.worker.engine.settings import model_config
 
     spec = reference(
         {

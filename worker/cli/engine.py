@@ -28,7 +28,7 @@ from disagg.worker.contracts.pod_contract import HTTP_HOST_ENV, LOG_LEVEL_ENV
 from disagg.worker.kv.errors import DisaggError
 
 if TYPE_CHECKING:
-    from disagg.worker.engine.serve import ServeSettings
+    from disagg.worker.engine.settings import ServeSettings
 
 DEFAULT_PORT = 8000
 DEFAULT_MASTER_PORT = 29500
@@ -78,7 +78,7 @@ def settings_from_env(
     env: Mapping[str, str], *, port: int, host: str, master_addr: str, master_port: int, num_blocks: int
 ) -> ServeSettings:
     """The server's settings from the sidecar's configuration of this pod and the flags."""
-    from disagg.worker.engine.serve import ServeSettings
+    from disagg.worker.engine.settings import ServeSettings
     from disagg.worker.kv.errors import WorkerConfigError
     from disagg.worker.sidecar.config import from_env
 
@@ -127,7 +127,7 @@ def main(
         settings = settings_from_env(
             env, port=port, host=host, master_addr=master_addr, master_port=master_port, num_blocks=num_blocks
         )
-        from disagg.worker.engine.serve import model_config
+        from disagg.worker.engine.settings import model_config
 
         model_config(settings.topology, settings.role)
     except DisaggError as exc:

@@ -3,7 +3,8 @@
 Each prefill stage owns a contiguous slice of the layers (vLLM's even split) and its own KV buffer laid out
 for those layers only, so its HMA pooling differs from the decoder's. Activations go stage to stage with
 `torch.distributed` point-to-point over gloo on loopback. A request has one set of per-group block ids on
-each side (P's single scheduler serves every stage), and KV moves between the sides by layer name.
+each side (P's single scheduler serves every stage), and KV moves between the sides by layer name. A
+stage's step is the engine's own (`stages.prefill_step`).
 
 The stage and decoder entry points map their KV buffer from a /dev/shm file, the same file a sidecar maps to
 register the buffer with NIXL.
@@ -11,14 +12,13 @@ register the buffer with NIXL.
 
 from __future__ import annotations
 
-import datetime
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
+from disagg.worker.engine import stages
 from disagg.worker.engine.config import TinyConfig
 from disagg.worker.engine.kv_cache import BlockTables, PagedKVCache
 from disagg.worker.engine.model import TinyModel
@@ -53,50 +53,18 @@ class PrefillJob:
     block_tables: BlockTables
 
 
-def run_prefill_stage(
-    rank: int,
-    world: int,
-    master_port: int,
-    model: TinyModel,
-    kv: PagedKVCache,
-    token_ids: Sequence[int],
-    block_tables: BlockTables,
-    *,
-    timeout_s: float = 60.0,
-) -> int | None:
-    """Prefill stage `rank` of `world`: receive activations, run this stage's layers, pass them on.
-
-    Writes only this stage's layers' KV into `kv` (a cache laid out for this stage). Returns the first
-    generated token on the last stage, None on the others.
-    """
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{master_port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
-    try:
-        layers = model.config.stages(world)[rank]
-        hidden_in = None
-        if rank > 0:
-            hidden_in = torch.empty(len(token_ids), model.config.hidden_size, dtype=torch.float32)
-            dist.recv(hidden_in, src=rank - 1)
-        out = model.prefill(token_ids, kv, block_tables, layers=layers, hidden_in=hidden_in)
-        if rank < world - 1:
-            dist.send(out.contiguous(), dst=rank + 1)
-            return None
-        return int(torch.argmax(out[-1]))
-    finally:
-        dist.destroy_process_group()
-
-
 def prefill_stage_main(rank: int, world: int, master_port: int, job: PrefillJob, kv_path: str) -> int | None:
-    """Process entry point of one prefill stage, its KV buffer mapped from the existing file `kv_path`."""
+    """Process entry point of one prefill stage, its KV buffer mapped from the existing file `kv_path`: one
+    `stages.prefill_step` in a gloo group of its own on loopback. The first token on the last stage, None on
+    the others."""
     torch.set_num_threads(1)
     model = TinyModel(job.config)
     kv = map_kv_cache(model, job.num_blocks, kv_path, pp_rank=rank, pp_size=world)
-    return run_prefill_stage(rank, world, master_port, model, kv, job.token_ids, job.block_tables)
+    stages.join("127.0.0.1", master_port, rank, world)
+    try:
+        return stages.prefill_step(model, kv, rank, world, job.token_ids, job.block_tables)
+    finally:
+        stages.leave()
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,9 @@ only the head starts an exchange. It sends each other stage a frame (an int64 le
 - `Quit`: the stage leaves the group and exits.
 
 A broken group (a stage or the head gone) is fatal to every stage: they restart and join again together.
+
+`prefill_step` is one stage's part of a prefill in a joined group: the one step every PP prefill runs (the
+engine's stages here, the data-path demo's and `pp`'s stage processes).
 """
 
 from __future__ import annotations
@@ -71,14 +74,16 @@ _REPORTS = msgspec.msgpack.Decoder(list[StageReport])
 _ENCODER = msgspec.msgpack.Encoder()
 
 
-def join(master_addr: str, master_port: int, rank: int, world: int) -> None:
+def join(
+    master_addr: str, master_port: int, rank: int, world: int, *, timeout_s: float = GROUP_TIMEOUT_S
+) -> None:
     """Join the engine's gloo group (blocks until every stage has)."""
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://{master_addr}:{master_port}",
         rank=rank,
         world_size=world,
-        timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
+        timeout=datetime.timedelta(seconds=timeout_s),
     )
 
 
@@ -109,23 +114,30 @@ def prompt_block_ids(tables: BlockTables, num_tokens: int, block_size: int) -> l
     return [tables[group][:blocks] for group in sorted(tables)]
 
 
-def _run_stage(
-    model: TinyModel, kv: PagedKVCache, rank: int, world: int, job: Prefill, tables: BlockTables
+def prefill_step(
+    model: TinyModel,
+    kv: PagedKVCache,
+    rank: int,
+    world: int,
+    token_ids: Sequence[int],
+    tables: BlockTables,
 ) -> int | None:
-    """This stage's layers of one prefill; the first token on the last stage (sent to the head if not it)."""
+    """Stage `rank` of `world`'s part of one prefill, in the joined group: receive the previous stage's
+    activations, run this stage's layers, pass the activations on.
+
+    Writes only this stage's layers' KV into `kv` (a cache laid out for this stage). Returns the first
+    generated token on the last stage, None on the others.
+    """
     layers = model.config.stages(world)[rank]
     hidden_in = None
     if rank > 0:
-        hidden_in = torch.empty(len(job.token_ids), model.config.hidden_size, dtype=torch.float32)
+        hidden_in = torch.empty(len(token_ids), model.config.hidden_size, dtype=torch.float32)
         dist.recv(hidden_in, src=rank - 1)
-    out = model.prefill(job.token_ids, kv, tables, layers=layers, hidden_in=hidden_in)
+    out = model.prefill(token_ids, kv, tables, layers=layers, hidden_in=hidden_in)
     if rank < world - 1:
         dist.send(out.contiguous(), dst=rank + 1)
         return None
-    first = int(torch.argmax(out[-1]))
-    if rank != _HEAD:
-        dist.send(torch.tensor([first], dtype=torch.int64), dst=_HEAD)
-    return first
+    return int(torch.argmax(out[-1]))
 
 
 class PipelineHead:
@@ -141,7 +153,7 @@ class PipelineHead:
         frame = _ENCODER.encode(job)
         for stage in range(1, self.world):
             _send_frame(frame, stage)
-        first = _run_stage(self.model, self.kv, _HEAD, self.world, job, tables)
+        first = prefill_step(self.model, self.kv, _HEAD, self.world, job.token_ids, tables)
         if first is not None:
             return first
         token = torch.empty(1, dtype=torch.int64)
@@ -206,7 +218,9 @@ def run_headless(
             _send_frame(_ENCODER.encode(reports.take()), _HEAD)
             continue
         tables = dict(enumerate(command.block_ids))
-        _run_stage(model, kv, rank, world, command, tables)
+        first = prefill_step(model, kv, rank, world, command.token_ids, tables)
+        if first is not None:  # the last stage: the head answers with its first token
+            dist.send(torch.tensor([first], dtype=torch.int64), dst=_HEAD)
         on_prefill()
         blocks = prompt_block_ids(tables, len(command.token_ids), model.config.block_size)
         try:

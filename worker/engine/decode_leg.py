@@ -1,0 +1,95 @@
+"""The decode leg (vLLM's `do_remote_prefill`): wait for the prompt's KV from the prefill engine, then decode.
+
+The decoder allocates blocks for the prompt and the output, sends `ExpectRequest` naming the prefill
+engine, and waits for `KVReady`. Then it recomputes the last prompt token from the received KV, as vLLM does
+after a full prompt hit, which yields the first token (the model computes a prompt's last token alone so
+these are the prefill's bits), and decodes greedily. A client that goes away while its KV is still expected
+frees the blocks when the sidecar's registration ends (a prefill may still write them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from disagg.worker.contracts.kv_transfer_params import DecodeLeg
+from disagg.worker.engine import stages
+from disagg.worker.engine.api_errors import ApiError, bad_request
+from disagg.worker.engine.core import Engine
+from disagg.worker.engine.openai_api import GenerationRequest
+from disagg.worker.kv.errors import DisaggError
+from disagg.worker.link.engine_link import Event, KVFailed, PrefillEngine
+
+KV_WAIT_GRACE_S = 30.0
+"""Past the registration timeout, how long a decode leg still waits for its sidecar's verdict."""
+# The sidecar refused the decode leg's parameters (the client's fault), rather than failing to serve them.
+_CLIENT_REASONS = {"EngineProtocolError", "UnsupportedPeerTopology", "DuplicateRequest", "BlockIdOutOfRange"}
+
+
+async def decode_leg(
+    e: Engine, req: GenerationRequest, request_id: str, leg: DecodeLeg
+) -> AsyncIterator[int]:
+    s = e.settings
+    if s.role != "decode":
+        raise bad_request("this engine prefills: a decode leg goes to a decode engine", "kv_transfer_params")
+    n = len(req.prompt)
+    if leg.remote_num_tokens is not None and leg.remote_num_tokens != n:
+        raise bad_request(
+            f"the prefill computed {leg.remote_num_tokens} prompt tokens, this request's prompt has {n}",
+            "kv_transfer_params.remote_num_tokens",
+        )
+    tables = await e.admit(request_id, n + req.max_tokens - 1, "awaiting_kv")
+    ready: asyncio.Future[Event] = asyncio.get_running_loop().create_future()
+
+    def on_event(event: Event) -> None:
+        if ready.done():  # nobody decodes it any more
+            e.release(request_id)
+        else:
+            ready.set_result(event)
+
+    e.on_terminal(request_id, on_event)
+    prefill = PrefillEngine(leg.remote_engine_id, leg.remote_host, leg.remote_port, leg.tp_size, leg.pp_size)
+    blocks = stages.prompt_block_ids(tables, n, e.config.block_size)
+    assert e.link is not None
+    call = asyncio.ensure_future(asyncio.to_thread(e.link.expect_request, request_id, blocks, prefill))
+    try:
+        await asyncio.shield(call)
+    except asyncio.CancelledError:
+        ready.cancel()
+        call.add_done_callback(lambda c: _expect_refused(e, request_id) if c.exception() else None)
+        raise
+    except DisaggError as exc:
+        _expect_refused(e, request_id)
+        status = 400 if exc.reason in _CLIENT_REASONS else 502
+        raise ApiError(status, f"the sidecar refused the decode leg ({exc.reason}): {exc.message}") from None
+    try:
+        timeout = s.topology.push_registration_timeout_s + KV_WAIT_GRACE_S
+        event = await asyncio.wait_for(asyncio.shield(ready), timeout)
+    except TimeoutError:
+        e.forget_terminal(request_id)
+        e.release(request_id)
+        raise ApiError(504, f"no verdict from the sidecar on request {request_id}'s KV") from None
+    except asyncio.CancelledError:
+        if ready.done() and not ready.cancelled():
+            e.release(request_id)  # the KV came, but nobody decodes it
+        else:
+            ready.cancel()  # its event frees the blocks: until then a prefill may still write
+        raise
+    if isinstance(event, KVFailed):
+        e.release(request_id)
+        status = 504 if event.reason == "RegistrationTimeout" else 502
+        raise ApiError(status, f"the KV transfer failed ({event.reason}): {event.message}")
+    try:
+        await e.model_thread.run(lambda: e.sched().set_state(request_id, "decoding"))
+        # The first token: the last prompt token recomputed from the pushed KV (vLLM's full-hit rule).
+        first = await e.model_thread.run(lambda: e.step(req.prompt[-1], n - 1, tables))
+        e.metrics.tokens.inc()
+        async for token in e.decode_from(first, n, tables, req.max_tokens):
+            yield token
+    finally:
+        e.release(request_id)
+
+
+def _expect_refused(e: Engine, request_id: str) -> None:
+    e.forget_terminal(request_id)
+    e.release(request_id)
