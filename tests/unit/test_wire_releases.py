@@ -11,7 +11,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from disagg.worker.kv import releases, wire
+from disagg.worker.contracts import releases
+from disagg.worker.kv import wire
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "vllm"
 # Every supported release has its golden vectors: a new row of the version table is tested here unasked.
