@@ -6,6 +6,7 @@ package's face: every routing name is importable from here.
 - `regions`: per-region metadata, `TransferLayers`, and aligning a peer's regions to local transfer layers.
 - `desc_ids`: descriptor ids from cumulative per-region capacities, as `IdRows` a plan builds once.
 - `descriptors`: descriptor geometry (the (addr, len, dev) lists NIXL prepares) and head slices.
+- `runs`: a request's WRITE as runs merged from its block ids, without a descriptor row per block.
 - `plan`: `TransferPlan` / `plan_transfer`, one peer's pairing, what the producer writes by.
 """
 
@@ -26,11 +27,15 @@ from disagg.worker.kv.routing.desc_ids import (
     uses_region_group_mapping,
 )
 from disagg.worker.kv.routing.descriptors import (
+    StridedArray,
+    expand_strided,
     first_kv_head,
     head_split,
     local_descs,
+    local_strided,
     rank_offset_factor,
     remote_descs,
+    remote_strided,
 )
 from disagg.worker.kv.routing.plan import (
     TransferPlan,
@@ -49,6 +54,7 @@ from disagg.worker.kv.routing.regions import (
     select_regions,
     slice_pp_regions,
 )
+from disagg.worker.kv.routing.runs import Runs, merged_runs
 
 __all__ = [
     "BlockIds",
@@ -58,6 +64,8 @@ __all__ = [
     "IdRows",
     "RegionGeometry",
     "RegionMetadata",
+    "Runs",
+    "StridedArray",
     "TransferLayers",
     "TransferPlan",
     "align_remote_regions",
@@ -66,6 +74,7 @@ __all__ = [
     "cumulative_offsets",
     "desc_id_rows",
     "expand_logical_blocks",
+    "expand_strided",
     "first_kv_head",
     "group_arrays",
     "group_mapped_desc_ids",
@@ -74,12 +83,15 @@ __all__ = [
     "layer_routed_desc_ids",
     "layer_routed_rows",
     "local_descs",
+    "local_strided",
+    "merged_runs",
     "plan_transfer",
     "rank_offset_factor",
     "region_capacities",
     "region_desc_ids",
     "region_rows",
     "remote_descs",
+    "remote_strided",
     "select_regions",
     "slice_pp_regions",
     "uses_region_group_mapping",

@@ -52,6 +52,8 @@ class IdRows:
     offsets: tuple[int, ...]
     groups: tuple[int, ...]
     limits: tuple[int | None, ...]
+    regions: tuple[int, ...] = ()
+    """The index into the capacities (the descriptor list's strided row) each row's ids fall in."""
     runs: tuple[tuple[int, IdArray], ...] = dataclasses.field(init=False, repr=False, compare=False)
     """Consecutive rows of one group as (group, offsets as a column): one broadcast add fills a run."""
 
@@ -74,7 +76,12 @@ class IdRows:
         for r, g in rows:
             limit = limits[g]
             limits[g] = caps[r] if limit is None else min(limit, caps[r])
-        return cls(tuple(starts[r] for r, _ in rows), tuple(g for _, g in rows), tuple(limits))
+        return cls(
+            tuple(starts[r] for r, _ in rows),
+            tuple(g for _, g in rows),
+            tuple(limits),
+            tuple(r for r, _ in rows),
+        )
 
     def size(self, groups: Sequence[IdArray]) -> int:
         """How many ids `fill` makes from these per-group block ids."""
@@ -84,15 +91,8 @@ class IdRows:
             )
         return sum(len(column) * groups[g].size for g, column in self.runs)
 
-    def fill(self, block_ids: BlockIds, out: IdArray | None = None) -> IdArray:
-        """The ids for one request, after checking every group's block ids against its limit; written into
-        `out` (exactly `size` long) when given.
-
-        One output and one broadcast `np.add(..., out=)` per run: no per-row temporaries and no
-        concatenation, so each id is written once (at a million ids per request, allocating and passing
-        over memory again cost more than the additions).
-        """
-        groups = group_arrays(block_ids)
+    def check(self, groups: Sequence[IdArray]) -> int:
+        """`size`, after refusing any block id outside its group's limit: nothing is allocated before."""
         size = self.size(groups)
         for g, limit in enumerate(self.limits):
             ids = groups[g]
@@ -103,6 +103,18 @@ class IdRows:
                 raise BlockIdOutOfRange(
                     f"group {g} has block ids in [{low}, {high}] but its regions hold only {limit} blocks"
                 )
+        return size
+
+    def fill(self, block_ids: BlockIds, out: IdArray | None = None) -> IdArray:
+        """The ids for one request, after checking every group's block ids against its limit; written into
+        `out` (exactly `size` long) when given.
+
+        One output and one broadcast `np.add(..., out=)` per run: no per-row temporaries and no
+        concatenation, so each id is written once (at a million ids per request, allocating and passing
+        over memory again cost more than the additions).
+        """
+        groups = group_arrays(block_ids)
+        size = self.check(groups)
         if out is None:
             out = np.empty(size, dtype=np.int64)
         elif out.shape != (size,) or out.dtype != np.int64:

@@ -1,5 +1,9 @@
 """Descriptor geometry: the (addr, len, dev) arrays the transport prepares as NIXL dlists, and which head
 slice of a prefill block a decode rank with fewer heads takes (`rank_offset_factor`, `head_split`).
+
+Each list is one run of equally spaced blocks per region, so it is also kept as NIXL's strided form
+(`StridedArray`, one row per region): what the producer prepares and computes merged runs from, without a
+row per block (`local_strided`, `remote_strided`; `expand_strided` gives the row-per-block list back).
 """
 
 from __future__ import annotations
@@ -7,9 +11,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from disagg.worker.kv.errors import RegionGeometryMismatch
 from disagg.worker.kv.routing.regions import DescArray, IdArray, RegionMetadata, region_capacities
+
+StridedArray = npt.NDArray[np.uint64]
+"""Nx5 `(addr, len, dev, stride, count)`: `count` descriptors of `len` bytes `stride` apart from `addr`
+(NIXL 1.5's strided dlist, which `prep_xfer_dlist` takes as is and indexes descriptor by descriptor)."""
 
 
 def _descs(addrs: IdArray, length: IdArray, device: int) -> DescArray:
@@ -57,6 +66,44 @@ def local_descs(
     return np.concatenate(parts) if parts else np.zeros((0, 3), dtype=np.uint64)
 
 
+def remote_strided(
+    remote: RegionMetadata,
+    local: RegionMetadata,
+    *,
+    local_regions: Sequence[int] | None = None,
+    replicated: Sequence[bool] | None = None,
+    block_size_ratio: int = 1,
+    num_reads: int = 1,
+    rank_offset_factor: int = 0,
+) -> StridedArray:
+    """`remote_descs` in the strided form: one row per remote region, the same descriptors in order."""
+    pairs = range(len(remote.kv_caches_base_addr)) if local_regions is None else local_regions
+    if len(pairs) != len(remote.kv_caches_base_addr):
+        raise RegionGeometryMismatch(
+            f"{len(remote.kv_caches_base_addr)} remote regions for {len(pairs)} local transfer regions"
+        )
+    caps = region_capacities(remote)
+    out = np.empty((len(pairs), 5), dtype=np.uint64)
+    for i, r in enumerate(pairs):
+        local_len = local.block_lens[r]
+        kv_block_len = local_len // block_size_ratio
+        if block_size_ratio > 1:
+            local_len = kv_block_len
+        reads, offset = (
+            (1, 0)
+            if replicated is not None and replicated[r]
+            else (num_reads, rank_offset_factor * kv_block_len)
+        )
+        out[i] = (
+            remote.kv_caches_base_addr[i] + offset,
+            local_len // reads,
+            remote.device_id,
+            remote.block_strides[i],
+            caps[i],
+        )
+    return out
+
+
 def remote_descs(
     remote: RegionMetadata,
     local: RegionMetadata,
@@ -75,30 +122,54 @@ def remote_descs(
     is a contiguous head slice because heads are outermost in a block (LBHNC). `replicated` is per local
     region (`StageLayout.region_replicated`); None means no MLA region.
     """
-    pairs = range(len(remote.kv_caches_base_addr)) if local_regions is None else local_regions
-    if len(pairs) != len(remote.kv_caches_base_addr):
-        raise RegionGeometryMismatch(
-            f"{len(remote.kv_caches_base_addr)} remote regions for {len(pairs)} local transfer regions"
+    return expand_strided(
+        remote_strided(
+            remote,
+            local,
+            local_regions=local_regions,
+            replicated=replicated,
+            block_size_ratio=block_size_ratio,
+            num_reads=num_reads,
+            rank_offset_factor=rank_offset_factor,
         )
-    caps = region_capacities(remote)
-    parts: list[DescArray] = []
-    for i, r in enumerate(pairs):
-        local_len = local.block_lens[r]
-        kv_block_len = local_len // block_size_ratio
-        if block_size_ratio > 1:
-            local_len = kv_block_len
-        reads, offset = (
-            (1, 0)
-            if replicated is not None and replicated[r]
-            else (num_reads, rank_offset_factor * kv_block_len)
-        )
-        addrs = (
-            remote.kv_caches_base_addr[i]
-            + offset
-            + np.arange(caps[i], dtype=np.int64) * remote.block_strides[i]
-        )
-        parts.append(_descs(addrs, np.full(len(addrs), local_len // reads, dtype=np.int64), remote.device_id))
-    return np.concatenate(parts) if parts else np.zeros((0, 3), dtype=np.uint64)
+    )
+
+
+def local_strided(
+    meta: RegionMetadata,
+    *,
+    regions: Sequence[int] | None = None,
+    head_slice: tuple[int, int] = (0, 1),
+    replicated: Sequence[bool] | None = None,
+) -> StridedArray:
+    """`local_descs` with whole kernel blocks (no block-size ratio) in the strided form: one row per entry
+    of `regions`, the same descriptors in order."""
+    slot, count = head_slice
+    order = range(len(meta.kv_caches_base_addr)) if regions is None else regions
+    caps = region_capacities(meta)
+    out = np.empty((len(order), 5), dtype=np.uint64)
+    for i, r in enumerate(order):
+        split = 1 if replicated is not None and replicated[r] else count
+        sub_len = meta.block_lens[r] // split
+        start = meta.kv_caches_base_addr[r] + (slot if split > 1 else 0) * sub_len
+        out[i] = (start, sub_len, meta.device_id, meta.block_strides[r], caps[r])
+    return out
+
+
+def expand_strided(strided: StridedArray) -> DescArray:
+    """The Nx3 list a strided one stands for: row by row, `count` descriptors `stride` apart."""
+    counts = strided[:, 4].astype(np.int64)
+    total = int(counts.sum())
+    out = np.empty((total, 3), dtype=np.uint64)
+    start = 0
+    for (addr, length, device, stride, _), count in zip(strided.tolist(), counts.tolist(), strict=True):
+        end = start + count
+        np.multiply(np.arange(count, dtype=np.uint64), np.uint64(stride), out=out[start:end, 0])
+        out[start:end, 0] += np.uint64(addr)
+        out[start:end, 1] = length
+        out[start:end, 2] = device
+        start = end
+    return out
 
 
 def rank_offset_factor(tp_rank: int, local_tp: int, remote_tp: int, total_kv_heads: int, is_mla: bool) -> int:

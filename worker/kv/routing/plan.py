@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from disagg.worker.kv.errors import RegionGeometryMismatch
 from disagg.worker.kv.routing.desc_ids import IdBuffer, IdRows, desc_id_rows, group_arrays, layer_routed_rows
+from disagg.worker.kv.routing.descriptors import StridedArray
 from disagg.worker.kv.routing.regions import (
     BlockIds,
     IdArray,
@@ -23,6 +24,7 @@ from disagg.worker.kv.routing.regions import (
     align_remote_regions,
     region_capacities,
 )
+from disagg.worker.kv.routing.runs import Runs, merged_runs
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,21 @@ class TransferPlan:
         its own capacities. Prefix-hit trimming must already have made each group's two lists equally long.
         With `buffer`, both arrays are views into it (valid until its next use).
         """
+        local_rows, remote_rows, local_groups, remote_groups = self.checked(local_blocks, remote_blocks)
+        if buffer is None:
+            return local_rows.fill(local_groups), remote_rows.fill(remote_groups)
+        local_size = local_rows.size(local_groups)
+        out = buffer.take(local_size + remote_rows.size(remote_groups))
+        return (
+            local_rows.fill(local_groups, out[:local_size]),
+            remote_rows.fill(remote_groups, out[local_size:]),
+        )
+
+    def checked(
+        self, local_blocks: BlockIds, remote_blocks: BlockIds
+    ) -> tuple[IdRows, IdRows, list[IdArray], list[IdArray]]:
+        """Both sides' id rows and block ids as arrays, after every refusal `desc_ids` makes (group counts,
+        unequal lists, ids beyond a region's capacity); nothing is allocated for the ids yet."""
         if len(local_blocks) != len(remote_blocks):
             raise RegionGeometryMismatch(
                 f"{len(local_blocks)} local block-id groups against {len(remote_blocks)} remote ones"
@@ -69,15 +86,18 @@ class TransferPlan:
         if unequal:
             raise RegionGeometryMismatch(f"groups {unequal} have different local and remote block counts")
         local_rows, remote_rows = self.id_rows(len(local_blocks))
-        if buffer is None:
-            return local_rows.fill(local_blocks), remote_rows.fill(remote_blocks)
         local_groups, remote_groups = group_arrays(local_blocks), group_arrays(remote_blocks)
-        local_size = local_rows.size(local_groups)
-        out = buffer.take(local_size + remote_rows.size(remote_groups))
-        return (
-            local_rows.fill(local_groups, out[:local_size]),
-            remote_rows.fill(remote_groups, out[local_size:]),
-        )
+        local_rows.check(local_groups)
+        remote_rows.check(remote_groups)
+        return local_rows, remote_rows, local_groups, remote_groups
+
+    def runs(
+        self, local_blocks: BlockIds, remote_blocks: BlockIds, local: StridedArray, remote: StridedArray
+    ) -> Runs | None:
+        """The request's WRITE as merged runs (`runs.merged_runs`) over the strided lists the plan's ids
+        index, after `checked`'s refusals; None when the sides' rows do not pair row for row."""
+        local_rows, remote_rows, local_groups, remote_groups = self.checked(local_blocks, remote_blocks)
+        return merged_runs(local_rows, local, local_groups, remote_rows, remote, remote_groups)
 
     def id_rows(self, num_groups: int) -> tuple[IdRows, IdRows]:
         """Both sides' descriptor-id rows for requests with `num_groups` block-id lists, built once per plan:
