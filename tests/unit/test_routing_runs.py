@@ -16,6 +16,7 @@ from disagg.worker.kv.routing import (
     group_arrays,
     layer_routed_rows,
     merged_runs,
+    region_capacities,
     region_rows,
 )
 
@@ -94,3 +95,36 @@ def test_out_of_range_ids_are_refused_before_any_run() -> None:
     table = np.array([[1 << 20, BLOCK, 0, BLOCK, 4]], dtype=np.uint64)
     with pytest.raises(BlockIdOutOfRange):
         plan.runs([np.array([1, 4])], [np.array([0, 1])], table, table)
+
+
+def test_a_handshake_builds_one_strided_row_per_transfer_layer_never_one_per_block() -> None:
+    """The handshake's cost was a descriptor row per block and layer (hundreds of thousands for a
+    64-layer PP2 -> PP1 decoder), built in numpy and again by NIXL; the producer prepares this list."""
+    from test_write_bounds import prefill_rank, wire_of
+
+    from disagg.worker.kv.decode_checks import plan_decode_write
+    from disagg.worker.kv.layout import ModelGeometry, build_stage_layout
+    from disagg.worker.kv.routing import TransferLayers, remote_descs
+
+    geometry = ModelGeometry.with_full_every(64, 6, num_kv_heads=1, head_size=64, dtype_bytes=2)
+    decode = build_stage_layout(geometry, pp_rank=0, pp_size=1, tp_size=1, block_size=16, num_blocks=4096)
+    d_meta = RegionGeometry.from_layout(
+        decode, base_addr=1 << 44, device_id=0, mem_type="DRAM", advertise_members=True
+    )
+    stage = build_stage_layout(geometry, pp_rank=1, pp_size=2, tp_size=1, block_size=16, num_blocks=4096)
+    p_meta = RegionGeometry.from_layout(
+        stage, base_addr=1 << 40, device_id=0, mem_type="DRAM", advertise_members=True
+    )
+    layers = TransferLayers.from_layout(stage)
+    write = plan_decode_write(
+        prefill_rank(stage, geometry, 0, True), p_meta, layers, wire_of(decode, d_meta), 1, 0
+    )
+    assert write.remote_strided.shape == (len(layers.names), 5)
+    assert int(write.remote_strided[:, 4].sum()) == sum(region_capacities(write.plan.remote))
+    np.testing.assert_array_equal(
+        write.remote_descs,
+        remote_descs(
+            write.plan.remote, p_meta, local_regions=write.plan.local_regions, replicated=write.replicated
+        ),
+    )
+    assert write.source_strided().shape == (len(layers.names), 5)
