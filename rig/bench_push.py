@@ -12,7 +12,8 @@
 - Pools live in --pool-dir (default /dev/shm). CMA into 4 KiB pages runs at about 0.4 of memcpy; point it at
   a tmpfs mounted `huge=always` (or hugetlbfs) to see the push with 2 MiB pages. The backing is printed.
 - Handshake: PP2 -> PP1 with the same 64 layers: per stage, fetch and decode the decoder's payload over the
-  side channel, validate and align by layer name, add the agent and prepare its descriptors. Median of runs.
+  side channel, validate and align by layer name, add the agent and prepare its descriptors (strided, one row
+  per region, as the producer does). Median of runs.
 """
 
 from __future__ import annotations
@@ -367,7 +368,8 @@ def _handshake_latencies(shape: Shape, port: int, runs: int) -> list[float]:
                 [peer] = handshake(
                     HOST, port, [(0, 0)], expected_hash=COMPAT_HASH, expected_engine_id=DECODE_ENGINE
                 )
-                descs = plan_decode_rank(local, peer.metadata, 1, peer.tp_rank).remote_descs
+                # What PushProducer._connect prepares: one strided row per region.
+                descs = plan_decode_rank(local, peer.metadata, 1, peer.tp_rank).remote_strided
                 name = local.transport.add_peer(peer.metadata.agent_metadata)
                 added.append((local.transport, name, local.transport.prep(name, descs)))
             latencies.append(time.perf_counter() - start)

@@ -47,7 +47,11 @@ CODE_PACKAGES = (
 # Modules whose Violation(...) / reason="..." strings are reasons a deployment can show.
 REASON_SOURCES = (
     "worker/kv/rules.py",
-    "worker/kv/routing.py",
+    "worker/kv/routing/regions.py",
+    "worker/kv/routing/desc_ids.py",
+    "worker/kv/routing/descriptors.py",
+    "worker/kv/routing/plan.py",
+    "worker/kv/routing/runs.py",
     "worker/connector/transport.py",
     "worker/connector/side_channel.py",
     "worker/connector/push.py",

@@ -52,11 +52,12 @@ from disagg.worker.kv.errors import (
 )
 from disagg.worker.kv.routing import (
     BlockIds,
-    DescArray,
     IdArray,
     IdBuffer,
+    StridedArray,
     TransferPlan,
     expand_logical_blocks,
+    expand_strided,
     group_arrays,
 )
 
@@ -79,9 +80,10 @@ class _DecodeRank:
 
     agent: str
     plan: TransferPlan
-    descs: DescArray
+    strided: StridedArray
+    """The decode rank's descriptors, one strided row per region, as prepared."""
     prepped: PreppedList
-    source: tuple[DescArray, PreppedList]
+    source: tuple[StridedArray, PreppedList]
     """This worker's descriptors the WRITEs read: whole blocks, or the decode rank's head slice of each."""
 
 
@@ -156,7 +158,7 @@ class PushProducer(PushSide[_DecodeEngine]):
         self._sending: list[_Sending] = []
         # Head slices of the local blocks (vLLM's local split handles), prepared once per slice and kept for
         # the worker's life like the whole-block list: every decode engine of one TP size reuses them.
-        self._head_slices: dict[tuple[int, int], tuple[DescArray, PreppedList]] = {}
+        self._head_slices: dict[tuple[int, int], tuple[StridedArray, PreppedList]] = {}
         # One decode rank's descriptor ids at a time, in memory kept from request to request (see IdBuffer).
         self._ids = IdBuffer()
 
@@ -284,8 +286,11 @@ class PushProducer(PushSide[_DecodeEngine]):
         try:
             for peer, write in planned:
                 name = self._add_agent(engine_id, peer, "decode")
-                prepped = self.transport.prep(name, write.remote_descs, self.config.mem_type)
-                ranks.append(_DecodeRank(name, write.plan, write.remote_descs, prepped, self._source(write)))
+                # Strided: one row per region reaches NIXL, never a row per block (see DecodeWrite).
+                prepped = self.transport.prep(name, write.remote_strided, self.config.mem_type)
+                ranks.append(
+                    _DecodeRank(name, write.plan, write.remote_strided, prepped, self._source(write))
+                )
         except DisaggError:
             for rank in ranks:
                 self.transport.release_prepped(rank.prepped)
@@ -294,13 +299,15 @@ class PushProducer(PushSide[_DecodeEngine]):
         self._engines[engine_id] = _DecodeEngine(engine_id, ranks, now)
         return [rank.agent for rank in ranks]
 
-    def _source(self, write: DecodeWrite) -> tuple[DescArray, PreppedList]:
-        if write.head_slice == (0, 1):
-            return self.local.descs, self.local.prepped
+    def _source(self, write: DecodeWrite) -> tuple[StridedArray, PreppedList]:
         if write.head_slice not in self._head_slices:
-            descs = write.source_descs()
-            prepped = self.transport.prep(LOCAL_AGENT, descs, self.config.mem_type)
-            self._head_slices[write.head_slice] = (descs, prepped)
+            strided = write.source_strided()
+            prepped = (
+                self.local.prepped
+                if write.head_slice == (0, 1)
+                else self.transport.prep(LOCAL_AGENT, strided, self.config.mem_type)
+            )
+            self._head_slices[write.head_slice] = (strided, prepped)
         return self._head_slices[write.head_slice]
 
     def _write(self, held_id: str, kept: Registration, now: float, events: ProducerEvents) -> None:
@@ -328,14 +335,9 @@ class PushProducer(PushSide[_DecodeEngine]):
                 remote_kernel = expand_logical_blocks(
                     decode_blocks, rank.plan.remote.physical_blocks_per_logical_kv_block
                 )
-                # Views into self._ids: _post hands them to NIXL before the next rank's ids overwrite them.
-                local_ids, remote_ids = rank.plan.desc_ids(local_kernel, remote_kernel, self._ids)
-                if len(remote_ids) != len(local_ids):
-                    raise RegionGeometryMismatch(
-                        f"{len(local_ids)} local blocks against {len(remote_ids)} decode blocks"
-                    )
-                xfers.append(self._post(rank, local_ids, remote_ids, notif))
-                nbytes += int(rank.source[0][local_ids, 1].sum())
+                xfer, moved = self._post(rank, local_kernel, remote_kernel, notif)
+                xfers.append(xfer)
+                nbytes += moved
         except Exception as exc:
             self._release_all(xfers)
             error = as_disagg_error(exc, "preparing the WRITE", reason="InternalError")
@@ -345,16 +347,38 @@ class PushProducer(PushSide[_DecodeEngine]):
             return
         self._sending.append(_Sending(held_id, registration, xfers, nbytes, now))
 
-    def _post(self, rank: _DecodeRank, local_ids: IdArray, remote_ids: IdArray, notif: bytes) -> Xfer:
-        """One WRITE: runs contiguous on both sides as single descriptors when there are any, else by index
-        into the prepared lists."""
-        source_descs, source_prepped = rank.source
-        local_rows, remote_rows = merge_runs(source_descs[local_ids], rank.descs[remote_ids])
-        if len(local_rows) < len(local_ids):
-            return self.transport.write_descs(
+    def _post(
+        self, rank: _DecodeRank, local_blocks: list[IdArray], remote_blocks: list[IdArray], notif: bytes
+    ) -> tuple[Xfer, int]:
+        """One WRITE and the bytes it moves: runs contiguous on both sides as single descriptors when there
+        are any, else by index into the prepared lists."""
+        source, source_prepped = rank.source
+        runs = rank.plan.runs(local_blocks, remote_blocks, source, rank.strided)
+        if runs is not None and runs.count < runs.num_descs:
+            local_rows, remote_rows = runs.descriptors()
+            xfer = self.transport.write_descs(
                 local_rows, rank.agent, remote_rows, notif, self.config.mem_type
             )
-        return self.transport.write(source_prepped, local_ids, rank.prepped, remote_ids, notif)
+            return xfer, runs.nbytes
+        # Views into self._ids: NIXL copies them before the next rank's ids overwrite them.
+        local_ids, remote_ids = rank.plan.desc_ids(local_blocks, remote_blocks, self._ids)
+        if len(remote_ids) != len(local_ids):
+            raise RegionGeometryMismatch(
+                f"{len(local_ids)} local blocks against {len(remote_ids)} decode blocks"
+            )
+        if runs is None:
+            local_descs = expand_strided(source)[local_ids]
+            # The sides' id rows do not pair row for row: merge the gathered rows.
+            local_rows, remote_rows = merge_runs(local_descs, expand_strided(rank.strided)[remote_ids])
+            if len(local_rows) < len(local_ids):
+                xfer = self.transport.write_descs(
+                    local_rows, rank.agent, remote_rows, notif, self.config.mem_type
+                )
+                return xfer, int(local_rows[:, 1].sum())
+            nbytes = int(local_descs[:, 1].sum())
+        else:
+            nbytes = runs.nbytes
+        return self.transport.write(source_prepped, local_ids, rank.prepped, remote_ids, notif), nbytes
 
     def _trimmed(self, held: list[IdArray], decode: list[IdArray]) -> tuple[list[IdArray], list[IdArray]]:
         """This request's blocks and the decoder's, per group, paired block by block."""

@@ -202,16 +202,22 @@ class NixlTransport:
     # -- descriptors and transfers --------------------------------------------------------------------------
 
     def prep(self, agent: str, descs: npt.NDArray[np.uint64], mem_type: str = "DRAM") -> PreppedList:
-        """Prepare an Nx3 descriptor list for `LOCAL_AGENT` or a loaded peer."""
-        if descs.ndim != 2 or descs.shape[1] != 3 or descs.dtype != np.uint64:
-            raise ValueError(f"descriptors must be an Nx3 uint64 array, got {descs.dtype}{descs.shape}")
+        """Prepare a descriptor list for `LOCAL_AGENT` or a loaded peer: Nx3 `(addr, len, dev)`, or Nx5
+        `(addr, len, dev, stride, count)`, NIXL's strided form, where each row stands for `count`
+        descriptors `stride` apart, addressed by index in order as if expanded (one row per region instead
+        of one per block: a handshake's list is tens of rows, not hundreds of thousands)."""
+        if descs.ndim != 2 or descs.shape[1] not in (3, 5) or descs.dtype != np.uint64:
+            raise ValueError(
+                f"descriptors must be an Nx3 or Nx5 uint64 array, got {descs.dtype}{descs.shape}"
+            )
         if agent != LOCAL_AGENT and agent not in self._peers:
             raise ValueError(f"unknown peer {agent!r}")
+        count = int(descs[:, 4].sum()) if descs.shape[1] == 5 else int(descs.shape[0])
         try:
             handle = self._agent.prep_xfer_dlist(agent, np.ascontiguousarray(descs), mem_type)
         except Exception as exc:
-            raise _failed(f"prepare {len(descs)} descriptors for {agent!r}", exc) from exc
-        return PreppedList(agent, int(descs.shape[0]), handle)
+            raise _failed(f"prepare {count} descriptors for {agent!r}", exc) from exc
+        return PreppedList(agent, count, handle)
 
     def release_prepped(self, prepped: PreppedList) -> None:
         try:

@@ -27,15 +27,18 @@ from disagg.worker.kv.routing import (
     DescArray,
     RegionGeometry,
     RegionMetadata,
+    StridedArray,
     TransferLayers,
     TransferPlan,
     align_remote_regions,
     check_group_layouts,
+    expand_strided,
     head_split,
     local_descs,
+    local_strided,
     plan_transfer,
     rank_offset_factor,
-    remote_descs,
+    remote_strided,
     slice_pp_regions,
 )
 
@@ -219,13 +222,29 @@ def _refuse_packed_rows(rank: PrefillRank, remote: AgentMetadata, remote_tp: int
 @dataclass(frozen=True)
 class DecodeWrite:
     """What a prefill rank writes to one decode rank: the plan pairing their regions, the destination
-    descriptors (`routing.remote_descs`) and the head slice of each source block (`routing.head_split`)."""
+    descriptors (`routing.remote_strided`) and the head slice of each source block (`routing.head_split`)."""
 
     plan: TransferPlan
-    remote_descs: DescArray
+    remote_strided: StridedArray
+    """The destination descriptors in NIXL's strided form, one row per remote region: what the producer
+    prepares. A handshake never builds a row per block (`remote_descs` expands them)."""
     head_slice: tuple[int, int]
     replicated: tuple[bool, ...]
     """Per local region: MLA, so the whole block goes to every decode rank."""
+
+    @property
+    def remote_descs(self) -> DescArray:
+        """The destination descriptors, a row per block (`routing.remote_descs`)."""
+        return expand_strided(self.remote_strided)
+
+    def source_strided(self) -> StridedArray:
+        """`source_descs` in the strided form, one row per transfer layer (or region)."""
+        return local_strided(
+            self.plan.local,
+            regions=self.plan.local_regions,
+            head_slice=self.head_slice,
+            replicated=self.replicated,
+        )
 
     def source_descs(self) -> DescArray:
         """The local descriptors the plan's local ids index: whole blocks, or this decode rank's head slice
@@ -256,7 +275,7 @@ def plan_decode_write(
         rank.tp_rank, rank.tp_size, remote_tp_rank, remote_tp, rank.num_kv_heads, rank.is_mla
     )
     offset_factor = rank_offset_factor(rank.tp_rank, rank.tp_size, remote_tp, rank.num_kv_heads, rank.is_mla)
-    descs = remote_descs(
+    descs = remote_strided(
         aligned,
         local,
         local_regions=plan.local_regions,
