@@ -1,7 +1,7 @@
 """The `DisaggDeployment` API (`disagg.io/v1alpha1`): pydantic models that are the single source of truth.
 
 `crds/` is generated from these models (`disagg.operator.crd`): field descriptions become `kubectl explain`
-text; the cross-field rules live in `crd.SPEC_RULES` (CEL) and `disagg.operator.compat` (Python). Python
+text; the cross-field rules live in `crd.SPEC_RULES` (CEL) and `disagg.operator.policies` (Python). Python
 names are snake_case, the wire names camelCase (`alias_generator=to_camel`, `populate_by_name=True`).
 Optional fields are omitted, never null, so the generated schema stays structural.
 """

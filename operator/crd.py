@@ -9,7 +9,7 @@ refuses the CRD client-side (`unknown field "x-kubernetes-validations"`), and wi
 server silently prunes the rules (`kubernetes-integration-on-1.20.md` §6). So:
 
 - `crds/disagg.io_disaggdeployments.yaml` has no CEL rules and applies cleanly on every cluster from 1.20; the
-  operator's admission webhook and reconciler enforce the same rules in Python (`disagg.operator.compat`).
+  operator's admission webhook and reconciler enforce the same rules in Python (`policies.compat`).
 - `crds/cel/disagg.io_disaggdeployments.yaml` adds the cross-field rules as CEL for clusters that enforce them
   (1.25 and later), so a bad object is refused even while the operator is down.
 """

@@ -14,20 +14,14 @@ from hypothesis import strategies as st
 from kubernetes.config import incluster_config
 
 from disagg.operator.api import DisaggDeploymentSpec
-from disagg.operator.builders import (
-    ENGINE_CONTAINER,
-    MAX_CHILD_NAME,
-    TOPOLOGY_KEY,
-    Installation,
-    Owner,
-    build,
-    child_name,
-    label_value,
-)
-from disagg.operator.builders_engine import arg_violations, engine_container, is_vllm_image
-from disagg.operator.compat import evaluate
-from disagg.operator.policies import worker_image_violations
-from disagg.operator.reconcile import judge
+from disagg.operator.builders.children import build
+from disagg.operator.builders.engine import arg_violations, engine_container, is_vllm_image
+from disagg.operator.builders.pod_template import ENGINE_CONTAINER
+from disagg.operator.builders.topology import TOPOLOGY_KEY
+from disagg.operator.control.reconcile import judge
+from disagg.operator.naming import MAX_CHILD_NAME, Installation, Owner, child_name, label_value
+from disagg.operator.policies.compat import evaluate
+from disagg.operator.policies.pods import worker_image_violations
 from disagg.worker.kv.pod_contract import POD_CONDITION, SIDECAR_CONTAINER
 from disagg.worker.kv.topology import decode_topology
 from disagg.worker.reporting.status_loop import SERVICE_ACCOUNT_TOKEN

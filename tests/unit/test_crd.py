@@ -21,7 +21,7 @@ from disagg.operator.api import (
     RoleHashes,
     RoleStatus,
 )
-from disagg.operator.compat import evaluate
+from disagg.operator.policies.compat import evaluate
 
 CRDS = Path(__file__).resolve().parents[2] / "crds"
 FORBIDDEN = {"$ref", "$defs", "definitions", "title", "anyOf", "oneOf", "allOf", "discriminator", "const"}

@@ -13,9 +13,9 @@ from dd_specs import spec
 from test_builders import container, env, objects
 from test_kv_report import built_pods, sidecar_config
 
-from disagg.operator.builders import SIDECAR_CONTAINER
 from disagg.worker.kv import wire
 from disagg.worker.kv.payload_facts import live_differences, payload_facts, prediction_differences
+from disagg.worker.kv.pod_contract import SIDECAR_CONTAINER
 from disagg.worker.kv.topology import WorkerEndpoint
 from disagg.worker.reporting.peer_check import Peer, peers_from_pods, summarize, through_heads
 from disagg.worker.sidecar.config import from_env
