@@ -30,7 +30,7 @@ CRD_NAME: Final = f"{api.PLURAL}.{api.GROUP}"
 CRD_FILENAME: Final = f"{api.GROUP}_{api.PLURAL}.yaml"
 CEL_SUBDIR: Final = "cel"
 HEADER: Final = (
-    "# Generated from disagg/operator/api.py by `disagg crd generate --output-dir crds`. Do not edit.\n"
+    "# Generated from disagg/operator/api/ by `disagg crd generate --output-dir crds`. Do not edit.\n"
 )
 
 # Keys pydantic emits that a structural schema forbids or that carry no meaning for Kubernetes.
