@@ -9,8 +9,8 @@ from typing import Any
 
 import msgspec
 import pytest
+from built import container, env, objects
 from dd_specs import spec
-from test_builders import container, env, objects
 from test_kv_report import built_pods, sidecar_config
 
 from disagg.worker.kv import wire
