@@ -9,7 +9,7 @@ refuses the CRD client-side (`unknown field "x-kubernetes-validations"`), and wi
 server silently prunes the rules (`kubernetes-integration-on-1.20.md` §6). So:
 
 - `crds/disagg.io_disaggdeployments.yaml` has no CEL rules and applies cleanly on every cluster from 1.20; the
-  operator's admission webhook and reconciler enforce the same rules in Python (`disagg.operator.compat`).
+  operator's admission webhook and reconciler enforce the same rules in Python (`policies.compat`).
 - `crds/cel/disagg.io_disaggdeployments.yaml` adds the cross-field rules as CEL for clusters that enforce them
   (1.25 and later), so a bad object is refused even while the operator is down.
 """
@@ -30,7 +30,7 @@ CRD_NAME: Final = f"{api.PLURAL}.{api.GROUP}"
 CRD_FILENAME: Final = f"{api.GROUP}_{api.PLURAL}.yaml"
 CEL_SUBDIR: Final = "cel"
 HEADER: Final = (
-    "# Generated from disagg/operator/api.py by `disagg crd generate --output-dir crds`. Do not edit.\n"
+    "# Generated from disagg/operator/api/ by `disagg crd generate --output-dir crds`. Do not edit.\n"
 )
 
 # Keys pydantic emits that a structural schema forbids or that carry no meaning for Kubernetes.

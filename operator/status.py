@@ -20,9 +20,9 @@ from disagg.operator.api import (
     RoleHashes,
     RoleStatus,
 )
-from disagg.operator.builders import COMPONENT_LABEL, GENERATION_ANNOTATION
-from disagg.operator.compat import CompatReport
 from disagg.operator.kv_status import PodKV, aggregate, routable, routable_pairs
+from disagg.operator.naming import COMPONENT_LABEL, GENERATION_ANNOTATION
+from disagg.operator.policies.compat import CompatReport
 from disagg.worker.contracts.pairing import Routing
 from disagg.worker.kv.errors import Violation
 

@@ -38,9 +38,10 @@ from kubernetes import client, config, watch
 from urllib3.exceptions import ProtocolError
 
 from disagg.operator.api import GROUP, PLURAL, VERSION
-from disagg.operator.builders import FIELD_MANAGER, Owner, build
-from disagg.operator.k8s_apply import Kube
-from disagg.operator.reconcile import judge
+from disagg.operator.builders.children import build
+from disagg.operator.control.k8s_apply import Kube
+from disagg.operator.control.reconcile import judge
+from disagg.operator.naming import FIELD_MANAGER, Owner
 from disagg.rig import control_plane
 from disagg.rig.control_plane import Paths
 from disagg.rig.local import REPO, free_port
@@ -262,7 +263,15 @@ def _wait_children(kube: Kube, namespace: str, count: int, timeout: float) -> No
 class Operator:
     def __init__(self, paths: Paths, namespaces: Sequence[str], log: Path) -> None:
         port = free_port()
-        args = [sys.executable, "-m", "disagg.operator.cli", "operator", "run", "--health-port", str(port)]
+        args = [
+            sys.executable,
+            "-m",
+            "disagg.operator.cli.main",
+            "operator",
+            "run",
+            "--health-port",
+            str(port),
+        ]
         for namespace in namespaces:
             args += ["--namespace", namespace]
         env = {**os.environ, "KUBECONFIG": str(paths.kubeconfig), "PYTHONSAFEPATH": "1"}

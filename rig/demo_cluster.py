@@ -116,7 +116,7 @@ class Demo:
         command = [
             sys.executable,
             "-m",
-            "disagg.operator.cli",
+            "disagg.operator.cli.main",
             "operator",
             "run",
             "--namespace",
@@ -195,7 +195,7 @@ class Demo:
         import yaml
 
         from disagg.operator.api import DisaggDeploymentSpec
-        from disagg.operator.compat import role_factors
+        from disagg.operator.policies.compat import role_factors
         from disagg.rig.local_kubelet import with_engine_hash
         from disagg.worker.kv import wire
 

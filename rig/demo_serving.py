@@ -225,7 +225,7 @@ class Serving:
         import yaml
 
         from disagg.operator.api import DisaggDeploymentSpec
-        from disagg.operator.compat import role_factors
+        from disagg.operator.policies.compat import role_factors
         from disagg.worker.kv import wire
 
         spec = DisaggDeploymentSpec.model_validate(yaml.safe_load(REFERENCE_SAMPLE.read_text())["spec"])

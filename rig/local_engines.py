@@ -156,7 +156,7 @@ class LocalEngines:
             argv = [
                 sys.executable,
                 "-m",
-                "disagg.operator.cli",
+                "disagg.operator.cli.main",
                 "engine",
                 "serve",
                 "--host",

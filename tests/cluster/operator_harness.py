@@ -23,7 +23,7 @@ from kubernetes.client.exceptions import ApiException
 from local_cluster import REPO, ControlPlane
 
 from disagg.operator.api import GROUP, PLURAL, VERSION
-from disagg.operator.k8s_apply import MERGE, Kube
+from disagg.operator.control.k8s_apply import MERGE, Kube
 from disagg.rig import local
 from disagg.rig.local import free_port
 

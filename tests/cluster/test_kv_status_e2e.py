@@ -23,7 +23,7 @@ from local_cluster import ControlPlane
 from operator_harness import Cluster, example, wait_for
 
 from disagg.operator.api import DisaggDeploymentSpec
-from disagg.operator.compat import role_factors
+from disagg.operator.policies.compat import role_factors
 from disagg.rig.local_kubelet import LocalKubelet, with_engine_hash, with_layer_names
 from disagg.worker.contracts.pairing import Routing, routing_from_pods
 from disagg.worker.contracts.peer_report import decode_peer_report

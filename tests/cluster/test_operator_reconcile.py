@@ -16,8 +16,8 @@ import yaml
 from local_cluster import REPO
 from operator_harness import Cluster, example, satisfied, wait_for
 
-from disagg.operator.builders import DEFAULT_WORKER_CLUSTER_ROLE
-from disagg.operator.webhook import refusal
+from disagg.operator.control.webhook import refusal
+from disagg.operator.naming import DEFAULT_WORKER_CLUSTER_ROLE
 
 NAME = "gemma"
 

@@ -20,7 +20,7 @@ from kubernetes.client.exceptions import ApiException
 from local_cluster import ControlPlane
 from operator_harness import Cluster, OperatorProcess, example, free_port, wait_for
 
-from disagg.operator.webhook import HANDLER_ID, refusal
+from disagg.operator.control.webhook import HANDLER_ID, refusal
 
 NAME = "gemma"
 

@@ -12,7 +12,7 @@ from kubernetes import client
 from local_cluster import ControlPlane
 from operator_harness import Cluster, OperatorProcess, example, free_port, satisfied, wait_for
 
-from disagg.operator.webhook import HANDLER_ID, SelfSignedWebhookServer, refusal
+from disagg.operator.control.webhook import HANDLER_ID, SelfSignedWebhookServer, refusal
 
 
 @pytest.fixture(scope="module")

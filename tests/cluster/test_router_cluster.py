@@ -145,7 +145,7 @@ def test_the_router_routes_only_over_pairs_that_handshook_and_follows_the_watch(
             sys.executable,
             "-P",
             "-m",
-            "disagg.operator.cli",
+            "disagg.operator.cli.main",
             "router",
             "run",
             "--deployment",

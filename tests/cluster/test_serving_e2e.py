@@ -29,7 +29,7 @@ from kubernetes import client
 from operator_harness import Cluster, example, wait_for
 
 from disagg.operator.api import DisaggDeploymentSpec
-from disagg.operator.compat import role_factors
+from disagg.operator.policies.compat import role_factors
 from disagg.rig.local_kubelet import KubeletLoop, LocalKubelet, with_engine_hash
 from disagg.rig.service_proxy import ServiceProxy
 from disagg.worker.contracts.pairing import routing_from_pods

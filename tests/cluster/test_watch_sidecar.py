@@ -122,7 +122,7 @@ def test_a_watch_sidecar_reports_its_engine_on_its_pod(
             [
                 sys.executable,
                 "-m",
-                "disagg.operator.cli",
+                "disagg.operator.cli.main",
                 "worker",
                 "sidecar",
                 "--mode",

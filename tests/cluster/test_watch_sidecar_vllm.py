@@ -102,7 +102,7 @@ def test_a_watch_sidecar_facing_vllm_reports_true_then_the_release_mismatch(
     )
     prefill = vllm_payloads(new, prefill_id, PREFILL_RANKS, prediction.digest)
     log_path = tmp_path / "watch.log"
-    command = [sys.executable, "-m", "disagg.operator.cli", "worker", "sidecar", "--mode", "watch"]
+    command = [sys.executable, "-m", "disagg.operator.cli.main", "worker", "sidecar", "--mode", "watch"]
     with vllm_listener(new, prefill, prefill_port) as prefill_listener, open(log_path, "wb") as log:
         watcher = subprocess.Popen(
             [*command, "--interval", "1"], env=env, stdout=log, stderr=subprocess.STDOUT

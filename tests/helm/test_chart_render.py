@@ -175,7 +175,7 @@ def test_rbac_grants_exactly_the_operators_needs_without_wildcards(helm_bin: Pat
 
 def test_the_operator_holds_every_permission_it_grants_a_router(helm_bin: Path) -> None:
     """The API server lets the operator create the router's Role only with permissions it holds itself."""
-    from disagg.operator.builders_router import ROUTER_RULES
+    from disagg.operator.builders.router import ROUTER_RULES
 
     granted = flatten_rules(by_kind(render(helm_bin), "ClusterRole")[f"{RELEASE}-disagg-workloads"])
     router = flatten_rules({"metadata": {"name": "router"}, "rules": list(ROUTER_RULES)})

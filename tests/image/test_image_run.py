@@ -37,8 +37,8 @@ PROCESS_HELP = {
 }
 # What the light image runs, imported for real: with no torch or NIXL installed, each import would fail.
 LIGHT_MODULES = [
-    "disagg.operator.handlers",
-    "disagg.operator.webhook",
+    "disagg.operator.control.handlers",
+    "disagg.operator.control.webhook",
     "disagg.worker.reporting.watch",
     "disagg.worker.connector.side_channel",
 ]

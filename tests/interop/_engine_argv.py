@@ -18,9 +18,11 @@ from typing import Any
 import yaml
 
 from disagg.operator.api import DisaggDeployment, DisaggDeploymentSpec
-from disagg.operator.builders import ENGINE_CONTAINER, Installation, Owner, build
-from disagg.operator.compat import CompatReport, evaluate
-from disagg.operator.policies import REFUSAL_CHAIN
+from disagg.operator.builders.children import build
+from disagg.operator.builders.pod_template import ENGINE_CONTAINER
+from disagg.operator.naming import Installation, Owner
+from disagg.operator.policies.chain import REFUSAL_CHAIN
+from disagg.operator.policies.compat import CompatReport, evaluate
 
 ROOT = Path(__file__).resolve().parents[2]
 OWNER = Owner(name="dd", namespace="ns1", uid="uid-1", generation=1)

@@ -14,10 +14,12 @@ from _vllm_peer import RELEASES, PeerFactory, VllmPeer
 from test_hash_interop import DEEPSEEK, GEMMA, LLAMA
 
 from disagg.operator.api import DisaggDeploymentSpec
-from disagg.operator.builders import ENGINE_CONTAINER, Installation, build
-from disagg.operator.builders_engine import ARG_CONFLICT_REASON
-from disagg.operator.compat import evaluate
-from disagg.operator.policies import REFUSAL_CHAIN
+from disagg.operator.builders.children import build
+from disagg.operator.builders.engine import ARG_CONFLICT_REASON
+from disagg.operator.builders.pod_template import ENGINE_CONTAINER
+from disagg.operator.naming import Installation
+from disagg.operator.policies.chain import REFUSAL_CHAIN
+from disagg.operator.policies.compat import evaluate
 
 SPECS: dict[str, dict[str, Any]] = {
     "pp2-hybrid": GEMMA,

@@ -11,8 +11,8 @@ import yaml
 from _engine_argv import engine_pods, example_document, example_spec, judged
 from _vllm_peer import RELEASES, PeerFactory, VllmPeer
 
-from disagg.operator.cli import main
-from disagg.operator.compat import role_factors
+from disagg.operator.cli.main import main
+from disagg.operator.policies.compat import role_factors
 
 # Three model families, with the public config.json values hack/vllm/peer.py writes into the offline HF cache.
 GEMMA: dict[str, Any] = {

@@ -168,8 +168,9 @@ def test_the_sidecar_speaks_the_connector_version_of_the_release_its_spec_names(
     import yaml
 
     from disagg.operator.api import DisaggDeployment
-    from disagg.operator.builders import Owner, topology_document
-    from disagg.operator.compat import evaluate, role_factors
+    from disagg.operator.builders.topology import topology_document
+    from disagg.operator.naming import Owner
+    from disagg.operator.policies.compat import evaluate, role_factors
     from disagg.worker.contracts.topology import encode_topology
 
     example = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "pp2-hma.yaml").read_text())

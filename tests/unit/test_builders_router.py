@@ -15,16 +15,19 @@ from kubernetes.config import incluster_config
 from pydantic import ValidationError
 
 from disagg.operator.api import DisaggDeployment, DisaggDeploymentSpec, RouterSpec
-from disagg.operator.builders import ENGINE_CONTAINER, TOPOLOGY_KEY, Installation, Owner, build
-from disagg.operator.builders_engine import HTTP_PORT, MASTER_PORT, is_reference_engine_image, stage_dns
-from disagg.operator.builders_router import ROUTER_CONTAINER, endpoint_of, router_objects
-from disagg.operator.compat import evaluate
-from disagg.operator.k8s_apply import CHILD_APIS, _owned_by
+from disagg.operator.builders.children import build
+from disagg.operator.builders.engine import HTTP_PORT, MASTER_PORT, is_reference_engine_image, stage_dns
+from disagg.operator.builders.pod_template import ENGINE_CONTAINER
+from disagg.operator.builders.router import ROUTER_CONTAINER, endpoint_of, router_objects
+from disagg.operator.builders.topology import TOPOLOGY_KEY
+from disagg.operator.control.k8s_apply import CHILD_APIS, _owned_by
+from disagg.operator.naming import Installation, Owner
 from disagg.operator.plan import model_geometry
-from disagg.operator.policies import (
+from disagg.operator.policies.chain import REFUSAL_CHAIN
+from disagg.operator.policies.compat import evaluate
+from disagg.operator.policies.reference_engine import (
     REFERENCE_FULL_EVERY,
     REFERENCE_QUERY_HEADS,
-    REFUSAL_CHAIN,
     reference_tensor_parallel,
 )
 from disagg.operator.status import Workload, compute

@@ -19,8 +19,8 @@ from celpy import celtypes
 from dd_specs import EXAMPLES, load, spec, spec_dict
 
 from disagg.operator.api import DisaggDeployment, DisaggDeploymentSpec
-from disagg.operator.compat import evaluate
 from disagg.operator.crd import SPEC_RULES, build_crd
+from disagg.operator.policies.compat import evaluate
 
 # Rules that guard the model's own shape: pydantic refuses such objects before evaluate() runs.
 SHAPE_REASONS = {"InvalidModelLayers"}

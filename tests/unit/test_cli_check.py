@@ -15,9 +15,10 @@ from dd_specs import EXAMPLES, VALID_EXAMPLE, valid_document
 
 from disagg.operator import crd
 from disagg.operator.api import DisaggDeployment
-from disagg.operator.builders import Installation, Owner, build
-from disagg.operator.cli import main
-from disagg.operator.compat import evaluate
+from disagg.operator.builders.children import build
+from disagg.operator.cli.main import main
+from disagg.operator.naming import Installation, Owner
+from disagg.operator.policies.compat import evaluate
 from disagg.worker.contracts.pod_contract import POD_CONDITION
 
 REPO = Path(__file__).resolve().parents[2]
@@ -331,7 +332,7 @@ def test_crd_generate_writes_and_checks_a_directory(
 
 def test_the_installed_command_returns_the_exit_codes(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONSAFEPATH": "1"}
-    command = [sys.executable, "-m", "disagg.operator.cli", "check"]
+    command = [sys.executable, "-m", "disagg.operator.cli.main", "check"]
     invalid = _write(tmp_path, valid_document({"decode": {"replicas": -1}}))
     results = {
         name: subprocess.run(

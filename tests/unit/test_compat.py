@@ -8,7 +8,7 @@ import pytest
 from dd_specs import EXAMPLES, load, spec
 
 from disagg.operator.api import DisaggDeployment, RoutingMode
-from disagg.operator.compat import evaluate, role_factors
+from disagg.operator.policies.compat import evaluate, role_factors
 from disagg.worker.kv.wire import compat_hash
 
 PP2 = {"prefill": {"pipelineParallelSize": 2}}

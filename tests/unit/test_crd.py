@@ -21,7 +21,7 @@ from disagg.operator.api import (
     RoleHashes,
     RoleStatus,
 )
-from disagg.operator.compat import evaluate
+from disagg.operator.policies.compat import evaluate
 
 CRDS = Path(__file__).resolve().parents[2] / "crds"
 FORBIDDEN = {"$ref", "$defs", "definitions", "title", "anyOf", "oneOf", "allOf", "discriminator", "const"}
@@ -206,5 +206,5 @@ def test_a_status_written_by_the_operator_validates() -> None:
 
 def test_rendered_yaml_has_the_generated_header_and_parses() -> None:
     text = crd.render(crd.build_crd(with_cel=True))
-    assert text.startswith("# Generated from disagg/operator/api.py")
+    assert text.startswith("# Generated from disagg/operator/api/")
     assert yaml.safe_load(text) == crd.build_crd(with_cel=True)

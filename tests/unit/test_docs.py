@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 import yaml
 
-from disagg.operator import builders_engine, crd
+from disagg.operator import crd
 from disagg.operator.api import DisaggDeployment
-from disagg.operator.compat import deployment_factors, evaluate
+from disagg.operator.builders.engine import ARG_CONFLICT_REASON
+from disagg.operator.policies.compat import deployment_factors, evaluate
 from disagg.worker.contracts import releases
 from disagg.worker.kv import errors, wire
 from disagg.worker.kv.layout import ModelGeometry, build_stage_layout, transfer_group_index_by_layer
@@ -57,9 +58,8 @@ REASON_SOURCES = (
     "worker/connector/push.py",
     "worker/connector/producer.py",
     "worker/connector/consumer.py",
-    "operator/compat.py",
-    "operator/policies.py",
-    "operator/reconcile.py",
+    *(f"operator/policies/{path.name}" for path in sorted((ROOT / "operator" / "policies").glob("*.py"))),
+    "operator/control/reconcile.py",
     "operator/kv_status.py",
     "operator/status.py",
 )
@@ -122,17 +122,19 @@ def defined_tests(path: str) -> frozenset[str]:
 
 
 def resolve(ref: str) -> Any:
-    """`module.attr[.attr]` in one of CODE_PACKAGES."""
-    module_name, *attrs = ref.split(".")
+    """`module[.module].attr[.attr]` in one of CODE_PACKAGES: the longest prefix that is a module, then
+    attributes."""
+    parts = ref.split(".")
     for package in CODE_PACKAGES:
-        try:
-            target: Any = importlib.import_module(f"{package}.{module_name}")
-        except ModuleNotFoundError:
-            continue
-        for attr in attrs:
-            target = getattr(target, attr)
-        return target
-    raise LookupError(f"no module {module_name!r} in {CODE_PACKAGES}")
+        for split in range(len(parts) - 1, 0, -1):
+            try:
+                target: Any = importlib.import_module(".".join([package, *parts[:split]]))
+            except ModuleNotFoundError:
+                continue
+            for attr in parts[split:]:
+                target = getattr(target, attr)
+            return target
+    raise LookupError(f"no module {parts[0]!r} in {CODE_PACKAGES}")
 
 
 def call_kwargs(text: str) -> dict[str, Any]:
@@ -237,7 +239,7 @@ HANDSHAKE = table(MATRIX_DOC, "compat:handshake")
 def constructed_names() -> frozenset[str]:
     """Names called anywhere in worker/ and operator/ outside errors.py: where an error type is raised."""
     names: set[str] = set()
-    for path in [*ROOT.glob("worker/**/*.py"), *ROOT.glob("operator/*.py")]:
+    for path in [*ROOT.glob("worker/**/*.py"), *ROOT.glob("operator/**/*.py")]:
         if path.name == "errors.py":
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -293,7 +295,7 @@ def code_reasons() -> frozenset[str]:
     from_types = {cls.reason for cls in error_types if cls is not errors.DisaggError}
     from_sources = set().union(*(_reasons_in_source(ROOT / path) for path in REASON_SOURCES))
     from_cel = {rule.reason for rule in crd.SPEC_RULES}
-    return frozenset(from_types | from_sources | from_cel | {builders_engine.ARG_CONFLICT_REASON})
+    return frozenset(from_types | from_sources | from_cel | {ARG_CONFLICT_REASON})
 
 
 def documented_reasons() -> list[str]:

@@ -9,12 +9,12 @@ from typing import Any
 
 import msgspec
 import pytest
+from built import container, env, objects
 from dd_specs import spec
-from test_builders import container, env, objects
 from test_kv_report import built_pods, sidecar_config
 
-from disagg.operator.builders import SIDECAR_CONTAINER
 from disagg.worker.contracts.payload_facts import live_differences, payload_facts, prediction_differences
+from disagg.worker.contracts.pod_contract import SIDECAR_CONTAINER
 from disagg.worker.contracts.topology import WorkerEndpoint
 from disagg.worker.kv import wire
 from disagg.worker.reporting.peer_check import Peer, peers_from_pods, summarize, through_heads

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from dd_specs import spec, valid_document
 
-from disagg.operator.builders import Installation
-from disagg.operator.builders_engine import ARG_CONFLICT_REASON, arg_violations
-from disagg.operator.reconcile import judge
+from disagg.operator.builders.engine import ARG_CONFLICT_REASON, arg_violations
+from disagg.operator.control.reconcile import judge
+from disagg.operator.naming import Installation
 
 OPTIONS = json.loads(
     (Path(__file__).resolve().parents[1] / "golden" / "vllm" / "serve_options.json").read_text("utf-8")

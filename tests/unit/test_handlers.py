@@ -11,7 +11,7 @@ import inspect
 
 import kopf
 
-import disagg.operator.handlers  # noqa: F401  (registers the handlers)
+import disagg.operator.control.handlers  # noqa: F401  (registers the handlers)
 
 CHILD_PLURALS = {"pods", "statefulsets", "deployments"}
 

@@ -12,10 +12,10 @@ import pytest
 import yaml
 from dd_specs import spec, spec_dict, valid_document
 
-from disagg.operator.builders import Installation
-from disagg.operator.cli import main
-from disagg.operator.reconcile import judge
-from disagg.operator.webhook import refusal
+from disagg.operator.cli.main import main
+from disagg.operator.control.reconcile import judge
+from disagg.operator.control.webhook import refusal
+from disagg.operator.naming import Installation
 
 INSTALLED = Installation(worker_image="w:1")
 
@@ -104,7 +104,7 @@ def test_a_spec_the_builders_cannot_fit_in_a_configmap_is_refused() -> None:
 
 
 def test_the_chain_runs_the_build() -> None:
-    from disagg.operator.policies import REFUSAL_CHAIN
+    from disagg.operator.policies.chain import REFUSAL_CHAIN
 
     assert REFUSAL_CHAIN[-1].__name__ == "objects_build"
 
@@ -175,7 +175,7 @@ def test_the_messages_name_what_vllm_reads() -> None:
 
 
 def _review(body: bytes) -> tuple[int, dict[str, Any] | None, str]:
-    from disagg.operator.webhook import review_response
+    from disagg.operator.control.webhook import review_response
 
     status, payload, reason = asyncio.run(review_response(_never_called, body))
     return status, payload, reason
@@ -211,7 +211,7 @@ def test_a_malformed_review_is_refused_with_a_reason_never_a_500(body: bytes) ->
 def test_a_spec_the_verdict_cannot_judge_is_denied_not_a_500(monkeypatch: pytest.MonkeyPatch) -> None:
     import kopf
 
-    from disagg.operator import webhook
+    from disagg.operator.control import webhook
 
     def explode(_: Any) -> str | None:
         raise KeyError("j")

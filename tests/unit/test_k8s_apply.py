@@ -6,9 +6,10 @@ import pytest
 from dd_specs import spec
 from kubernetes import client
 
-from disagg.operator.builders import Installation, Owner, build
-from disagg.operator.compat import evaluate
-from disagg.operator.k8s_apply import CHILD_APIS, Kube
+from disagg.operator.builders.children import build
+from disagg.operator.control.k8s_apply import CHILD_APIS, Kube
+from disagg.operator.naming import Installation, Owner
+from disagg.operator.policies.compat import evaluate
 
 
 def test_every_built_kind_is_one_the_operator_can_apply_and_prune() -> None:

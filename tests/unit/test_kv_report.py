@@ -9,9 +9,10 @@ from typing import Any
 
 import yaml
 
-from disagg.operator import builders
 from disagg.operator.api import DisaggDeploymentSpec
-from disagg.operator.compat import evaluate
+from disagg.operator.builders.children import build
+from disagg.operator.naming import Owner
+from disagg.operator.policies.compat import evaluate
 from disagg.rig.local_kubelet import pod_ready, resolve_env
 from disagg.worker.contracts.peer_report import (
     MAX_DIFFERS_CHARS,
@@ -41,7 +42,7 @@ def built_pods() -> dict[str, dict[str, Any]]:
     spec = DisaggDeploymentSpec.model_validate(yaml.safe_load(EXAMPLE.read_text())["spec"])
     report = evaluate(spec)
     assert report.plan is not None
-    objects = builders.build(spec, builders.Owner("gemma", "ns", "uid-1", 1), report.plan, report.hashes)
+    objects = build(spec, Owner("gemma", "ns", "uid-1", 1), report.plan, report.hashes)
     templates = {
         obj["kind"]: obj["spec"]["template"]
         for obj in objects

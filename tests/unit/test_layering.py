@@ -44,7 +44,7 @@ def _loaded(forbidden: tuple[str, ...], modules: list[str]) -> list[str]:
 
 def test_every_operator_module_imports_without_torch_or_nixl() -> None:
     modules = _modules(disagg.operator)
-    assert "disagg.operator.handlers" in modules and "disagg.operator.reconcile" in modules
+    assert "disagg.operator.control.handlers" in modules and "disagg.operator.control.reconcile" in modules
     assert _loaded(("torch", "nixl", "nixl_cu12"), modules) == []
 
 
@@ -56,7 +56,7 @@ def test_no_worker_module_imports_kopf() -> None:
 
 def test_the_probe_sees_an_import() -> None:
     # Without this, a probe that never saw any module would pass both checks above.
-    assert _loaded(("kopf",), ["disagg.operator.handlers"]) == ["kopf"]
+    assert _loaded(("kopf",), ["disagg.operator.control.handlers"]) == ["kopf"]
 
 
 def test_the_router_imports_neither_torch_nor_nixl_nor_the_data_path() -> None:

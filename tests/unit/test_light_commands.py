@@ -17,7 +17,7 @@ class Block(importlib.abc.MetaPathFinder):
             raise ImportError(f"{name} is not in the light image")
         return None
 sys.meta_path.insert(0, Block())
-from disagg.operator.cli import main
+from disagg.operator.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
 # The subcommands the light image's processes run, checked whenever `disagg --help` lists their command.
@@ -58,7 +58,7 @@ def test_the_blocker_would_catch_an_import_of_torch() -> None:
         [
             sys.executable,
             "-c",
-            BLOCK.replace("from disagg.operator.cli import main", "import torch"),
+            BLOCK.replace("from disagg.operator.cli.main import main", "import torch"),
             "--help",
         ],
         capture_output=True,

@@ -15,10 +15,11 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from disagg.operator import builders
 from disagg.operator.api import DisaggDeploymentSpec
-from disagg.operator.compat import evaluate
+from disagg.operator.builders.children import build
 from disagg.operator.kv_status import pod_kv
+from disagg.operator.naming import Owner
+from disagg.operator.policies.compat import evaluate
 from disagg.worker.contracts.engine_pods import engine_pod, essentials
 from disagg.worker.contracts.pairing import (
     DecodeTarget,
@@ -56,7 +57,7 @@ def templates(deployment: str = "gemma") -> dict[str, dict[str, Any]]:
     spec = DisaggDeploymentSpec.model_validate(yaml.safe_load(EXAMPLE.read_text())["spec"])
     report = evaluate(spec)
     assert report.plan is not None
-    objects = builders.build(spec, builders.Owner(deployment, "ns", "uid-1", 1), report.plan, report.hashes)
+    objects = build(spec, Owner(deployment, "ns", "uid-1", 1), report.plan, report.hashes)
     return {
         obj["kind"]: obj["spec"]["template"]
         for obj in objects

@@ -7,11 +7,12 @@ import pytest
 from dd_specs import DELETE, spec, spec_dict
 
 from disagg.operator.api import ROLES
-from disagg.operator.builders import Installation
-from disagg.operator.compat import evaluate
-from disagg.operator.policies import COMPATIBILITY_CHAIN, REFUSAL_CHAIN, PolicyInput, evaluate_chain
-from disagg.operator.reconcile import judge
-from disagg.operator.webhook import refusal, validate
+from disagg.operator.control.reconcile import judge
+from disagg.operator.control.webhook import refusal, validate
+from disagg.operator.naming import Installation
+from disagg.operator.policies.chain import COMPATIBILITY_CHAIN, REFUSAL_CHAIN
+from disagg.operator.policies.compat import evaluate
+from disagg.operator.policies.policy import PolicyInput, evaluate_chain
 from disagg.worker.kv.errors import Violation
 
 

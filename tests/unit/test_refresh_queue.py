@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from disagg.operator.reconcile import RefreshQueue
+from disagg.operator.control.refresh_queue import RefreshQueue
 
 Key = tuple[str, str]
 

@@ -17,12 +17,13 @@ import yaml
 from dd_specs import valid_document
 from pydantic import ValidationError
 
-from disagg.operator import cli_check
 from disagg.operator.api import MAX_REPLICAS, DisaggDeployment
-from disagg.operator.builders import Installation, Owner, build
-from disagg.operator.policies import MAX_OBJECT_BYTES
-from disagg.operator.reconcile import judge
-from disagg.operator.webhook import refusal
+from disagg.operator.builders.children import build
+from disagg.operator.cli import check as cli_check
+from disagg.operator.control.reconcile import judge
+from disagg.operator.control.webhook import refusal
+from disagg.operator.naming import Installation, Owner
+from disagg.operator.policies.chain import MAX_OBJECT_BYTES
 
 pytestmark = pytest.mark.fuzz
 

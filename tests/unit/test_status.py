@@ -11,8 +11,8 @@ from test_pairing import D1, D2, STAGES, annotate, healthy, report, verdict
 
 from disagg.operator import conditions as cond
 from disagg.operator.api import ConditionStatus, DisaggDeploymentStatus
-from disagg.operator.compat import evaluate
 from disagg.operator.kv_status import PodKV, peers_reported
+from disagg.operator.policies.compat import evaluate
 from disagg.operator.status import Workload, compute, incompatibility_message, to_json, workload
 from disagg.worker.contracts.pairing import routing_from_pods
 from disagg.worker.kv.errors import Violation

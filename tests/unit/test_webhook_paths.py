@@ -1,7 +1,7 @@
 """The operator's webhook server answers only the paths that name a handler (issue 22, finding 9).
 
 The real server (`SelfSignedWebhookServer`, HTTPS on 127.0.0.1) runs kopf's own admission function, bound as
-kopf's operator binds it, with kopf's default registry, where importing `disagg.operator.webhook` registered
+kopf's operator binds it, with kopf's default registry, where importing `control.webhook` registered
 the `validate` handler. kopf routes `/{id:.*}` and runs only the handlers whose id equals the path, so on
 `/` or `/x` it ran none and allowed every review."""
 
@@ -23,7 +23,7 @@ from kopf._core.intents import registries
 from kopf._core.reactor import inventory
 
 from disagg.operator.api import GROUP, PLURAL, VERSION
-from disagg.operator.webhook import HANDLER_ID, SelfSignedWebhookServer
+from disagg.operator.control.webhook import HANDLER_ID, SelfSignedWebhookServer
 
 
 def review(document: dict[str, Any], uid: str) -> dict[str, Any]:
@@ -78,7 +78,7 @@ async def post_reviews(paths: list[str], body: dict[str, Any]) -> dict[str, tupl
 
 def test_only_the_handlers_ids_are_served() -> None:
     # A new handler registered without a path the server answers would be unreachable: this says so.
-    from disagg.operator.webhook import SERVED_HANDLER_IDS
+    from disagg.operator.control.webhook import SERVED_HANDLER_IDS
 
     registered = {handler.id for handler in registries.get_default_registry()._webhooks.get_all_handlers()}
     assert registered == SERVED_HANDLER_IDS == {HANDLER_ID}

@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from disagg.operator.cli import main
+from disagg.operator.cli.main import main
 from disagg.worker.kv import wire
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"

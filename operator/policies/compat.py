@@ -3,7 +3,7 @@
 The compatibility hash is the worker's (`disagg.worker.kv.wire`), computed per role from the spec, so a pair
 whose hashes would differ at handshake is refused before any pod exists; the image and model revision are
 compared too, which vLLM does not hash but which change what the hashed version string and model name mean
-(llm-d#499 and vLLM PR #55776). The rules themselves, in order, are `disagg.operator.policies`.
+(llm-d#499 and vLLM PR #55776). The rules themselves, in order, are `disagg.operator.policies.chain`.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from types import MappingProxyType
 from typing import Any
 
 from disagg.operator.api import ROLES, DisaggDeploymentSpec, HybridKVCacheManager, Role
-from disagg.operator.builders import Installation
-from disagg.operator.builders_engine import role_release
+from disagg.operator.builders.engine import role_release
+from disagg.operator.naming import Installation
 from disagg.operator.plan import TopologyPlan
-from disagg.operator.policies import COMPATIBILITY_CHAIN, Policy, PolicyInput, evaluate_chain
+from disagg.operator.policies.chain import COMPATIBILITY_CHAIN
+from disagg.operator.policies.policy import Policy, PolicyInput, evaluate_chain
 from disagg.worker.kv.errors import Violation
 from disagg.worker.kv.wire import compat_factors, compat_hash
 

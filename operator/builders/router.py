@@ -17,26 +17,27 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
 from disagg.operator.api import DisaggDeploymentSpec
-from disagg.operator.builders import (
-    _UNPRIVILEGED,
+from disagg.operator.builders.objects import (
     API_ACCESS_DIR,
     API_ACCESS_VOLUME,
+    SIDECAR_UID,
+    UNPRIVILEGED,
+    api_access_volume,
+    container_resources,
+    json_copy,
+    owned_object,
+)
+from disagg.operator.naming import (
     COMPONENT_LABEL,
     DEPLOYMENT_ANNOTATION,
     NAME_LABEL,
     PART_OF_LABEL,
-    SIDECAR_UID,
     Installation,
     Owner,
-    _api_access_volume,
-    _copy,
-    _object,
-    _resources,
-    child_name,
-    label_value,
+    router_name,
+    router_selector,
 )
 from disagg.worker.contracts.pod_contract import (
-    DEPLOYMENT_LABEL,
     ROUTER_COMPONENT,
     ROUTER_COMPONENT_LABEL,
 )
@@ -48,16 +49,6 @@ ROUTER_RULES: Final = ({"apiGroups": [""], "resources": ["pods"], "verbs": ["get
 # Python, its HTTP stack and the Prometheus client may write temporary files; the root filesystem is
 # read-only.
 _TMP_VOLUME: Final = "tmp"
-
-
-def router_name(owner: str) -> str:
-    """The router's Deployment, Service, ServiceAccount, Role and RoleBinding."""
-    return child_name(owner, "router")
-
-
-def router_selector(owner: str) -> dict[str, str]:
-    """The router Deployment's immutable selector: engine pods never carry the component label."""
-    return {DEPLOYMENT_LABEL: label_value(owner), ROUTER_COMPONENT_LABEL: ROUTER_COMPONENT}
 
 
 def router_endpoint(name: str, namespace: str, port: int) -> str:
@@ -74,7 +65,11 @@ def router_objects(
     return [
         _router_object("v1", "ServiceAccount", name, owner),
         _router_object(
-            "rbac.authorization.k8s.io/v1", "Role", name, owner, rules=[_copy(rule) for rule in ROUTER_RULES]
+            "rbac.authorization.k8s.io/v1",
+            "Role",
+            name,
+            owner,
+            rules=[json_copy(rule) for rule in ROUTER_RULES],
         ),
         _router_object(
             "rbac.authorization.k8s.io/v1",
@@ -117,7 +112,7 @@ def router_objects(
 
 
 def _router_object(api_version: str, kind: str, name: str, owner: Owner, **body: Any) -> dict[str, Any]:
-    obj = _object(api_version, kind, name, owner, ROUTER_COMPONENT, **body)
+    obj = owned_object(api_version, kind, name, owner, ROUTER_COMPONENT, **body)
     obj["metadata"]["labels"][ROUTER_COMPONENT_LABEL] = ROUTER_COMPONENT
     return obj
 
@@ -151,9 +146,9 @@ def _pod_template(spec: DisaggDeploymentSpec, owner: Owner, installation: Instal
             **probe,
             "initialDelaySeconds": 10,
         },
-        "resources": _resources(router.resources, None, None),
+        "resources": container_resources(router.resources, None, None),
         "securityContext": {
-            **_copy(_UNPRIVILEGED),
+            **json_copy(UNPRIVILEGED),
             "runAsNonRoot": True,
             "runAsUser": SIDECAR_UID,
             "runAsGroup": SIDECAR_UID,
@@ -166,20 +161,20 @@ def _pod_template(spec: DisaggDeploymentSpec, owner: Owner, installation: Instal
     }
     pod_spec: dict[str, Any] = {
         "serviceAccountName": router_name(owner.name),
-        # The token is projected into the router container alone, as the kubelet would (see builders).
+        # The token is projected into the router container alone, as the kubelet would (see pod_template).
         "automountServiceAccountToken": False,
         "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
         "enableServiceLinks": False,
-        "volumes": [{"name": _TMP_VOLUME, "emptyDir": {"sizeLimit": "64Mi"}}, _api_access_volume()],
+        "volumes": [{"name": _TMP_VOLUME, "emptyDir": {"sizeLimit": "64Mi"}}, api_access_volume()],
     }
     scheduling = router.scheduling
     if scheduling is not None and scheduling.node_selector:
         pod_spec["nodeSelector"] = dict(scheduling.node_selector)
     if scheduling is not None and scheduling.tolerations:
-        pod_spec["tolerations"] = [_copy(toleration) for toleration in scheduling.tolerations]
+        pod_spec["tolerations"] = [json_copy(toleration) for toleration in scheduling.tolerations]
     if scheduling is not None and scheduling.affinity:
-        pod_spec["affinity"] = _copy(scheduling.affinity)
+        pod_spec["affinity"] = json_copy(scheduling.affinity)
     return {
         "metadata": {
             "labels": {

@@ -16,12 +16,8 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import os
-import threading
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -30,17 +26,16 @@ from pydantic import ValidationError
 
 from disagg.operator import conditions as cond
 from disagg.operator.api import ConditionStatus, DisaggDeploymentSpec
-from disagg.operator.builders import Installation, Owner, build
-from disagg.operator.builders_router import endpoint_of
-from disagg.operator.compat import CompatReport, evaluate
-from disagg.operator.k8s_apply import Kube
+from disagg.operator.builders.children import build
+from disagg.operator.builders.router import endpoint_of
+from disagg.operator.control.k8s_apply import Kube
 from disagg.operator.kv_status import peers_reported, pod_kv
-from disagg.operator.policies import REFUSAL_CHAIN
+from disagg.operator.naming import Installation, Owner
+from disagg.operator.policies.chain import REFUSAL_CHAIN
+from disagg.operator.policies.compat import CompatReport, evaluate
 from disagg.operator.status import Workload, compute, incompatibility_message, to_json, workload
 from disagg.worker.contracts.pairing import routing_from_pods
 from disagg.worker.kv.errors import Violation
-
-_LOG = logging.getLogger("disagg.operator.status")
 
 
 @dataclass(frozen=True)
@@ -243,109 +238,3 @@ def _write_invalid(kube: Kube, body: Mapping[str, Any], verdict: Verdict) -> boo
         return False
     kube.patch_status(metadata["namespace"], metadata["name"], rendered)
     return True
-
-
-class RefreshQueue:
-    """A deduplicating work queue for status refreshes, as controller-runtime's workqueue does it.
-
-    A pod's or workload's event only says "look at this deployment again". `request` returns at once; a key
-    waits in the queue at most once however many events name it, and one key is never refreshed by two
-    workers at a time (a request during its refresh queues it again, to be read afresh). A reconcile holds
-    its key (`holding`): it writes the status itself, so no refresh runs meanwhile and the events of the
-    children it applies cost one refresh after it, not one each during it. A failed refresh is logged with
-    its traceback and retried after `retry_delay`, so a transient API error cannot leave a stale status
-    behind.
-    """
-
-    def __init__(
-        self,
-        refresh: Callable[[tuple[str, str]], object],
-        *,
-        workers: int = 4,
-        retry_delay: float = 1.0,
-    ) -> None:
-        self._refresh = refresh
-        self._retry_delay = retry_delay
-        self._ready = threading.Condition()
-        self._order: deque[tuple[str, str]] = deque()
-        self._queued: set[tuple[str, str]] = set()
-        self._busy: set[tuple[str, str]] = set()
-        self._again: set[tuple[str, str]] = set()
-        self._stopping = False
-        self._threads = [
-            threading.Thread(target=self._work, name=f"disagg-status-{index}", daemon=True)
-            for index in range(workers)
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    def request(self, key: tuple[str, str]) -> None:
-        with self._ready:
-            if key in self._busy:
-                self._again.add(key)
-            elif key not in self._queued:
-                self._queued.add(key)
-                self._order.append(key)
-                # All: a reconcile waiting in `holding` shares the condition, and a single wake-up that
-                # reached it instead of an idle worker would leave this key queued until some refresh ends.
-                self._ready.notify_all()
-
-    @contextmanager
-    def holding(self, key: tuple[str, str]) -> Iterator[None]:
-        """Run the body with no refresh of `key` running (it waits for one that is); requests meanwhile
-        are refreshed once afterwards."""
-        with self._ready:
-            while key in self._busy:
-                self._ready.wait()
-            self._busy.add(key)
-            if key in self._queued:
-                self._queued.discard(key)
-                self._order.remove(key)
-                self._again.add(key)
-        try:
-            yield
-        finally:
-            self._release(key)
-
-    def _release(self, key: tuple[str, str]) -> None:
-        with self._ready:
-            self._busy.discard(key)
-            again = key in self._again
-            self._again.discard(key)
-            self._ready.notify_all()
-        if again:
-            self.request(key)
-
-    def stop(self) -> None:
-        with self._ready:
-            self._stopping = True
-            self._ready.notify_all()
-
-    def _take(self) -> tuple[str, str] | None:
-        with self._ready:
-            while not self._order and not self._stopping:
-                self._ready.wait()
-            if self._stopping:
-                return None
-            key = self._order.popleft()
-            self._queued.discard(key)
-            self._busy.add(key)
-            return key
-
-    def _work(self) -> None:
-        while (key := self._take()) is not None:
-            failed = False
-            try:
-                self._refresh(key)
-            except Exception:
-                failed = True
-                _LOG.exception("Status refresh of %s/%s failed; retrying in %.1f s", *key, self._retry_delay)
-            if failed:
-                # The retry reads everything afresh: a request made meanwhile needs no refresh of its own.
-                with self._ready:
-                    self._again.discard(key)
-            self._release(key)
-            if failed:
-                timer = threading.Timer(self._retry_delay, self.request, args=(key,))
-                timer.daemon = True
-                timer.start()

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     import yaml
 
     from disagg.operator.api import DisaggDeployment, DisaggDeploymentSpec, Role
-    from disagg.operator.compat import CompatReport
+    from disagg.operator.policies.compat import CompatReport
 
 EXIT_OK = 0
 EXIT_INCOMPATIBLE = 1
@@ -158,7 +158,8 @@ def _summary_lines(dd: DisaggDeployment, report: CompatReport) -> list[str]:
 
 
 def _router_text(dd: DisaggDeployment) -> str:
-    from disagg.operator.builders_router import router_endpoint, router_name
+    from disagg.operator.builders.router import router_endpoint
+    from disagg.operator.naming import router_name
 
     router = dd.spec.router
     if not router.enabled:
@@ -171,7 +172,7 @@ def _router_text(dd: DisaggDeployment) -> str:
 
 
 def _engine_text(spec: DisaggDeploymentSpec, role: Role) -> str:
-    from disagg.operator.builders_engine import is_reference_engine_image, role_image
+    from disagg.operator.builders.engine import is_reference_engine_image, role_image
     from disagg.worker.contracts.releases import release_of
 
     version = spec.effective(role, "version", spec.engine.version)
@@ -210,9 +211,9 @@ def run_check(args: argparse.Namespace) -> int:
 def judge(dd: DisaggDeployment) -> CompatReport:
     """The operator's verdict (`policies.REFUSAL_CHAIN`), with this environment as the installation: its
     DISAGG_WORKER_IMAGE is the sidecar image of a spec that names none."""
-    from disagg.operator.builders import Installation
-    from disagg.operator.compat import evaluate
-    from disagg.operator.policies import REFUSAL_CHAIN
+    from disagg.operator.naming import Installation
+    from disagg.operator.policies.chain import REFUSAL_CHAIN
+    from disagg.operator.policies.compat import evaluate
 
     return evaluate(dd.spec, REFUSAL_CHAIN, Installation.from_environ(os.environ))
 
@@ -227,7 +228,8 @@ def plan_manifests(dd: DisaggDeployment, report: CompatReport) -> list[dict[str,
     A file has no uid, so the owner reference (which the operator adds) is left out. None when the operator
     would refuse the spec or the file names no object.
     """
-    from disagg.operator.builders import Installation, Owner, build
+    from disagg.operator.builders.children import build
+    from disagg.operator.naming import Installation, Owner
 
     if not report.compatible or report.plan is None or not dd.metadata.name:
         return None

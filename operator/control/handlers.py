@@ -1,4 +1,4 @@
-"""kopf handlers: each unpacks its arguments and calls one reconcile step (`disagg.operator.reconcile`).
+"""kopf handlers: each unpacks its arguments and calls one reconcile step (`control.reconcile`).
 
 The DisaggDeployment's spec handlers converge its children. Events of its StatefulSets, Deployments and Pods
 (watched with a server-side label selector) update kopf indices of what the status reads of them (a
@@ -22,10 +22,11 @@ import kopf
 from kubernetes import client, config
 
 from disagg.operator.api import GROUP, PLURAL, VERSION
-from disagg.operator.api_backoffs import API_BACKOFFS
-from disagg.operator.builders import DEPLOYMENT_ANNOTATION, FIELD_MANAGER, MANAGED_BY_LABEL, Installation
-from disagg.operator.k8s_apply import Kube
-from disagg.operator.reconcile import Observed, RefreshQueue, reconcile, refresh_status
+from disagg.operator.control.backoffs import API_BACKOFFS
+from disagg.operator.control.k8s_apply import Kube
+from disagg.operator.control.reconcile import Observed, reconcile, refresh_status
+from disagg.operator.control.refresh_queue import RefreshQueue
+from disagg.operator.naming import DEPLOYMENT_ANNOTATION, FIELD_MANAGER, MANAGED_BY_LABEL, Installation
 from disagg.operator.status import Workload, workload
 from disagg.worker.contracts.engine_pods import essentials
 
@@ -107,7 +108,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **indices: Any) 
         settings.watching.label_selectors[resource] = CHILD_SELECTOR
     settings.execution.max_workers = SPEC_WORKERS
     # Retry the API server for as long as it is away: kopf's default gives up after ~54 s and ends the
-    # operator (`api_backoffs`).
+    # operator (`backoffs`).
     settings.networking.error_backoffs = API_BACKOFFS
     # kopf lists a kind again whenever its watch must restart from scratch (410 Gone: the API server no
     # longer has the version it would resume from); paged, that holds one page of Pods, not thousands.

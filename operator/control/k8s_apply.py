@@ -21,7 +21,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from disagg.operator.api import GROUP, PLURAL, VERSION
-from disagg.operator.builders import FIELD_MANAGER, INSTANCE_LABEL, MANAGED_BY_LABEL, label_value
+from disagg.operator.naming import FIELD_MANAGER, INSTANCE_LABEL, MANAGED_BY_LABEL, label_value
 
 APPLY: Final = "application/apply-patch+yaml"
 MERGE: Final = "application/merge-patch+json"

@@ -76,11 +76,11 @@ def _run(args: argparse.Namespace) -> int:
     _cap_malloc_arenas()
     import kopf
 
-    import disagg.operator.handlers  # noqa: F401  (registers the handlers)
+    import disagg.operator.control.handlers  # noqa: F401  (registers the handlers)
 
     memo = kopf.Memo()
     if args.webhook_port is not None:
-        from disagg.operator import webhook
+        from disagg.operator.control import webhook
 
         if args.webhook_dev:
             memo.webhook = webhook.dev_webhook(args.webhook_port, args.webhook_configuration)

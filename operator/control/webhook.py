@@ -30,7 +30,7 @@ import aiohttp.web
 import kopf
 
 from disagg.operator.api import GROUP, PLURAL, VERSION, nested_deeper_than
-from disagg.operator.reconcile import judge
+from disagg.operator.control.reconcile import judge
 
 HANDLER_ID: Final = "validate-disaggdeployment"
 # The paths the server answers, one per handler id (`/<id>`, as kopf's managed configuration and the chart's
@@ -41,7 +41,7 @@ SERVED_HANDLER_IDS: Final = frozenset({HANDLER_ID})
 # bounded at 32 levels (api.MAX_FREE_FORM_DEPTH), so nothing valid comes near this.
 MAX_REVIEW_DEPTH: Final = 100
 REVIEW_API_VERSIONS: Final = ("admission.k8s.io/v1", "admission.k8s.io/v1beta1")
-_LOG = logging.getLogger("disagg.operator.webhook")
+_LOG = logging.getLogger("disagg.operator.control.webhook")
 # kopf's WebhookFn: the parsed review and the request's context in, the response review out.
 ReviewFn = Callable[..., Awaitable[Any]]
 

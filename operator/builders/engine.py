@@ -19,7 +19,7 @@ over the TP and PP groups, so every stage of a prefill engine advertises the hea
 The project's own reference engine (`is_reference_engine_image`) runs `disagg engine serve` (the
 OpenAI-compatible server of `disagg.worker.engine`), configured by the same pod environment and topology
 file as its transfer sidecar; the builders add only its port and, on the stages of a PP prefill engine, the
-head pod's rendezvous address (`policies.reference_engine_can_run` refuses what it cannot run).
+head pod's rendezvous address (`policies.reference_engine` refuses what it cannot run).
 
 A user's extra arguments to vLLM are kept; one that repeats an owned flag with
 the spec's own value is dropped as redundant, and one that contradicts the spec is refused with a violation,

@@ -1,0 +1,205 @@
+"""The model and the engine of a `DisaggDeployment` (`spec.model`, `spec.engine`) and their enums."""
+
+from __future__ import annotations
+
+import enum
+from typing import Final, Literal
+
+from pydantic import (
+    Field,
+    field_validator,
+    model_validator,
+)
+
+from disagg.operator.api.fields import MAX_EXTRA_ARGS, MAX_LAYERS, ApiModel, ExtraArg
+from disagg.worker.kv import layout
+
+
+class AttentionKind(enum.StrEnum):
+    """What a layer keeps in the KV cache; decides HMA, MLA (replicated cache) and Mamba handling."""
+
+    FULL = "Full"
+    SLIDING_WINDOW = "SlidingWindow"
+    MLA = "MLA"
+    MAMBA = "Mamba"
+
+    def to_layout(self) -> layout.AttentionKind:
+        return _LAYOUT_KINDS[self]
+
+
+_LAYOUT_KINDS: Final = {
+    AttentionKind.FULL: layout.AttentionKind.FULL,
+    AttentionKind.SLIDING_WINDOW: layout.AttentionKind.SLIDING_WINDOW,
+    AttentionKind.MLA: layout.AttentionKind.MLA,
+    AttentionKind.MAMBA: layout.AttentionKind.MAMBA,
+}
+
+
+class ModelDType(enum.StrEnum):
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    FLOAT32 = "float32"
+
+    @property
+    def num_bytes(self) -> int:
+        return 4 if self is ModelDType.FLOAT32 else 2
+
+
+class KVCacheDType(enum.StrEnum):
+    """vLLM's `--kv-cache-dtype` spellings; `auto` follows the model dtype."""
+
+    AUTO = "auto"
+    FP8 = "fp8"
+    FP8_E4M3 = "fp8_e4m3"
+    FP8_E5M2 = "fp8_e5m2"
+
+
+class HybridKVCacheManager(enum.StrEnum):
+    """vLLM's hybrid KV cache manager (HMA); `Disabled` is `--disable-hybrid-kv-cache-manager`."""
+
+    ENABLED = "Enabled"
+    DISABLED = "Disabled"
+
+
+class KVCacheLayout(enum.StrEnum):
+    """`LayerOutermost` is one region per layer (LBHNC); `BlockOutermost` packs every layer's page of a block
+    together (BLHNC, vLLM #50499) and, like HMA, needs layer-name routing under PP."""
+
+    LAYER_OUTERMOST = "LayerOutermost"
+    BLOCK_OUTERMOST = "BlockOutermost"
+
+
+class Connector(enum.StrEnum):
+    """`Push`: prefill WRITEs KV into decode (NixlPushConnector). `Pull`: decode READs it (NixlConnector)."""
+
+    PUSH = "Push"
+    PULL = "Pull"
+
+    @property
+    def transfer_mode(self) -> Literal["push", "pull"]:
+        return "push" if self is Connector.PUSH else "pull"
+
+    @property
+    def vllm_class(self) -> str:
+        return "NixlPushConnector" if self is Connector.PUSH else "NixlConnector"
+
+
+class NixlBackend(enum.StrEnum):
+    UCX = "UCX"
+    LIBFABRIC = "LIBFABRIC"
+    GDS = "GDS"
+
+
+class LayerPattern(ApiModel):
+    """A periodic attention pattern (Gemma-style): layer i is Full iff (i + 1) % fullEvery == 0."""
+
+    full_every: int = Field(
+        ge=1, description="Period of full-attention layers: 6 gives the 5:1 sliding/full mix."
+    )
+    other_kind: AttentionKind = Field(
+        default=AttentionKind.SLIDING_WINDOW,
+        description="Kind of every layer that is not a full-attention layer.",
+    )
+
+
+class ModelSpec(ApiModel):
+    """The served model's KV-cache geometry, identical on prefill and decode."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=512,
+        description="Model name or path as the engine loads it (hashed by vLLM).",
+    )
+    revision: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=256,
+        description="Model revision (commit or tag) to pin weights.",
+    )
+    dtype: ModelDType = Field(
+        default=ModelDType.BFLOAT16, description="Resolved model dtype (vLLM hashes it)."
+    )
+    num_layers: int = Field(
+        ge=1, le=MAX_LAYERS, description="Total hidden layers of the model (not a pipeline stage's share)."
+    )
+    num_kv_heads: int = Field(
+        ge=1, description="Total KV heads of the model, before tensor-parallel splitting."
+    )
+    head_size: int = Field(ge=1, description="Size of one KV head (for MLA: the latent width).")
+    kv_cache_dtype: KVCacheDType = Field(
+        default=KVCacheDType.AUTO, description="KV cache dtype (--kv-cache-dtype)."
+    )
+    attention_kind: AttentionKind = Field(
+        default=AttentionKind.FULL,
+        description="Kind of every layer when neither layerPattern nor attentionKinds is given.",
+    )
+    layer_pattern: LayerPattern | None = Field(
+        default=None, description="Periodic attention pattern; exclusive with attentionKinds."
+    )
+    attention_kinds: list[AttentionKind] | None = Field(
+        default=None,
+        max_length=MAX_LAYERS,
+        description="Attention kind of each layer, one entry per layer; exclusive with layerPattern.",
+    )
+    layer_name_template: str = Field(
+        default=layout.DEFAULT_LAYER_NAME_TEMPLATE,
+        max_length=layout.MAX_LAYER_NAME_TEMPLATE,
+        json_schema_extra={"pattern": layout.LAYER_NAME_TEMPLATE_PATTERN},
+        description="Engine layer name with {i} for the layer index; names route KV between PP stages. "
+        "{i} is the only field (no format spec or conversion); write a literal brace as {{ or }}.",
+    )
+
+    @field_validator("layer_name_template")
+    @classmethod
+    def _a_template_of_i(cls, template: str) -> str:
+        # The pattern is in the CRD too; here it gets a message that says what to write.
+        problem = layout.layer_name_template_problem(template)
+        if problem is not None:
+            raise ValueError(f"layerNameTemplate {problem}")
+        return template
+
+    @model_validator(mode="after")
+    def _one_layer_description(self) -> ModelSpec:
+        if self.layer_pattern is not None and self.attention_kinds is not None:
+            raise ValueError("give either layerPattern or attentionKinds, not both")
+        if self.attention_kinds is not None and len(self.attention_kinds) != self.num_layers:
+            raise ValueError(
+                f"attentionKinds has {len(self.attention_kinds)} entries but numLayers is {self.num_layers}: "
+                "give one kind per layer"
+            )
+        return self
+
+    def layer_kinds(self) -> tuple[AttentionKind, ...]:
+        if self.attention_kinds is not None:
+            return tuple(self.attention_kinds)
+        if self.layer_pattern is not None:
+            period, other = self.layer_pattern.full_every, self.layer_pattern.other_kind
+            return tuple(
+                AttentionKind.FULL if (i + 1) % period == 0 else other for i in range(self.num_layers)
+            )
+        return (self.attention_kind,) * self.num_layers
+
+
+class EngineSpec(ApiModel):
+    """The inference engine both roles run."""
+
+    image: str = Field(min_length=1, max_length=512, description="Engine container image.")
+    version: str = Field(
+        min_length=1, max_length=64, description="Engine (vLLM) version in the image; part of the hash."
+    )
+    attention_backend: str = Field(
+        default="FLASH_ATTN",
+        min_length=1,
+        max_length=64,
+        description="Attention backend name the engine resolves (hashed by vLLM).",
+    )
+    hybrid_kv_cache_manager: HybridKVCacheManager = Field(
+        default=HybridKVCacheManager.ENABLED,
+        description="Hybrid KV cache manager (HMA) switch; part of the hash.",
+    )
+    kv_cache_layout: KVCacheLayout = Field(
+        default=KVCacheLayout.LAYER_OUTERMOST, description="Physical KV cache layout."
+    )
+    extra_args: list[ExtraArg] = Field(
+        default_factory=list, max_length=MAX_EXTRA_ARGS, description="Extra engine arguments for both roles."
+    )

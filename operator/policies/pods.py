@@ -1,0 +1,83 @@
+"""The policies on what the pods need from the spec or the installation: a valid KV pool and a sidecar
+image. Pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from disagg.operator.api import DisaggDeploymentSpec
+from disagg.operator.naming import TRANSFER_IMAGE_ENV, WORKER_IMAGE_ENV, Installation
+from disagg.operator.policies.policy import PolicyInput
+from disagg.worker.kv.errors import Violation
+
+
+def kv_pool_is_valid(given: PolicyInput) -> Sequence[Violation]:
+    return kv_pool_violations(given.spec)
+
+
+def kv_pool_violations(spec: DisaggDeploymentSpec) -> list[Violation]:
+    """A huge page pool needs a size in whole pages, and every container that maps it (engine and sidecar)
+    needs a cpu or memory request or limit beside its hugepages, which Kubernetes refuses otherwise."""
+    pool = spec.kv_transfer.kv_pool
+    page = None if pool is None else pool.medium.huge_page_bytes
+    resource = None if pool is None else pool.medium.resource_name
+    if pool is None or page is None or resource is None:
+        return []
+    size = pool.size_bytes()
+    found: list[Violation] = []
+    pages = pool.medium.value.split("-", 1)[1]
+    if size is None or size <= 0 or size % page:
+        given = "not set" if pool.size_limit is None else repr(pool.size_limit)
+        found.append(
+            Violation(
+                "KVPoolSizeInvalid",
+                f"spec.kvTransfer.kvPool.medium {pool.medium.value} needs sizeLimit, a positive whole number "
+                f"of {pages} pages, but it is {given}: set spec.kvTransfer.kvPool.sizeLimit to the pool's "
+                "size rounded up to whole pages (e.g. 16Gi)",
+            )
+        )
+    containers = {
+        "spec.prefill.resources": spec.prefill.resources,
+        "spec.decode.resources": spec.decode.resources,
+        "spec.worker.resources": spec.worker.resources,
+    }
+    for path, resources in containers.items():
+        declared = resources.sections() if resources is not None else {}
+        sections = [declared.get(key) or {} for key in ("requests", "limits")]
+        if not any(name in section for section in sections for name in ("cpu", "memory")):
+            found.append(
+                Violation(
+                    "KVPoolResourcesInvalid",
+                    f"{path} has no cpu or memory request or limit, which Kubernetes requires of a container "
+                    f"with {resource}: add requests.memory (or cpu) to {path}",
+                )
+            )
+        other = {str(section[resource]) for section in sections if resource in section} - {pool.size_limit}
+        if other:
+            found.append(
+                Violation(
+                    "KVPoolResourcesInvalid",
+                    f"{path} sets {resource} to {sorted(other)[0]!r} but spec.kvTransfer.kvPool.sizeLimit is "
+                    f"{pool.size_limit!r}: remove {resource} from {path}, the operator sets it from the pool",
+                )
+            )
+    return found
+
+
+def worker_image_is_named(given: PolicyInput) -> Sequence[Violation]:
+    return worker_image_violations(given.spec, given.installation)
+
+
+def worker_image_violations(spec: DisaggDeploymentSpec, installation: Installation) -> list[Violation]:
+    """A sidecar image neither the spec nor the installation names."""
+    if installation.sidecar_image(spec) is not None:
+        return []
+    return [
+        Violation(
+            "WorkerImageMissing",
+            f"spec.worker.image is not set and the operator has no default sidecar image "
+            f"({WORKER_IMAGE_ENV} and {TRANSFER_IMAGE_ENV} are unset): set spec.worker.image, or install the "
+            "operator with the Helm chart, which sets them from worker.image and worker.transferImage",
+        )
+    ]
