@@ -203,3 +203,15 @@ class EngineSpec(ApiModel):
     extra_args: list[ExtraArg] = Field(
         default_factory=list, max_length=MAX_EXTRA_ARGS, description="Extra engine arguments for both roles."
     )
+    run_as_user: int | None = Field(
+        default=None,
+        ge=1,
+        le=2**31 - 1,
+        description=(
+            "Run the engine container as this non-root user and group (runAsNonRoot). The reference engine "
+            "always runs as its image's user, 65532. A vLLM image runs as its image's user (often root) "
+            "unless this is set; non-root, the engine keeps IPC_LOCK but Linux does not apply it, so RDMA "
+            "registration then needs an unlimited RLIMIT_MEMLOCK from the container runtime, and the image's "
+            "caches (HF_HOME, the compile caches) must be writable by that user."
+        ),
+    )

@@ -83,6 +83,15 @@ _WATCHES: Final = {
 }
 
 
+def _engine_user(spec: DisaggDeploymentSpec, role: Role) -> dict[str, Any]:
+    """The engine container's user: the reference engine's image user, or the spec's; none for a vLLM
+    image without `spec.engine.runAsUser` (it runs as its image says)."""
+    user = spec.engine.run_as_user
+    if user is None and is_reference_engine_image(role_image(spec, role)):
+        user = SIDECAR_UID
+    return {} if user is None else {"runAsNonRoot": True, "runAsUser": user, "runAsGroup": user}
+
+
 def _identity_env(spec: DisaggDeploymentSpec, owner: Owner, role: Role) -> list[dict[str, Any]]:
     def field(name: str, path: str) -> dict[str, Any]:
         return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
@@ -194,7 +203,10 @@ def engine_pod_template(
                 "failureThreshold": 3,
             }
     # The engine writes its caches (torch.compile, Triton, model downloads) under its root filesystem.
-    engine_container_spec["securityContext"] = json_copy(_MOVES_KV if engine_moves_kv else UNPRIVILEGED)
+    engine_container_spec["securityContext"] = {
+        **json_copy(_MOVES_KV if engine_moves_kv else UNPRIVILEGED),
+        **_engine_user(spec, role),
+    }
     sidecar = {
         "name": SIDECAR_CONTAINER,
         "image": sidecar_image,

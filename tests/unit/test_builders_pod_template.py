@@ -255,9 +255,33 @@ class TestPodSecurity:
         }
 
     @pytest.mark.parametrize("key", WORKLOADS)
+    def test_the_reference_engine_runs_as_its_images_non_root_user(self, key: tuple[str, str]) -> None:
+        workload = objects(spec({"engine": {"image": "ghcr.io/disagg/disagg-transfer:0.1.0"}}))[key]
+        # It moves no KV and needs nothing of root: the image's user (tests/image checks it), declared.
+        assert container(workload, ENGINE_CONTAINER)["securityContext"] == {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True,
+            "runAsUser": 65532,
+            "runAsGroup": 65532,
+        }
+
+    @pytest.mark.parametrize("key", WORKLOADS)
+    def test_a_vllm_engine_runs_as_the_user_the_spec_names(self, key: tuple[str, str]) -> None:
+        workload = objects(spec({"engine": {"runAsUser": 1001}}))[key]
+        assert container(workload, ENGINE_CONTAINER)["securityContext"] == {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]},
+            "runAsNonRoot": True,
+            "runAsUser": 1001,
+            "runAsGroup": 1001,
+        }
+
+    @pytest.mark.parametrize("key", WORKLOADS)
     def test_a_pod_whose_sidecar_moves_the_kv(self, key: tuple[str, str]) -> None:
         workload = objects(spec({"engine": {"image": "ghcr.io/disagg/reference-engine:0.1.0"}}))[key]
         engine, sidecar = container(workload, ENGINE_CONTAINER), container(workload, SIDECAR_CONTAINER)
+        # Another engine image: its user is its image's.
         assert engine["securityContext"] == {
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},
