@@ -230,6 +230,11 @@ def get(url: str, timeout_s: float = 5.0) -> tuple[int, str]:
         return 0, ""
 
 
+def vllm_labels(engines: LocalEngines) -> str:
+    """The labels of an engine's vLLM-named samples, as `metric` takes them."""
+    return f'engine="0",model_name="{engines.model_name}"'
+
+
 def metric(text: str, name: str, labels: str = "") -> float:
     """One sample's value from Prometheus text (`labels` as written, e.g. `state="decoding"`)."""
     wanted = f"{name}{{{labels}}}" if labels else name

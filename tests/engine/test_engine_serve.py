@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from disagg.rig.local import free_port
-from disagg.rig.local_engines import LocalEngines, get, metric
+from disagg.rig.local_engines import LocalEngines, get, metric, vllm_labels
 from disagg.worker.engine.config import TinyConfig, encode
 from disagg.worker.engine.model import TinyModel
 from disagg.worker.engine.openai_api import chat_prompt
@@ -377,7 +377,9 @@ def test_a_client_that_leaves_frees_the_decode_blocks(engines: LocalEngines) -> 
                 )
 
     def generated() -> float:
-        return metric(get(engines.decode_urls[0] + "/metrics")[1], "disagg_engine_generated_tokens_total")
+        return metric(
+            get(engines.decode_urls[0] + "/metrics")[1], "vllm:generation_tokens_total", vllm_labels(engines)
+        )
 
     before = generated()
     asyncio.run(leave_mid_stream())

@@ -61,6 +61,13 @@ def operator_container(objs: list[Obj]) -> Obj:
     return result
 
 
+ALL_METRICS = {
+    "podMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "prometheus"}},
+    "serviceMonitor": {"enabled": True, "interval": "15s", "labels": {}},
+    "dashboard": {"enabled": True, "namespace": "monitoring", "labels": {"grafana_dashboard": "1"}},
+}
+
+
 def openssl(*args: str, stdin: str | None = None) -> str:
     proc = subprocess.run(["openssl", *args], input=stdin, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, f"openssl {' '.join(args)}: {proc.stderr}"
@@ -69,8 +76,8 @@ def openssl(*args: str, stdin: str | None = None) -> str:
 
 @pytest.mark.parametrize(
     "values",
-    [{}, {"watchNamespaces": ["team-a", "team-b"], "webhook": {"enabled": False}}],
-    ids=["defaults", "namespaced-no-webhook"],
+    [{}, {"watchNamespaces": ["team-a", "team-b"], "webhook": {"enabled": False}}, {"metrics": ALL_METRICS}],
+    ids=["defaults", "namespaced-no-webhook", "metrics"],
 )
 def test_helm_lint_strict_passes(helm_bin: Path, values: Mapping[str, object]) -> None:
     args = ["lint", "--strict", str(CHART)]
@@ -416,3 +423,65 @@ def test_manifests_pass_strict_schema_validation_of_current_kubernetes(
     deployment["spec"]["template"]["spec"]["readinessGate"] = []
     with pytest.raises(kubernetes_validate.ValidationError, match="readinessGate"):
         kubernetes_validate.validate(deployment, kube_version, strict=True)
+
+
+# --- metrics: the monitors and the dashboard -------------------------------------------------------------
+
+
+def matches(selector: Obj, labels: Mapping[str, str]) -> bool:
+    """A LabelSelector's verdict (matchLabels and the In operator, which the chart uses)."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expression in selector.get("matchExpressions", []):
+        assert expression["operator"] == "In"
+        if labels.get(expression["key"]) not in expression["values"]:
+            return False
+    return True
+
+
+def test_the_monitors_and_the_dashboard_are_off_by_default(helm_bin: Path) -> None:
+    kinds = {o["kind"] for o in render(helm_bin)}
+    assert not kinds & {"PodMonitor", "ServiceMonitor"}
+    assert not [o for o in render(helm_bin) if o["metadata"]["name"].endswith("-dashboard")]
+
+
+def test_the_monitors_select_every_workload_pod_and_service_the_operator_builds(helm_bin: Path) -> None:
+    from disagg.operator.builders import COMPONENT_LABEL, PART_OF_LABEL, owner_labels, selector_labels
+    from disagg.worker.contracts.pod_contract import ROUTER_COMPONENT
+
+    objs = render(helm_bin, {"metrics": ALL_METRICS, "watchNamespaces": ["team-a"]})
+    pods = one(objs, "PodMonitor")
+    services = one(objs, "ServiceMonitor")
+    assert pods["metadata"]["labels"]["release"] == "prometheus"
+    # What the operator's builders put on the pods and Services of a DisaggDeployment.
+    engine = {**owner_labels("llm"), **selector_labels("llm", "decode")}
+    prefill = {**owner_labels("llm"), **selector_labels("llm", "prefill", 0)}
+    router = {**owner_labels("llm"), COMPONENT_LABEL: ROUTER_COMPONENT, PART_OF_LABEL: "disagg"}
+    chart_operator = one(objs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    for monitor in (pods, services):
+        spec = monitor["spec"]
+        assert spec["namespaceSelector"] == {"matchNames": ["team-a"]}
+        assert all(matches(spec["selector"], labels) for labels in (engine, prefill, router))
+        assert not matches(spec["selector"], chart_operator)
+    endpoints = pods["spec"]["podMetricsEndpoints"]
+    assert [(e["port"], e["path"], e["interval"]) for e in endpoints] == [
+        ("http", "/metrics", "15s"),
+        ("metrics", "/metrics", "15s"),
+    ]
+    assert [(e["port"], e["path"]) for e in services["spec"]["endpoints"]] == [("http", "/metrics")]
+    for endpoint in [*endpoints, *services["spec"]["endpoints"]]:
+        assert {r["targetLabel"] for r in endpoint["relabelings"]} == {"component", "deployment"}
+    everywhere = render(helm_bin, {"metrics": ALL_METRICS})
+    assert one(everywhere, "PodMonitor")["spec"]["namespaceSelector"] == {"any": True}
+
+
+def test_the_dashboard_configmap_holds_the_charts_dashboard(helm_bin: Path) -> None:
+    objs = render(helm_bin, {"metrics": ALL_METRICS})
+    [configmap] = [
+        o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("-dashboard")
+    ]
+    assert configmap["metadata"]["namespace"] == "monitoring"
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = json.loads((CHART / "dashboards" / "disagg.json").read_text())
+    assert json.loads(configmap["data"]["disagg.json"]) == shipped
+    kubernetes_validate.validate(configmap, "1.31.0", strict=True)

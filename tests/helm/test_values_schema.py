@@ -90,6 +90,10 @@ def test_every_value_is_documented_by_a_comment_naming_it() -> None:
                     "webhook",
                     "serviceAccount",
                     "rbac",
+                    "metrics",
+                    "metrics.podMonitor",
+                    "metrics.serviceMonitor",
+                    "metrics.dashboard",
                 }
             ):
                 found += leaves(value, f"{dotted}.")

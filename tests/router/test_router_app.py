@@ -250,7 +250,7 @@ def test_metrics_count_outcomes_and_pairs() -> None:
                 'disagg_router_requests_total{endpoint="/v1/completions",outcome="PrefillFailed"} 1.0' in text
             )
             assert "disagg_router_routable_pairs 1.0" in text
-            assert 'disagg_router_leg_seconds_count{leg="prefill"} 1.0' in text
+            assert 'disagg_router_prefill_leg_seconds_count{endpoint="/v1/completions"} 1.0' in text
 
     run(go())
 

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from disagg.rig.local import free_port
-from disagg.rig.local_engines import LocalEngines, get, metric
+from disagg.rig.local_engines import LocalEngines, get, metric, vllm_labels
 from disagg.rig.local_router import Case, LocalRouter, cases, load_run, routing_for, tokens_of
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
@@ -76,13 +76,19 @@ def test_a_bounded_load_run_has_no_failure(deployment: tuple[LocalEngines, Local
     )
     assert (report.failed, report.mismatched) == (0, 0), report.failures[:5]
     # The second decoder took part (the monolithic runs all went to the first).
-    assert metric(get(engines.decode_urls[1] + "/metrics")[1], "disagg_engine_generated_tokens_total") > 0
+    assert (
+        metric(
+            get(engines.decode_urls[1] + "/metrics")[1], "vllm:generation_tokens_total", vllm_labels(engines)
+        )
+        > 0
+    )
     engines.check_alive()
 
 
 def tokens_generated(engines: LocalEngines) -> float:
     return sum(
-        metric(get(u + "/metrics")[1], "disagg_engine_generated_tokens_total") for u in engines.decode_urls
+        metric(get(u + "/metrics")[1], "vllm:generation_tokens_total", vllm_labels(engines))
+        for u in engines.decode_urls
     )
 
 

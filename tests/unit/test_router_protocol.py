@@ -287,11 +287,15 @@ def test_sse_events_split_across_chunks_and_end_at_done() -> None:
     events = SseEvents(1024)
     assert events.feed(b'data: {"a"') == []
     assert events.feed(b': 1}\n\ndata: {"b": 2}\r\n\r\n: keep-alive\n\n') == [
-        (b'data: {"a": 1}\n\n', False),
-        (b'data: {"b": 2}\n\n', False),
-        (b": keep-alive\n\n", False),
+        (b'data: {"a": 1}\n\n', False, False),
+        (b'data: {"b": 2}\n\n', False, False),
+        (b": keep-alive\n\n", False, False),
     ]
-    assert events.feed(b"data: [DONE]\n\ndata: after\n\n") == [(b"data: [DONE]\n\n", True)]
+    assert events.feed(b'data: {"choices": [{"text": "x"}]}\n\ndata: {"choices": []}\n\n') == [
+        (b'data: {"choices": [{"text": "x"}]}\n\n', False, True),
+        (b'data: {"choices": []}\n\n', False, False),
+    ]
+    assert events.feed(b"data: [DONE]\n\ndata: after\n\n") == [(b"data: [DONE]\n\n", True, False)]
 
 
 @pytest.mark.parametrize(

@@ -41,7 +41,7 @@ class Engine:
     def __init__(self, settings: ServeSettings) -> None:
         self.settings = settings
         self.config = model_config(settings.topology, settings.role)
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(settings.model_name)
         self.model_thread = ModelThread()
         self.model: TinyModel | None = None
         self.kv: PagedKVCache | None = None
@@ -200,23 +200,33 @@ class Engine:
                 f"{scheduler.usable_blocks}",
                 "max_tokens",
             )
-        while True:
-            freed = self._freed
-            job = self.model_thread.submit(lambda: scheduler.admit(request_id, num_tokens, state, waiting_on))
-            try:
-                return await asyncio.shield(asyncio.wrap_future(job))
-            except OutOfBlocks:
-                await freed.wait()
-            except DuplicateRequest as exc:
-                raise bad_request(exc.message, "X-Request-Id") from None
-            except asyncio.CancelledError:
-                # The allocation runs anyway: give its ids back once it has.
-                job.add_done_callback(
-                    lambda f: (
-                        self.release(request_id) if not f.cancelled() and f.exception() is None else None
-                    )
+        waiting = False
+        try:
+            while True:
+                freed = self._freed
+                job = self.model_thread.submit(
+                    lambda: scheduler.admit(request_id, num_tokens, state, waiting_on)
                 )
-                raise
+                try:
+                    return await asyncio.shield(asyncio.wrap_future(job))
+                except OutOfBlocks:
+                    if not waiting:
+                        waiting = True
+                        self.metrics.waiting_for_blocks += 1
+                    await freed.wait()
+                except DuplicateRequest as exc:
+                    raise bad_request(exc.message, "X-Request-Id") from None
+                except asyncio.CancelledError:
+                    # The allocation runs anyway: give its ids back once it has.
+                    job.add_done_callback(
+                        lambda f: (
+                            self.release(request_id) if not f.cancelled() and f.exception() is None else None
+                        )
+                    )
+                    raise
+        finally:
+            if waiting:
+                self.metrics.waiting_for_blocks -= 1
 
     # -- model steps (on the model thread) -----------------------------------------------------------------
 

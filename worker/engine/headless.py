@@ -31,7 +31,7 @@ class HeadlessStage:
     def __init__(self, settings: ServeSettings) -> None:
         self.settings = settings
         self.config = model_config(settings.topology, settings.role)
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(settings.model_name)
         self.not_ready: str | None = "starting"
         self.fatal: str | None = None
         self.exited = threading.Event()

@@ -93,7 +93,7 @@ class Server:
                     tokens = decode_leg(e, req, request_id, req.transfer)
                 else:
                     tokens = e.monolithic(req, request_id)
-                response = await self._respond(request, head, tokens)
+                response = await self._respond(request, head, self._count_prompt(tokens, len(req.prompt)))
             outcome = "ok"
             return response
         except ApiError as exc:
@@ -112,6 +112,7 @@ class Server:
         self, request: web.Request, req: GenerationRequest, request_id: str, head: ResponseHead
     ) -> web.StreamResponse:
         first, params = await prefill_leg(self.engine, req, request_id)
+        self.engine.metrics.prompt_tokens.inc(len(req.prompt))
         output = Output(req.stop, 1)
         delta = output.push(first)
         if not req.stream:
@@ -120,6 +121,17 @@ class Server:
         await response.write(sse(head.chunk(delta, first=True, output=output, kv_transfer_params=params)))
         await self._end_stream(response, head, output)
         return response
+
+    async def _count_prompt(self, tokens: AsyncIterator[int], num_prompt: int) -> AsyncIterator[int]:
+        """`tokens`, counting the prompt's tokens (`vllm:prompt_tokens`) when the first one comes, as vLLM
+        counts a prompt once its prefill (or its KV's arrival) gave the first token."""
+        async with contextlib.aclosing(tokens):  # type: ignore[type-var]
+            first = True
+            async for token in tokens:
+                if first:
+                    first = False
+                    self.engine.metrics.prompt_tokens.inc(num_prompt)
+                yield token
 
     async def _start_stream(self, request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(

@@ -4,6 +4,7 @@
 - `balance`: which routable pair takes a request, by load (pure; its docstring is the policy).
 - `discovery`: the deployment's engine pods, listed then watched through the API server.
 - `app`: the aiohttp server and the two-leg request path.
+- `metrics`: what `/metrics` serves, and the clock each request's latencies are measured by.
 - `cli`: `disagg router run`.
 
 It ships in the light image: it imports the pure core (`disagg.worker.kv`) and the contracts

@@ -25,14 +25,12 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Final
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from disagg.worker.contracts.kv_transfer_params import PrefillHandoff
 from disagg.worker.contracts.pairing import Pair, Routing
@@ -40,6 +38,7 @@ from disagg.worker.router.admission import Admission
 from disagg.worker.router.balance import Balancer, Ticket
 from disagg.worker.router.canary import KvCanary
 from disagg.worker.router.config import RouterConfig
+from disagg.worker.router.metrics import DISCONNECTED, RequestClock, RouterMetrics, RouterState, fault_outcome
 from disagg.worker.router.protocol import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
@@ -60,80 +59,9 @@ log = logging.getLogger("disagg.worker.router")
 
 # Request body failures after which the connection cannot carry another request.
 _BODY_UNREADABLE: Final = frozenset({"RequestBodyTimeout", "InvalidRequestBody"})
-LEG_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _SSE_DONE: Final = b"[DONE]"
 # The canary's prompt: a few tokens of any tokenizer, so one block crosses the pair.
 CANARY_PROMPT: Final = "KV canary: does the cache cross this pair?"
-
-
-class RouterMetrics(Collector):
-    """The router's metrics in its own registry; outstanding work and pairs are read at scrape time."""
-
-    def __init__(self, router: Router) -> None:
-        self.router = router
-        self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "disagg_router_requests",
-            "Client requests by endpoint and outcome (ok, or the CamelCase reason it failed).",
-            ["endpoint", "outcome"],
-            registry=self.registry,
-        )
-        self.leg_seconds = Histogram(
-            "disagg_router_leg_seconds",
-            "Leg latencies: prefill (its whole answer), decode_first_byte, decode (the whole answer).",
-            ["leg"],
-            buckets=LEG_BUCKETS,
-            registry=self.registry,
-        )
-        self.registry.register(self)
-
-    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
-        balancer, routing = self.router.balancer, self.router.routing
-        legs = GaugeMetricFamily(
-            "disagg_router_outstanding_legs", "Legs in flight per engine.", labels=["role", "engine"]
-        )
-        for engine, n in sorted(balancer.prefill_legs.items()):
-            legs.add_metric(["prefill", engine], n)
-        for pod, n in sorted(balancer.decode_legs.items()):
-            legs.add_metric(["decode", pod], n)
-        yield legs
-        weight = GaugeMetricFamily(
-            "disagg_router_outstanding_prefill_weight",
-            "Summed prompt weight (characters or token ids) of the prefill legs in flight, per engine.",
-            labels=["engine"],
-        )
-        for engine, n in sorted(balancer.prefill_weight.items()):
-            weight.add_metric([engine], n)
-        yield weight
-        yield GaugeMetricFamily(
-            "disagg_router_routable_pairs",
-            "(prefill engine, decoder) pairs the router sends requests to.",
-            value=0 if routing is None else len(routing.pairs),
-        )
-        excluded = GaugeMetricFamily(
-            "disagg_router_excluded_pairs", "Pairs the router does not use, by reason.", labels=["reason"]
-        )
-        reasons: dict[str, int] = {}
-        for exclusion in () if routing is None else routing.exclusions:
-            reasons[exclusion.reason] = reasons.get(exclusion.reason, 0) + 1
-        for reason, n in sorted(reasons.items()):
-            excluded.add_metric([reason], n)
-        yield excluded
-        yield GaugeMetricFamily(
-            "disagg_router_queued_requests",
-            "Requests waiting for a decoder with room (none of their legs sent yet).",
-            value=self.router.admission.queued,
-        )
-        yield GaugeMetricFamily(
-            "disagg_router_client_connections",
-            "Client connections open (each counts against --max-connections).",
-            value=self.router.gate.open,
-        )
-        yield CounterMetricFamily(
-            "disagg_router_refused_connections",
-            "Client connections refused with 503 because --max-connections were open.",
-            value=self.router.gate.refused,
-        )
 
 
 class Router:
@@ -152,7 +80,9 @@ class Router:
         )
         self.gate = ConnectionGate(self.config.max_connections, retry_after_s=self.config.retry_after_s)
         self._buffered_body_bytes = 0
-        self.metrics = RouterMetrics(self)
+        self.metrics = RouterMetrics(
+            RouterState(self.balancer, self.admission, self.gate, lambda: self.routing)
+        )
         self.watch_alive = watch_alive
         self._session: aiohttp.ClientSession | None = None
         # What discovery found; `routing` is what clients are routed over (its canaried pairs only).
@@ -264,9 +194,7 @@ class Router:
         return web.Response(text=f"{len(routing.pairs)} routable pairs\n")
 
     async def metrics_page(self, request: web.Request) -> web.Response:
-        return web.Response(
-            body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
-        )
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.Response:
         """The served models, as a routable decoder lists them (both sides of a pair serve the same model)."""
@@ -296,6 +224,7 @@ class Router:
 
     async def complete(self, request: web.Request) -> web.StreamResponse:
         endpoint = request.path
+        clock = self.metrics.clock(endpoint)
         loop = asyncio.get_running_loop()
         timeout = self.config.request_timeout_s
         deadline = loop.time() + timeout if timeout > 0 else None
@@ -303,7 +232,7 @@ class Router:
             raw = await self._read_body(request)
             client_request = parse_client_request(endpoint, raw)
         except RouterError as exc:
-            response = self._fail(endpoint, exc)
+            response = self._fail(clock, exc)
             if exc.reason in _BODY_UNREADABLE:
                 # The rest of the body is not awaited (the client is too slow, or its framing broke): the
                 # client hears so, then the connection closes, without aiohttp's lingering read of the rest.
@@ -319,17 +248,17 @@ class Router:
                 coming=lambda: self.canary is not None and self.canary.first_in_flight(),
             )
         except RouterError as exc:
-            return self._fail(endpoint, exc)
+            return self._fail(clock, exc)
         except TimeoutError:
-            return self._fail(endpoint, self._deadline_error())
+            return self._fail(clock, self._deadline_error())
         legs = build_legs(client_request, pair, uuid.uuid4().hex)
         ticket = self.balancer.start(pair, client_request.prompt_weight)
         try:
-            return await self._serve(request, client_request, pair, legs, ticket, deadline)
+            return await self._serve(request, client_request, pair, legs, ticket, deadline, clock)
         except RouterError as exc:
-            return self._fail(endpoint, exc, legs)
+            return self._fail(clock, exc, legs)
         except asyncio.CancelledError:
-            self.metrics.requests.labels(endpoint, "ClientDisconnected").inc()
+            self.metrics.failed(clock, "ClientDisconnected", DISCONNECTED)
             raise
         finally:
             self._decode_done(ticket)
@@ -404,8 +333,9 @@ class Router:
         legs: Legs,
         ticket: Ticket,
         deadline: float | None,
+        clock: RequestClock,
     ) -> web.StreamResponse:
-        prefill = asyncio.create_task(self._prefill(pair, legs, ticket))
+        prefill = asyncio.create_task(self._prefill(pair, legs, ticket, clock))
         decode = asyncio.create_task(self._decode_start(pair, legs, client_request.stream))
         response: aiohttp.ClientResponse | None = None
         try:
@@ -420,16 +350,16 @@ class Router:
                     prefill.result()
                     response, started = decode.result()
                     if not client_request.stream:
-                        body = await self._decode_body(response, legs, started)
+                        body = await self._decode_body(response, legs, started, clock)
             except TimeoutError:
                 # Every leg's own timeout is a RouterError by now: this is the request's deadline.
                 raise self._deadline_error() from None
             if not client_request.stream:
-                self.metrics.requests.labels(legs.endpoint, "ok").inc()
+                self.metrics.succeeded(clock)
                 return web.Response(
                     body=body, content_type="application/json", headers={REQUEST_ID_HEADER: legs.request_id}
                 )
-            return await self._relay(request, response, legs, started, deadline)
+            return await self._relay(request, response, legs, started, deadline, clock)
         finally:
             for task in (prefill, decode):
                 task.cancel()
@@ -445,7 +375,10 @@ class Router:
             self.balancer.decode_done(ticket)
             self.admission.release()
 
-    async def _prefill(self, pair: Pair, legs: Legs, ticket: Ticket) -> PrefillHandoff:
+    async def _prefill(
+        self, pair: Pair, legs: Legs, ticket: Ticket, clock: RequestClock | None = None
+    ) -> PrefillHandoff:
+        """The prefill leg to its checked answer; a client request's (`clock`) is timed, a canary's not."""
         target = pair.prefill
         url = f"http://{_host(target.host)}:{target.http_port}{legs.endpoint}"
         started = time.monotonic()
@@ -475,7 +408,8 @@ class Router:
             ) from None
         finally:
             self.balancer.prefill_done(ticket)
-        self.metrics.leg_seconds.labels("prefill").observe(time.monotonic() - started)
+        if clock is not None:
+            self.metrics.prefill_answered(clock, started)
         return result
 
     async def _decode_start(
@@ -513,7 +447,9 @@ class Router:
             ) from None
         return response, started
 
-    async def _decode_body(self, response: aiohttp.ClientResponse, legs: Legs, started: float) -> bytes:
+    async def _decode_body(
+        self, response: aiohttp.ClientResponse, legs: Legs, started: float, clock: RequestClock | None = None
+    ) -> bytes:
         try:
             async with asyncio.timeout(self.config.decode_timeout_s):
                 raw = await _read_bounded(response, self.config.max_response_bytes, "decode")
@@ -537,9 +473,8 @@ class Router:
             )
         if "error" in body or body.get("object") == "error":
             raise engine_error("decode", 500, raw)
-        elapsed = time.monotonic() - started
-        self.metrics.leg_seconds.labels("decode_first_byte").observe(elapsed)
-        self.metrics.leg_seconds.labels("decode").observe(elapsed)
+        if clock is not None:
+            self.metrics.decode_complete(clock, started)
         return raw
 
     async def _relay(
@@ -549,6 +484,7 @@ class Router:
         legs: Legs,
         started: float,
         deadline: float | None,
+        clock: RequestClock,
     ) -> web.StreamResponse:
         """The decoder's SSE events to the client, each checked and forwarded as it completes. The stall timer
         counts data events only: comments (keep-alives) are forwarded but do not show that the decode
@@ -567,7 +503,6 @@ class Router:
         wait_s = self.config.decode_timeout_s
         data_by = loop.time() + wait_s
         data_events = 0
-        first = True
         try:
             try:
                 async with asyncio.timeout_at(deadline):
@@ -591,16 +526,13 @@ class Router:
                             raise RouterError(
                                 Fault.UPSTREAM, "DecodeTruncated", "the decoder's stream ended before [DONE]"
                             )
-                        if first:
-                            first = False
-                            self.metrics.leg_seconds.labels("decode_first_byte").observe(
-                                time.monotonic() - started
-                            )
-                        for event, done in events.feed(chunk):
+                        for event, done, token in events.feed(chunk):
                             await out.write(event)
+                            if token:
+                                self.metrics.token_event(clock)
                             if done:
-                                self.metrics.leg_seconds.labels("decode").observe(time.monotonic() - started)
-                                self.metrics.requests.labels(legs.endpoint, "ok").inc()
+                                self.metrics.decode_complete(clock, started)
+                                self.metrics.succeeded(clock)
                                 await out.write_eof()
                                 return out
                         if events.data_events > data_events:
@@ -612,7 +544,7 @@ class Router:
         except RouterError as exc:
             # The status has gone out: the error goes as an event, as vLLM sends one, then the stream ends. A
             # client that does not read gets a second to take it.
-            self.metrics.requests.labels(legs.endpoint, exc.reason).inc()
+            self.metrics.failed(clock, exc.reason, fault_outcome(exc.fault))
             log.warning("%s %s: %s: %s", legs.endpoint, legs.request_id, exc.reason, exc.message)
             with contextlib.suppress(ConnectionError, TimeoutError):
                 async with asyncio.timeout(1.0):
@@ -621,21 +553,28 @@ class Router:
             return out
         except ConnectionError:
             # The client went away mid-stream; `_serve` closes the decode leg.
-            self.metrics.requests.labels(legs.endpoint, "ClientDisconnected").inc()
+            self.metrics.failed(clock, "ClientDisconnected", DISCONNECTED)
             return out
 
-    def _fail(self, endpoint: str, error: RouterError, legs: Legs | None = None) -> web.Response:
-        self.metrics.requests.labels(endpoint, error.reason).inc()
+    def _fail(self, clock: RequestClock, error: RouterError, legs: Legs | None = None) -> web.Response:
+        self.metrics.failed(clock, error.reason, fault_outcome(error.fault))
         level = logging.INFO if error.fault is Fault.CLIENT else logging.WARNING
         log.log(
-            level, "%s %s: %s: %s", endpoint, legs.request_id if legs else "-", error.reason, error.message
+            level,
+            "%s %s: %s: %s",
+            clock.endpoint,
+            legs.request_id if legs else "-",
+            error.reason,
+            error.message,
         )
         return _error_response(error, legs.request_id if legs else None)
 
 
 class SseEvents:
     """Splits a decoder's byte stream into SSE events and checks each: every `data:` line is JSON or
-    `[DONE]`. An event that is not, or grows past the bound without ending, is the decoder's failure."""
+    `[DONE]`. An event that is not, or grows past the bound without ending, is the decoder's failure. Each
+    event comes with whether it is `[DONE]` and whether it carries a token (a JSON object with a non-empty
+    `choices`: the metrics time tokens by these, not by usage-only or keep-alive events)."""
 
     def __init__(self, max_event_bytes: int) -> None:
         self.max_event_bytes = max_event_bytes
@@ -643,19 +582,19 @@ class SseEvents:
         self.data_events = 0
         self._buffer = bytearray()
 
-    def feed(self, chunk: bytes) -> list[tuple[bytes, bool]]:
-        """The complete events in `chunk` (with what came before), each with whether it is `[DONE]`."""
+    def feed(self, chunk: bytes) -> list[tuple[bytes, bool, bool]]:
+        """The complete events in `chunk` (with what came before): (event, is `[DONE]`, carries a token)."""
         self._buffer += chunk.replace(b"\r\n", b"\n")
-        events: list[tuple[bytes, bool]] = []
+        events: list[tuple[bytes, bool, bool]] = []
         while True:
             end = self._buffer.find(b"\n\n")
             if end < 0:
                 break
             event = bytes(self._buffer[: end + 2])
             del self._buffer[: end + 2]
-            done, data = _check_event(event)
+            done, data, token = _check_event(event)
             self.data_events += data
-            events.append((event, done))
+            events.append((event, done, token))
             if done:
                 return events
         if len(self._buffer) > self.max_event_bytes:
@@ -667,9 +606,9 @@ class SseEvents:
         return events
 
 
-def _check_event(event: bytes) -> tuple[bool, bool]:
-    """Whether the event is `[DONE]`, and whether it carries data at all."""
-    done = data_lines = False
+def _check_event(event: bytes) -> tuple[bool, bool, bool]:
+    """Whether the event is `[DONE]`, whether it carries data at all, and whether a token."""
+    done = data_lines = token = False
     for line in event.split(b"\n"):
         if not line or line.startswith(b":") or line.startswith((b"event:", b"id:", b"retry:")):
             continue
@@ -683,12 +622,13 @@ def _check_event(event: bytes) -> tuple[bool, bool]:
             done = True
             continue
         try:
-            json.loads(data)
+            value = json.loads(data)
         except (ValueError, RecursionError, UnicodeDecodeError):
             raise RouterError(
                 Fault.UPSTREAM, "DecodeInvalidStream", "the decoder sent an SSE event that is not JSON"
             ) from None
-    return done, data_lines
+        token = token or (isinstance(value, dict) and bool(value.get("choices")))
+    return done, data_lines, token
 
 
 async def _read_bounded(response: aiohttp.ClientResponse, limit: int, leg: str) -> bytes:

@@ -84,3 +84,36 @@ operator's @kopf.on.validate handler for DisaggDeployments.
 {{- define "disagg.image" -}}
 {{- printf "%s:%s" .repository (default .appVersion .tag) }}
 {{- end }}
+
+{{/*
+The relabelings both monitors add: component (prefill, decode or router) and deployment (the DisaggDeployment),
+from the pod labels the operator sets. Not "role": the router's own metrics have a role label.
+*/}}
+{{- define "disagg.monitorRelabelings" -}}
+- sourceLabels: [__meta_kubernetes_pod_label_app_kubernetes_io_component]
+  targetLabel: component
+- sourceLabels: [__meta_kubernetes_pod_label_disagg_io_deployment]
+  targetLabel: deployment
+{{- end }}
+
+{{/* Which namespaces the monitors look in: watchNamespaces, or every namespace. */}}
+{{- define "disagg.monitorNamespaces" -}}
+{{- if .Values.watchNamespaces }}
+matchNames:
+{{- range .Values.watchNamespaces }}
+  - {{ . | quote }}
+{{- end }}
+{{- else }}
+any: true
+{{- end }}
+{{- end }}
+
+{{/* The workloads' pods and Services: the operator's children of these components. */}}
+{{- define "disagg.monitorSelector" -}}
+matchLabels:
+  app.kubernetes.io/part-of: disagg
+matchExpressions:
+  - key: app.kubernetes.io/component
+    operator: In
+    values: ["prefill", "decode", "router"]
+{{- end }}
