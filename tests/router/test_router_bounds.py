@@ -174,7 +174,7 @@ def test_bodies_being_read_share_a_memory_budget() -> None:
             reader, writer = await raw_connection(r)
             writer.write(head(Content_Length=str(512 * 1024)) + b"x" * 60 * 1024)
             await writer.drain()
-            await until(lambda: r.router._buffered_body_bytes >= 60 * 1024)
+            await until(lambda: r.router.bodies.buffered >= 60 * 1024)
             # ... so a body that would pass it is shed, with a Retry-After ...
             body = {**COMPLETION, "prompt": "y" * 16 * 1024}
             status, headers, raw = await r.post("/v1/completions", body)
@@ -182,7 +182,7 @@ def test_bodies_being_read_share_a_memory_budget() -> None:
             assert json.loads(raw)["error"]["type"] == "service_unavailable"
             # ... and once the slow one is gone, the budget is back.
             writer.close()
-            await until(lambda: r.router._buffered_body_bytes == 0)
+            await until(lambda: r.router.bodies.buffered == 0)
             assert (await r.post("/v1/completions", body))[0] == 200
             del reader
 

@@ -155,7 +155,7 @@ def test_no_hostile_body_gets_a_500_and_the_router_keeps_serving() -> None:
             status, _, raw = await r.post("/v1/completions", COMPLETION)
             assert status == 200, raw
             assert not r.router.balancer.decode_legs and not r.router.balancer.prefill_legs
-            assert r.router._buffered_body_bytes == 0
+            assert r.router.bodies.buffered == 0
 
     run(go())
     print(f"router body fuzz (seed {SEED}): {CASES} cases by kind {dict(sorted(kinds.items()))}")

@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 
 from disagg.worker.contracts.pairing import DecodeTarget, Pair, PrefillTarget
-from disagg.worker.router.app import SseEvents
 from disagg.worker.router.balance import Balancer
 from disagg.worker.router.protocol import (
     CHAT_COMPLETIONS,
@@ -21,6 +20,7 @@ from disagg.worker.router.protocol import (
     parse_client_request,
     parse_prefill_response,
 )
+from disagg.worker.router.upstream import SseEvents
 
 
 def pair(

@@ -7,12 +7,12 @@ fails or times out the other is closed (an engine aborts a request whose connect
 client that disconnects. Decode is never retried alone: its registration names one prefill's request.
 
 Every engine answer is untrusted: bodies are read up to a bound, JSON and SSE are checked before they reach
-the client, and reads that stall time out. Whatever an engine sends, the request fails with a status that says
-whose fault it was, and the router keeps serving.
+the client (`upstream`), and reads that stall time out. Whatever an engine sends, the request fails with a
+status that says whose fault it was, and the router keeps serving.
 
 Clients are untrusted too. Their connections are capped and must send their headers in time (`server`),
 their bodies are read with a size bound (content-length first, then while streaming) and a time bound, and
-the bodies being read at once share a memory budget. A request waits for a decoder with room
+the bodies being read at once share a memory budget (`client_body`). A request waits for a decoder with room
 (`admission`) rather than being sent into a queue where its KV would expire, and every request ends by its
 deadline (`request_timeout_s`) with its completion or an error, both legs closed.
 """
@@ -37,6 +37,7 @@ from disagg.worker.contracts.pairing import Pair, Routing
 from disagg.worker.router.admission import Admission
 from disagg.worker.router.balance import Balancer, Ticket
 from disagg.worker.router.canary import KvCanary
+from disagg.worker.router.client_body import ClientBodies
 from disagg.worker.router.config import RouterConfig
 from disagg.worker.router.metrics import DISCONNECTED, RequestClock, RouterMetrics, RouterState, fault_outcome
 from disagg.worker.router.protocol import (
@@ -54,12 +55,12 @@ from disagg.worker.router.protocol import (
     parse_prefill_response,
 )
 from disagg.worker.router.server import ConnectionGate, Serving, serve
+from disagg.worker.router.upstream import SseEvents, describe, read_bounded, unreachable_or, url_host
 
 log = logging.getLogger("disagg.worker.router")
 
 # Request body failures after which the connection cannot carry another request.
 _BODY_UNREADABLE: Final = frozenset({"RequestBodyTimeout", "InvalidRequestBody"})
-_SSE_DONE: Final = b"[DONE]"
 # The canary's prompt: a few tokens of any tokenizer, so one block crosses the pair.
 CANARY_PROMPT: Final = "KV canary: does the cache cross this pair?"
 
@@ -79,7 +80,7 @@ class Router:
             retry_after_s=self.config.retry_after_s,
         )
         self.gate = ConnectionGate(self.config.max_connections, retry_after_s=self.config.retry_after_s)
-        self._buffered_body_bytes = 0
+        self.bodies = ClientBodies(self.config)
         self.metrics = RouterMetrics(
             RouterState(self.balancer, self.admission, self.gate, lambda: self.routing)
         )
@@ -136,9 +137,9 @@ class Router:
                 self.balancer.decode_done(ticket)
 
     async def _served_model(self, pair: Pair) -> str:
-        url = f"http://{_host(pair.decode.host)}:{pair.decode.http_port}/v1/models"
+        url = f"http://{url_host(pair.decode.host)}:{pair.decode.http_port}/v1/models"
         async with self.session.get(url) as response:
-            raw = await _read_bounded(response, self.config.max_error_bytes, "models")
+            raw = await read_bounded(response, self.config.max_error_bytes, "models")
         if response.status != 200:
             raise engine_error("decode", response.status, raw)
         models = json.loads(raw).get("data") or []
@@ -202,11 +203,11 @@ class Router:
         if routing is None or not routing.pairs:
             return _error_response(RouterError(Fault.UNAVAILABLE, "NoRoutablePair", "no routable pair"))
         decode = routing.pairs[0].decode
-        url = f"http://{_host(decode.host)}:{decode.http_port}/v1/models"
+        url = f"http://{url_host(decode.host)}:{decode.http_port}/v1/models"
         try:
             async with asyncio.timeout(self.config.models_timeout_s):
                 async with self.session.get(url) as response:
-                    raw = await _read_bounded(response, self.config.max_error_bytes, "models")
+                    raw = await read_bounded(response, self.config.max_error_bytes, "models")
                     if response.status != 200:
                         raise engine_error("decode", response.status, raw)
                     body = json.loads(raw)
@@ -219,7 +220,7 @@ class Router:
                 RouterError(Fault.TIMEOUT, "ModelsTimeout", f"{url} did not answer in time")
             )
         except Exception as exc:
-            return _error_response(RouterError(Fault.UPSTREAM, "ModelsFailed", f"{url}: {_describe(exc)}"))
+            return _error_response(RouterError(Fault.UPSTREAM, "ModelsFailed", f"{url}: {describe(exc)}"))
         return web.Response(body=raw, content_type="application/json")
 
     async def complete(self, request: web.Request) -> web.StreamResponse:
@@ -229,7 +230,7 @@ class Router:
         timeout = self.config.request_timeout_s
         deadline = loop.time() + timeout if timeout > 0 else None
         try:
-            raw = await self._read_body(request)
+            raw = await self.bodies.read(request)
             client_request = parse_client_request(endpoint, raw)
         except RouterError as exc:
             response = self._fail(clock, exc)
@@ -262,48 +263,6 @@ class Router:
             raise
         finally:
             self._decode_done(ticket)
-
-    async def _read_body(self, request: web.Request) -> bytes:
-        """The client's body, read with a size bound before it is buffered (its content-length first, then
-        as it streams), within `body_timeout_s`, and within the budget every body being read shares."""
-        limit = self.config.max_request_bytes
-        too_large = RouterError(
-            Fault.CLIENT, "RequestTooLarge", f"the request body exceeds {limit} bytes", status=413
-        )
-        if request.content_length is not None and request.content_length > limit:
-            raise too_large
-        body = bytearray()
-        taken = 0
-        try:
-            async with asyncio.timeout(self.config.body_timeout_s):
-                async for chunk in request.content.iter_any():
-                    if len(body) + len(chunk) > limit:
-                        raise too_large
-                    if self._buffered_body_bytes + len(chunk) > self.config.max_body_buffer_bytes:
-                        raise RouterError(
-                            Fault.UNAVAILABLE,
-                            "RequestBodyBufferFull",
-                            "the router is reading as many request bytes as it may hold; retry later",
-                            retry_after_s=self.config.retry_after_s,
-                        )
-                    self._buffered_body_bytes += len(chunk)
-                    taken += len(chunk)
-                    body += chunk
-        except TimeoutError:
-            raise RouterError(
-                Fault.CLIENT,
-                "RequestBodyTimeout",
-                f"the request body did not arrive in {self.config.body_timeout_s:g} s",
-                status=408,
-            ) from None
-        except web.RequestPayloadError as exc:
-            # A body the client's framing or encoding broke (bad chunking, a gzip body that is not gzip).
-            raise RouterError(
-                Fault.CLIENT, "InvalidRequestBody", f"the request body cannot be read: {_describe(exc)}"
-            ) from None
-        finally:
-            self._buffered_body_bytes -= taken
-        return bytes(body)
 
     def _deadline_error(self) -> RouterError:
         return RouterError(
@@ -380,7 +339,7 @@ class Router:
     ) -> PrefillHandoff:
         """The prefill leg to its checked answer; a client request's (`clock`) is timed, a canary's not."""
         target = pair.prefill
-        url = f"http://{_host(target.host)}:{target.http_port}{legs.endpoint}"
+        url = f"http://{url_host(target.host)}:{target.http_port}{legs.endpoint}"
         started = time.monotonic()
         try:
             async with asyncio.timeout(self.config.prefill_timeout_s):
@@ -390,7 +349,7 @@ class Router:
                     headers=legs.headers,
                     timeout=aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s),
                 ) as response:
-                    raw = await _read_bounded(response, self.config.max_prefill_response_bytes, "prefill")
+                    raw = await read_bounded(response, self.config.max_prefill_response_bytes, "prefill")
                     result = parse_prefill_response(response.status, raw, pair)
         except RouterError:
             raise
@@ -403,8 +362,8 @@ class Router:
         except Exception as exc:
             raise RouterError(
                 Fault.UPSTREAM,
-                _unreachable_or("Prefill", exc),
-                f"the prefill engine {target.engine_id}: {_describe(exc)}",
+                unreachable_or("Prefill", exc),
+                f"the prefill engine {target.engine_id}: {describe(exc)}",
             ) from None
         finally:
             self.balancer.prefill_done(ticket)
@@ -417,7 +376,7 @@ class Router:
     ) -> tuple[aiohttp.ClientResponse, float]:
         """The decode leg up to a 200 status; a non-200 answer is read (bounded) into the error."""
         target = pair.decode
-        url = f"http://{_host(target.host)}:{target.http_port}{legs.endpoint}"
+        url = f"http://{url_host(target.host)}:{target.http_port}{legs.endpoint}"
         started = time.monotonic()
         try:
             async with asyncio.timeout(self.config.decode_timeout_s):
@@ -429,7 +388,7 @@ class Router:
                 )
                 if response.status != 200:
                     try:
-                        raw = await _read_bounded(response, self.config.max_error_bytes, "decode")
+                        raw = await read_bounded(response, self.config.max_error_bytes, "decode")
                     finally:
                         response.close()
                     raise engine_error("decode", response.status, raw)
@@ -443,7 +402,7 @@ class Router:
             ) from None
         except Exception as exc:
             raise RouterError(
-                Fault.UPSTREAM, _unreachable_or("Decode", exc), f"the decoder {target.pod}: {_describe(exc)}"
+                Fault.UPSTREAM, unreachable_or("Decode", exc), f"the decoder {target.pod}: {describe(exc)}"
             ) from None
         return response, started
 
@@ -452,7 +411,7 @@ class Router:
     ) -> bytes:
         try:
             async with asyncio.timeout(self.config.decode_timeout_s):
-                raw = await _read_bounded(response, self.config.max_response_bytes, "decode")
+                raw = await read_bounded(response, self.config.max_response_bytes, "decode")
         except RouterError:
             raise
         except TimeoutError:
@@ -461,7 +420,7 @@ class Router:
             ) from None
         except Exception as exc:
             raise RouterError(
-                Fault.UPSTREAM, "DecodeFailed", f"the decoder's answer broke off: {_describe(exc)}"
+                Fault.UPSTREAM, "DecodeFailed", f"the decoder's answer broke off: {describe(exc)}"
             ) from None
         try:
             body = json.loads(raw)
@@ -520,7 +479,7 @@ class Router:
                             raise RouterError(
                                 Fault.UPSTREAM,
                                 "DecodeFailed",
-                                f"the decoder's stream broke off: {_describe(exc)}",
+                                f"the decoder's stream broke off: {describe(exc)}",
                             ) from None
                         if not chunk:
                             raise RouterError(
@@ -570,82 +529,6 @@ class Router:
         return _error_response(error, legs.request_id if legs else None)
 
 
-class SseEvents:
-    """Splits a decoder's byte stream into SSE events and checks each: every `data:` line is JSON or
-    `[DONE]`. An event that is not, or grows past the bound without ending, is the decoder's failure. Each
-    event comes with whether it is `[DONE]` and whether it carries a token (a JSON object with a non-empty
-    `choices`: the metrics time tokens by these, not by usage-only or keep-alive events)."""
-
-    def __init__(self, max_event_bytes: int) -> None:
-        self.max_event_bytes = max_event_bytes
-        # Events with a data line so far (comment-only events, such as keep-alives, are not counted).
-        self.data_events = 0
-        self._buffer = bytearray()
-
-    def feed(self, chunk: bytes) -> list[tuple[bytes, bool, bool]]:
-        """The complete events in `chunk` (with what came before): (event, is `[DONE]`, carries a token)."""
-        self._buffer += chunk.replace(b"\r\n", b"\n")
-        events: list[tuple[bytes, bool, bool]] = []
-        while True:
-            end = self._buffer.find(b"\n\n")
-            if end < 0:
-                break
-            event = bytes(self._buffer[: end + 2])
-            del self._buffer[: end + 2]
-            done, data, token = _check_event(event)
-            self.data_events += data
-            events.append((event, done, token))
-            if done:
-                return events
-        if len(self._buffer) > self.max_event_bytes:
-            raise RouterError(
-                Fault.UPSTREAM,
-                "DecodeInvalidStream",
-                f"an SSE event of the decoder exceeds {self.max_event_bytes} bytes",
-            )
-        return events
-
-
-def _check_event(event: bytes) -> tuple[bool, bool, bool]:
-    """Whether the event is `[DONE]`, whether it carries data at all, and whether a token."""
-    done = data_lines = token = False
-    for line in event.split(b"\n"):
-        if not line or line.startswith(b":") or line.startswith((b"event:", b"id:", b"retry:")):
-            continue
-        if not line.startswith(b"data:"):
-            raise RouterError(
-                Fault.UPSTREAM, "DecodeInvalidStream", "the decoder sent a line that is not SSE"
-            )
-        data_lines = True
-        data = line[5:].strip()
-        if data == _SSE_DONE:
-            done = True
-            continue
-        try:
-            value = json.loads(data)
-        except (ValueError, RecursionError, UnicodeDecodeError):
-            raise RouterError(
-                Fault.UPSTREAM, "DecodeInvalidStream", "the decoder sent an SSE event that is not JSON"
-            ) from None
-        token = token or (isinstance(value, dict) and bool(value.get("choices")))
-    return done, data_lines, token
-
-
-async def _read_bounded(response: aiohttp.ClientResponse, limit: int, leg: str) -> bytes:
-    if response.content_length is not None and response.content_length > limit:
-        raise RouterError(
-            Fault.UPSTREAM, f"{leg.capitalize()}TooLarge", f"the {leg} answer exceeds {limit} bytes"
-        )
-    body = bytearray()
-    async for chunk in response.content.iter_any():
-        body += chunk
-        if len(body) > limit:
-            raise RouterError(
-                Fault.UPSTREAM, f"{leg.capitalize()}TooLarge", f"the {leg} answer exceeds {limit} bytes"
-            )
-    return bytes(body)
-
-
 def _error_response(error: RouterError, request_id: str | None = None) -> web.Response:
     headers = {} if request_id is None else {REQUEST_ID_HEADER: request_id}
     if error.retry_after_s is not None:
@@ -653,21 +536,6 @@ def _error_response(error: RouterError, request_id: str | None = None) -> web.Re
     return web.Response(
         status=error.status, body=error_body(error), content_type="application/json", headers=headers
     )
-
-
-def _host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
-def _unreachable_or(leg: str, exc: BaseException) -> str:
-    """`<Leg>Unreachable` when no connection could be made, else `<Leg>Failed` (the engine broke the
-    protocol: an oversize header, a malformed status line, a reset)."""
-    return f"{leg}Unreachable" if isinstance(exc, aiohttp.ClientConnectorError) else f"{leg}Failed"
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
 
 
 async def start(router: Router, host: str, port: int) -> Serving:
