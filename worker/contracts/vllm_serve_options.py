@@ -1,7 +1,8 @@
 """The option table of each supported vLLM release's `vllm serve` parser. Generated: do not edit.
 
-Written by `3.11.7SAFEPATH=1 .venv/bin/python hack/vllm/serve_options.py` from each release's own parser (the vLLM test peers, CPython
-3.11.7); tests/interop/test_serve_options_interop.py fails when it is stale. `vllm_serve_argv` reads it.
+Written by `PYTHONSAFEPATH=1 .venv/bin/python hack/vllm/serve_options.py` from each release's own parser
+(the vLLM test peers, CPython 3.11.7); tests/interop/test_serve_options_interop.py fails when it is stale.
+`vllm_serve_argv` reads it.
 
 Per release (the version its wheel was read from): whether argparse abbreviations are on, the positionals'
 nargs (`vllm serve [model_tag]`), and one line per action: its nargs ("0", "1", "?", "*", "+", a count, or
