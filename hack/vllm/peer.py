@@ -12,6 +12,7 @@ before vLLM is imported, and HF_HOME (default $TMPDIR/disagg-vllm-hf) since hugg
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -187,6 +188,127 @@ def parse_serve_argv(argv: list[str] | str):
     args = parser.parse_args(["serve", *argv])
     cmd.validate(args)
     return args
+
+
+def serve_parser():
+    """The `serve` subparser exactly as parse_serve_argv builds it (under vLLM's top-level parser)."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(description="vLLM CLI")
+    return ServeSubcommand().subparser_init(parser.add_subparsers(required=False, dest="subparser"))
+
+
+def _takes_an_object(parser, action) -> bool:
+    """Whether the action accepts a JSON object as its value (what vLLM makes of dotted keys): its type,
+    its choices and the action itself take '{}'."""
+    import argparse
+    import io
+
+    if action.nargs == 0:
+        return False
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            values = parser._get_values(action, ["{}"])
+            action(parser, argparse.Namespace(), values, action.option_strings[0])
+    except (Exception, SystemExit):
+        return False
+    return True
+
+
+def _nargs_code(parser, action) -> str:
+    import argparse
+
+    if isinstance(action, argparse._HelpAction | argparse._VersionAction):
+        return "exit"
+    code = {None: "1", argparse.OPTIONAL: "?", argparse.ZERO_OR_MORE: "*", argparse.ONE_OR_MORE: "+"}.get(
+        action.nargs, action.nargs
+    )
+    if not (isinstance(code, str) or (isinstance(code, int) and code >= 0)):
+        raise ValueError(
+            f"nargs {action.nargs!r} of {action.option_strings} is not in the table's vocabulary"
+        )
+    return f"{code}{'o' if _takes_an_object(parser, action) else ''}"
+
+
+def serve_option_table() -> dict[str, Any]:
+    """The release's `vllm serve` option table as disagg.worker.contracts.vllm_serve_options ships it:
+    whether argparse abbreviations are on, the positionals' nargs, and one line per action: its nargs code
+    ("0", "1", "?", "*", "+", N, or "exit" for help; an "o" suffix when it takes a JSON object, so dotted keys)
+    and every option string the parser registered (negations and vLLM's --enable/--disable pairs included)."""
+    parser = serve_parser()
+    # What the table does not describe must be absent, so that the emulation need not know it.
+    assert parser.prefix_chars == "-" and parser.fromfile_prefix_chars is None
+    assert not parser._mutually_exclusive_groups and not parser._has_negative_number_optionals
+    assert not [a.dest for a in parser._actions if a.required]
+    grouped: dict[int, tuple[Any, list[str]]] = {}
+    for option, action in parser._option_string_actions.items():
+        grouped.setdefault(id(action), (action, []))[1].append(option)
+    lines = sorted(
+        " ".join([_nargs_code(parser, action), *sorted(options, key=lambda o: (not o.startswith("--"), o))])
+        for action, options in grouped.values()
+    )
+    return {
+        "allow_abbrev": parser.allow_abbrev,
+        "positionals": [_nargs_code(parser, a).rstrip("o") for a in parser._get_positional_actions()],
+        "actions": sorted(lines, key=lambda line: line.split(" ", 2)[1]),
+    }
+
+
+def serve_option_samples(model: str, config_file: str) -> dict[str, Any]:
+    """For every option string of the serve parser: a value with which `vllm serve MODEL OPTION VALUE` parses
+    and validates ("" for a switch that does alone), or None when none of a few candidates does; and for each
+    option that takes a JSON object, a dotted key and value that parse (`OPTION.KEY VALUE`), or None."""
+    import argparse
+    import io
+
+    parser = serve_parser()
+
+    def accepted(argv: list[str]) -> bool:
+        try:
+            with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+                parse_serve_argv(argv)
+        except (Exception, SystemExit):
+            return False
+        return True
+
+    values: dict[str, str | None] = {}
+    dotted: dict[str, list[str] | None] = {}
+    for option, action in sorted(parser._option_string_actions.items()):
+        if isinstance(action, argparse._HelpAction):
+            values[option] = None
+            continue
+        if action.nargs == 0:
+            values[option] = "" if accepted([model, option]) else None
+            continue
+        candidates = [
+            *(str(c) for c in (action.choices or ())),
+            "1",
+            "2",
+            "0.5",
+            "auto",
+            "x",
+            "true",
+            "{}",
+            "a=b",
+        ]
+        if option == "--config":
+            candidates = [config_file]
+        values[option] = next((c for c in candidates if accepted([model, option, c])), None)
+        if not _takes_an_object(parser, action):
+            continue
+        cls = (getattr(action.type, "__defaults__", None) or (None,))[0]
+        keys = [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else ["x"]
+        dotted[option] = next(
+            (
+                [key, value]
+                for key in keys[:40]
+                for value in ("1", "true", "x")
+                if accepted([model, f"{option}.{key}", value])
+            ),
+            None,
+        )
+    return {"values": values, "dotted": dotted}
 
 
 def build_vllm_config(argv: list[str] | str, *, restore_repo_id: bool = True):

@@ -170,6 +170,20 @@ def op_parse_refusal(argv: list[str]) -> str | None:
     return None
 
 
+def op_python_version() -> str:
+    return sys.version.split()[0]
+
+
+def op_serve_options() -> dict[str, Any]:
+    """The release's `vllm serve` option table, as disagg.worker.contracts.vllm_serve_options ships it."""
+    return peer.serve_option_table()
+
+
+def op_serve_option_samples(model: str, config_file: str) -> dict[str, Any]:
+    """A value (and a dotted key) for each option with which the release's parser accepts it."""
+    return peer.serve_option_samples(model, config_file)
+
+
 def op_env_names() -> list[str]:
     return sorted(peer.known_env_names())
 

@@ -1,13 +1,9 @@
 """The engine-argument check against the option table of vLLM 0.33's own `vllm serve` parser
-(`tests/golden/vllm/serve_options.json`, written by hack/vllm/serve_options.py from the release): every
-spelling vLLM's argparse would read as a flag the operator owns, abbreviations included, is judged as that
-flag, and nothing vLLM reads as another option is."""
+(`disagg.worker.contracts.vllm_serve_options`, written by hack/vllm/serve_options.py from the release):
+every spelling vLLM's argparse would read as a flag the operator owns, abbreviations included, is judged as
+that flag, and nothing vLLM reads as another option is."""
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
-from typing import Any
 
 import pytest
 from dd_specs import spec, valid_document
@@ -15,44 +11,44 @@ from dd_specs import spec, valid_document
 from disagg.operator.builders.engine import ARG_CONFLICT_REASON, arg_violations
 from disagg.operator.control.reconcile import judge
 from disagg.operator.naming import Installation
+from disagg.worker.contracts.vllm_serve_argv import ServeAction, serve_parser
 
-OPTIONS = json.loads(
-    (Path(__file__).resolve().parents[1] / "golden" / "vllm" / "serve_options.json").read_text("utf-8")
-)
-ACTIONS: dict[str, dict[str, Any]] = {
-    option: action for action in OPTIONS["actions"] for option in action["option_strings"]
-}
-# What the operator decides for a PP2 prefill of a vLLM image (the example spec), by vLLM's dest.
+PARSER = serve_parser("0.33.0")
+ACTIONS: dict[str, ServeAction] = dict(PARSER.actions)
+# What the operator decides for a PP2 prefill of a vLLM image (the example spec), one spelling per action.
 OWNED = {
-    "tensor_parallel_size",
-    "pipeline_parallel_size",
-    "block_size",
-    "dtype",
-    "kv_cache_dtype",
-    "kv_transfer_config",
-    "port",
-    "disable_hybrid_kv_cache_manager",
-    "nnodes",
-    "master_addr",
-    "master_port",
-    "node_rank",
-    "headless",
-    "model",
-    "config",
+    ACTIONS[option]
+    for option in (
+        "--tensor-parallel-size",
+        "--pipeline-parallel-size",
+        "--block-size",
+        "--dtype",
+        "--kv-cache-dtype",
+        "--kv-transfer-config",
+        "--port",
+        "--disable-hybrid-kv-cache-manager",
+        "--nnodes",
+        "--master-addr",
+        "--master-port",
+        "--node-rank",
+        "--headless",
+        "--model",
+        "--config",
+    )
 }
 # The example spec leaves the hybrid KV cache manager on: these spellings agree with it.
 AGREEING = {"--enable-hybrid-kv-cache-manager", "--no-disable-hybrid-kv-cache-manager"}
 
 
-def argparse_reads(token: str) -> set[str]:
-    """The dests vLLM's parser (argparse, Python 3.11, allow_abbrev on) could read `token` as: an exact
+def argparse_reads(token: str) -> set[ServeAction]:
+    """The actions vLLM's parser (argparse, Python 3.11, allow_abbrev on) could read `token` as: an exact
     option, else every option it is a prefix of (more than one is argparse's "ambiguous option" error)."""
     if token in ACTIONS:
-        return {ACTIONS[token]["dest"]}
+        return {ACTIONS[token]}
     if token.startswith("--"):
-        return {action["dest"] for option, action in ACTIONS.items() if option.startswith(token)}
+        return {action for option, action in ACTIONS.items() if option.startswith(token)}
     return {
-        action["dest"]
+        action
         for option, action in ACTIONS.items()
         if not option.startswith("--") and (option == token[:2] or option.startswith(token))
     }
@@ -65,19 +61,15 @@ def refused(*extra: str) -> bool:
 
 def contradicting(option: str) -> list[str]:
     """`option` with a value no example-spec field has (switches take none)."""
-    return [option] if ACTIONS[option]["nargs"] == 0 else [option, "7"]
+    return [option] if ACTIONS[option].nargs == 0 else [option, "7"]
 
 
 def test_vllms_parser_reads_abbreviations() -> None:
-    assert OPTIONS["vllm_version"] == "0.33.0"
-    assert OPTIONS["allow_abbrev"] is True
+    assert PARSER.release == "0.33.0"
+    assert PARSER.allow_abbrev is True
 
 
-def test_the_owned_dests_are_vllms() -> None:
-    assert {action["dest"] for action in OPTIONS["actions"]} >= OWNED
-
-
-@pytest.mark.parametrize("option", sorted(o for o, a in ACTIONS.items() if a["dest"] in OWNED))
+@pytest.mark.parametrize("option", sorted(o for o, a in ACTIONS.items() if a in OWNED))
 def test_every_spelling_vllm_has_for_an_owned_flag_is_judged(option: str) -> None:
     assert refused(*contradicting(option)) is (option not in AGREEING)
 
@@ -85,15 +77,15 @@ def test_every_spelling_vllm_has_for_an_owned_flag_is_judged(option: str) -> Non
 def test_every_abbreviation_vllm_reads_as_an_owned_flag_is_refused_and_no_other_option_is() -> None:
     judged = 0
     for option, action in ACTIONS.items():
-        if action["dest"] not in OWNED or option in AGREEING:
+        if action not in OWNED or option in AGREEING:
             continue
         for length in range(2, len(option)):
             prefix = option[:length]
             if prefix in ("-", "--"):
                 continue
             dests = argparse_reads(prefix)
-            value = [prefix] if action["nargs"] == 0 else [prefix, "7"]
-            if dests == {action["dest"]}:
+            value = [prefix] if action.nargs == 0 else [prefix, "7"]
+            if dests == {action}:
                 assert refused(*value), prefix
                 judged += 1
             elif len(dests) == 1:
@@ -111,11 +103,11 @@ def test_a_dotted_key_of_an_owned_flag_is_refused(option: str) -> None:
 def test_every_spelling_vllm_reads_as_the_prefill_context_parallel_size_is_refused() -> None:
     judged = 0
     for option, action in ACTIONS.items():
-        if action["dest"] != "prefill_context_parallel_size":
+        if action != ACTIONS["--prefill-context-parallel-size"]:
             continue
         for length in range(2, len(option) + 1):
             prefix = option[:length]
-            if argparse_reads(prefix) != {action["dest"]}:
+            if argparse_reads(prefix) != {action}:
                 continue
             document = valid_document({"prefill": {"extraArgs": [prefix, "2"]}})
             verdict = judge(document["spec"], Installation(worker_image="w:1"))
