@@ -377,6 +377,28 @@ def arg_violations(spec: DisaggDeploymentSpec) -> list[Violation]:
     return found
 
 
+def vllm_serve_args(spec: DisaggDeploymentSpec, role: Role) -> tuple[list[str], list[str]] | None:
+    """What the role's `vllm serve` is given (after `serve`): the operator's arguments (the model first) and
+    the user's kept extra arguments; None for an image that is not vLLM's, or extra arguments that contradict
+    the spec (`arg_violations` says why)."""
+    if not is_vllm_image(role_image(spec, role)):
+        return None
+    owned = _owned_flags(spec, role, "stage-0" if _multi_node(spec, role) else None)
+    kept, violations = _split_user_args(user_args(spec, role), owned, role)
+    return None if violations else (_written(spec, owned), kept)
+
+
+def _written(spec: DisaggDeploymentSpec, owned: Sequence[_Owned]) -> list[str]:
+    written: list[str] = [spec.model.name]
+    for item in owned:
+        if item.value is None:
+            if item.switch_on:
+                written.append(item.spellings[0])
+        elif item.value != "":
+            written += [item.spellings[0], item.value]
+    return written
+
+
 def _multi_node(spec: DisaggDeploymentSpec, role: Role) -> bool:
     return role == "prefill" and spec.prefill.pipeline_parallel_size > 1
 
@@ -402,13 +424,7 @@ def engine_container(
     if violations:
         # Handlers check arg_violations before building; reaching this is a programming error.
         raise ValueError("; ".join(str(violation) for violation in violations))
-    written: list[str] = [spec.model.name]
-    for item in owned:
-        if item.value is None:
-            if item.switch_on:
-                written.append(item.spellings[0])
-        elif item.value != "":
-            written += [item.spellings[0], item.value]
+    written = _written(spec, owned)
     env += _vllm_env(spec, role, plan)
     launcher = (
         STAGE_LAUNCHER if master is not None else PREFILL_LAUNCHER if role == "prefill" else DECODE_LAUNCHER

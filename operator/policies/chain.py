@@ -21,6 +21,7 @@ from disagg.operator.naming import Owner
 from disagg.operator.policies.engine_args import (
     decode_context_is_not_split,
     engine_arguments_agree,
+    engine_arguments_parse,
     prefill_context_is_not_split,
 )
 from disagg.operator.policies.engine_release import engine_release_is_supported
@@ -93,6 +94,7 @@ _BEFORE_BUILD: Final[tuple[Policy, ...]] = (
     # Not mirrored in CEL: the table of releases grows with every vLLM release, the CRD should not.
     engine_release_is_supported,
     engine_arguments_agree,
+    engine_arguments_parse,
     prefill_context_is_not_split,
     decode_context_is_not_split,
     reference_engine_can_run,

@@ -1,7 +1,10 @@
-"""The policies on the engine's own arguments: they agree with the spec, and split no context. Pure.
+"""The policies on the engine's own arguments: they agree with the spec, the release's `vllm serve` parses
+them, and they split no context. Pure.
 
 What the builders own is judged beside the table of flags they write (`builders.engine.arg_violations`);
-context parallelism, which the KV transfer cannot serve, is read from the user's extra arguments here.
+every other argument is judged by the table of the release's own parser (`contracts.vllm_serve_argv`,
+generated from each release), so what vLLM would refuse with exit status 2 is refused before any pod; context
+parallelism, which the KV transfer cannot serve, is read from the user's extra arguments here.
 """
 
 from __future__ import annotations
@@ -9,8 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
-from disagg.operator.builders.engine import arg_violations, user_args
+from disagg.operator.builders.engine import arg_violations, user_args, vllm_serve_args
 from disagg.operator.policies.policy import PolicyInput
+from disagg.worker.contracts.releases import release_of
+from disagg.worker.contracts.vllm_serve_argv import UNRECOGNIZED, refused_engine_args
 from disagg.worker.kv.errors import Violation
 from disagg.worker.kv.rules import (
     decode_context_parallel,
@@ -20,6 +25,39 @@ from disagg.worker.kv.rules import (
 
 def engine_arguments_agree(given: PolicyInput) -> Sequence[Violation]:
     return arg_violations(given.spec)
+
+
+def engine_arguments_parse(given: PolicyInput) -> Sequence[Violation]:
+    """Extra arguments the role's vLLM release refuses (an unknown flag, a missing value, an ambiguous
+    abbreviation), judged in the whole argv the pod passes, as its parser reads it. The operator's own
+    arguments always parse (an interop test holds them to every release's parser)."""
+    found: list[Violation] = []
+    for role in ("prefill", "decode"):
+        argv = vllm_serve_args(given.spec, role)
+        if argv is None:
+            continue
+        release = release_of(given.spec.effective(role, "version", given.spec.engine.version))
+        if release is None:
+            continue  # UnsupportedEngineVersion says so; no table to judge the arguments by
+        written, kept = argv
+        version = release.tested
+        users = set(kept)
+        for token, why in refused_engine_args(version, [*written, *kept]):
+            if token not in users:
+                continue
+            where = (
+                "spec.engine.extraArgs" if token in given.spec.engine.extra_args else f"spec.{role}.extraArgs"
+            )
+            # The parser lists every unrecognized token at once; each violation names its own.
+            reason = "not one of its options" if why.startswith(UNRECOGNIZED) else why
+            violation = Violation(
+                "UnknownEngineArgument",
+                f"{where} sets {token!r}, which vLLM {version}'s `vllm serve` refuses ({reason}): remove or "
+                "correct the argument",
+            )
+            if violation not in found:
+                found.append(violation)
+    return found
 
 
 def prefill_context_is_not_split(given: PolicyInput) -> Sequence[Violation]:

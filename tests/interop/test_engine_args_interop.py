@@ -119,6 +119,32 @@ OTHER_OPTIONS = (
 # Owned only on the stages of a PP prefill engine: elsewhere they are vLLM options the operator leaves alone.
 STAGE_ONLY = ("--nnodes", "-n", "-r", "--master-port", "--headless")
 VARIATIONS = 72
+UNKNOWN = "UnknownEngineArgument"
+# Arguments unrelated to any owned flag: real options in their accepted spellings, misspelt and invented
+# ones, missing values, ambiguous abbreviations.
+UNRELATED: tuple[tuple[str, ...], ...] = (
+    *OTHER_OPTIONS,
+    ("--frobnicate",),
+    ("--max-model-lenn", "2048"),
+    ("--enforce-eagr",),
+    ("--enforce_eager",),
+    ("--gpu-memory-util", "0.5"),
+    ("--max-num-seqs",),
+    ("--max-num",),
+    ("--seed", "1", "extra-positional"),
+    ("--disable-log-stats",),
+    ("--no-disable-log-stats",),
+    ("--enable-prefix-caching", "--no-enable-prefix-caching"),
+    ("-O3",),
+    ("--swap-space", "4"),
+    ("--served-model-name", "a", "b"),
+    ("--", "--seed", "1"),
+    ("--compilation-config.mode", "3"),
+    ("--compilation-config", '{"mode": 3}'),
+    ("--enable-lora", "--max-loras", "2"),
+    ("--trust-remote-code",),
+    ("--limit-mm-per-prompt.image", "2"),
+)
 
 
 def _variation(rng: random.Random) -> list[str]:
@@ -195,7 +221,7 @@ def test_every_argv_the_operator_admits_parses_with_vllms_own_parser(
                 assert refusal is None, (version, where, args, pod.pod, refusal)
             counts["admitted"] += 1
             continue
-        assert {v.reason for v in report.violations} == {ARG_CONFLICT_REASON}, report.violations
+        assert {v.reason for v in report.violations} <= {ARG_CONFLICT_REASON, UNKNOWN}, report.violations
         # What vLLM would have been given had the operator passed the user's arguments through.
         passed = [pod.argv + args for pod in base.values() if where == "engine" or pod.role == where]
         if any(peer.call("parse_refusal", argv=argv) is not None for argv in passed):
@@ -209,4 +235,32 @@ def test_every_argv_the_operator_admits_parses_with_vllms_own_parser(
         assert not evaluate(
             _with_args(version, "prefill", list(args)), REFUSAL_CHAIN, Installation(worker_image="w:1")
         ).compatible
+    assert min(counts.values()) > 0, counts
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_the_operator_refuses_exactly_the_unrelated_arguments_vllms_parser_refuses(
+    vllm_peers: PeerFactory, tmp_path: Path, version: str
+) -> None:
+    """Arguments that name no owned flag are judged by the release's option table: a spec is admitted
+    exactly when every argv its pods pass parses with that release's own parser (issue 22, finding 8)."""
+    peer = vllm_peers(version)
+    base = {pod.pod: pod for pod in engine_pods(example_spec({"engine": {"version": version}}), tmp_path)}
+    counts = {"admitted by both": 0, "refused by both": 0}
+    for args in UNRELATED:
+        for where in ("engine", "decode"):
+            spec = _with_args(version, where, list(args))
+            report = evaluate(spec, REFUSAL_CHAIN, Installation(worker_image="w:1"))
+            passed = [
+                pod.argv + list(args) for pod in base.values() if where == "engine" or pod.role == where
+            ]
+            refusals = [peer.call("parse_refusal", argv=argv) for argv in passed]
+            if report.compatible:
+                assert refusals == [None] * len(passed), (version, where, args, refusals)
+                counts["admitted by both"] += 1
+            else:
+                assert {v.reason for v in report.violations} == {UNKNOWN}, report.violations
+                assert any(r is not None for r in refusals), (version, where, args, report.violations)
+                counts["refused by both"] += 1
+    print(f"vLLM {version}: {2 * len(UNRELATED)} unrelated-argument specs: {counts}")
     assert min(counts.values()) > 0, counts

@@ -5,8 +5,10 @@ that flag, and nothing vLLM reads as another option is."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
-from dd_specs import spec, valid_document
+from dd_specs import spec, spec_dict, valid_document
 
 from disagg.operator.builders.engine import ARG_CONFLICT_REASON, arg_violations
 from disagg.operator.control.reconcile import judge
@@ -114,3 +116,55 @@ def test_every_spelling_vllm_reads_as_the_prefill_context_parallel_size_is_refus
             assert "PrefillContextParallel" in [v.reason for v in verdict.violations], prefix
             judged += 1
     assert judged > 10
+
+
+def unknown(**extra_args: list[str]) -> list[str]:
+    """The UnknownEngineArgument messages judge gives a spec with these extra arguments per place."""
+    patch: dict[str, Any] = {place: {"extraArgs": args} for place, args in extra_args.items()}
+    patch.setdefault("engine", {})
+    verdict = judge(spec_dict(spec(patch)), Installation(worker_image="w:1"))
+    return [v.message for v in verdict.violations if v.reason == "UnknownEngineArgument"]
+
+
+def test_an_argument_no_vllm_option_has_is_refused_once_with_where_it_came_from() -> None:
+    found = unknown(engine=["--max-model-len", "4096", "--frobnicate"], decode=["--enforce-eagr"])
+    assert found == [
+        "spec.engine.extraArgs sets '--frobnicate', which vLLM 0.33.0's `vllm serve` refuses (not one of its "
+        "options): remove or correct the argument",
+        "spec.decode.extraArgs sets '--enforce-eagr', which vLLM 0.33.0's `vllm serve` refuses (not one of "
+        "its options): remove or correct the argument",
+    ]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--max-model-len", "4096"],
+        ["--enforce_eager"],
+        ["--gpu-memory-util", "0.5"],
+        ["--compilation-config.mode", "3"],
+        ["--no-enable-prefix-caching"],
+    ],
+)
+def test_arguments_vllm_reads_are_kept(args: list[str]) -> None:
+    assert unknown(engine=args) == []
+
+
+def test_a_missing_value_and_an_ambiguous_abbreviation_are_refused_as_vllm_words_them() -> None:
+    (missing,) = unknown(decode=["--max-num-seqs"])
+    assert "'--max-num-seqs'" in missing and "expected one argument" in missing
+    (ambiguous,) = unknown(decode=["--max-num", "8"])
+    assert "ambiguous option" in ambiguous
+
+
+def test_the_table_of_the_roles_release_judges() -> None:
+    # 0.33 has both --enable-x and --disable-x for a boolean pair; 0.31 has only --x and --no-x.
+    parser_31, parser_33 = serve_parser("0.31.0"), serve_parser("0.33.0")
+    only_33 = sorted(set(parser_33.actions) - set(parser_31.actions))
+    flag = next(o for o in only_33 if o.startswith("--") and parser_33.actions[o].nargs == 0)
+    assert unknown(engine=[flag]) == []
+    older = judge(
+        spec_dict(spec({"engine": {"version": "0.31.0", "extraArgs": [flag]}})),
+        Installation(worker_image="w:1"),
+    )
+    assert [v.reason for v in older.violations] == ["UnknownEngineArgument"], older.violations

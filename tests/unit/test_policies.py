@@ -26,6 +26,7 @@ def test_the_chain_reads_top_to_bottom() -> None:
         "kv_pool_is_valid",
         "engine_release_is_supported",
         "engine_arguments_agree",
+        "engine_arguments_parse",
         "prefill_context_is_not_split",
         "decode_context_is_not_split",
         "reference_engine_can_run",
