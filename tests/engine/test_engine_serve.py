@@ -386,10 +386,49 @@ def test_a_client_that_leaves_frees_the_decode_blocks(engines: LocalEngines) -> 
     wait_idle(engines)
     assert generated() - before < 900  # it stopped decoding when the client left, not at max_tokens
     asyncio.run(leave_before_the_kv())
-    # A prefill may still write into those blocks until the registration ends: they stay held till then.
-    time.sleep(0.5)
-    assert blocks(engines.decode_urls[0])["awaiting_kv"] == 1
-    wait_idle(engines, REGISTRATION_TIMEOUT_S + 10)
+    # The engine cancels the expectation with its sidecar and frees the blocks then, well before the
+    # registration would have timed out (issue 22, finding 11a).
+    wait_idle(engines, REGISTRATION_TIMEOUT_S / 2)
+
+
+def test_a_decode_leg_queued_for_blocks_past_the_lease_fails_lease_expired(engines: LocalEngines) -> None:
+    """With the decoder's KV full, a decode leg still waiting for blocks when the prefill's lease on its KV
+    must have run out fails at once (issue 22, finding 2), not after the registration timeout."""
+    max_tokens = 900  # 3 groups of 57 blocks each, of the 255: two such requests are never held at once
+
+    async def run() -> tuple[int, dict[str, Any], float]:
+        async with aiohttp.ClientSession() as session:
+            rid = uuid.uuid4().hex
+            holder = body(
+                "completions",
+                PROMPTS[0],
+                max_tokens,
+                kv_transfer_params={**engines.decode_leg_params(), "remote_request_id": "cmpl-" + rid},
+            )
+            # Its prefill never comes: it holds its blocks, awaiting KV, until its client leaves.
+            holding = asyncio.ensure_future(
+                session.post(
+                    engines.decode_urls[0] + "/v1/completions", json=holder, headers={"X-Request-Id": rid}
+                )
+            )
+            deadline = time.monotonic() + 30
+            while blocks(engines.decode_urls[0])["awaiting_kv"] < 1:
+                assert time.monotonic() < deadline, blocks(engines.decode_urls[0])
+                await asyncio.sleep(0.1)
+            started = time.monotonic()
+            status, _, _, answer = await decode_leg(
+                session, engines, "completions", PROMPTS[0], uuid.uuid4().hex, max_tokens, False
+            )
+            waited = time.monotonic() - started
+            holding.cancel()
+            return status, answer, waited
+
+    status, answer, waited = asyncio.run(run())
+    assert status == 504, answer
+    assert "LeaseExpired" in answer["error"]["message"], answer
+    # Queued past 1.5 leases (6 s), well before the first request's registration timeout (12 s) would have
+    # freed the blocks it waited for.
+    assert waited < REGISTRATION_TIMEOUT_S, waited
 
 
 def test_monolithic_requests_and_the_other_endpoints(engines: LocalEngines) -> None:

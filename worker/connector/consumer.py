@@ -5,6 +5,12 @@ handshakes the prefill side channel for every `(pp_rank, tp_rank)` the TP ratio 
 the decoder never writes), sends `PUSH_REG:` + msgpack(registration) to each, and finishes the request after
 `pp_size * max(1, P_tp // D_tp)` completion notifs. It heartbeats the prefill workers so their leases hold,
 and a watchdog fails a registration that never completes.
+
+A request fails as soon as its KV can no longer come, not at the watchdog: one not registered within
+`lease_wait_s` of `expect` (the prefill's lease on it has run out: `LeaseExpired`), and every request waiting
+on a prefill engine found dead (a refused handshake, a failed registration or heartbeat send, or a probe that
+finds its side channel silent or serving another agent: `PeerUnreachable`). `cancel` drops a request the
+engine gave up on: a completion that still comes for it is ignored.
 """
 
 from __future__ import annotations
@@ -25,12 +31,15 @@ from disagg.worker.connector.push import (
 )
 from disagg.worker.connector.side_channel import PeerHandshake, handshake_targets
 from disagg.worker.connector.transport import PreppedList
+from disagg.worker.contracts.topology import lease_wait_s
 from disagg.worker.kv import wire
 from disagg.worker.kv.decode_checks import check_agent
 from disagg.worker.kv.errors import (
     DisaggError,
     HandshakeError,
     InvalidRegistration,
+    LeaseExpired,
+    PeerUnreachable,
     RegistrationTimeout,
     UnsupportedPeerTopology,
 )
@@ -44,6 +53,8 @@ class _Expected:
     block_ids: list[list[int]]
     remote: RemoteEngine
     deadline: float
+    lease_deadline: float
+    """Unregistered by then, the prefill's lease on the request has run out (`lease_wait_s`)."""
     needed: int
     received: int = 0
     registered: bool = False
@@ -98,8 +109,19 @@ class PushConsumer(PushSide[_PrefillEngine]):
             )
         blocks = [ids.tolist() for ids in group_arrays(local_block_ids_per_group)]
         needed = remote.pp_size * max(1, remote.tp_size // local_tp)
-        deadline = self._clock() + self.config.push_registration_timeout_s
-        self._expected[request_id] = _Expected(blocks, remote, deadline, needed)
+        now = self._clock()
+        deadline = now + self.config.push_registration_timeout_s
+        lease_deadline = now + lease_wait_s(self.config.kv_lease_duration_s)
+        self._expected[request_id] = _Expected(blocks, remote, deadline, lease_deadline, needed)
+
+    def cancel(self, request_id: str) -> bool:
+        """The engine gave the request up: forget it (no heartbeat keeps its lease, a completion that still
+        comes is ignored as one for an unknown request). False when it waits for nothing here."""
+        return self._expected.pop(request_id, None) is not None
+
+    @property
+    def expected_requests(self) -> frozenset[str]:
+        return frozenset(self._expected)
 
     def poll(self) -> ConsumerEvents:
         events = ConsumerEvents()
@@ -109,8 +131,21 @@ class PushConsumer(PushSide[_PrefillEngine]):
         self._read_notifs(now, events)
         self._heartbeat(now, events)
         self._watchdog(now, events)
-        self._evict_idle(now, {e.remote.engine_id for e in self._expected.values()})
+        # A busy prefill engine is probed too: one found gone fails its requests at once. Evicting it then
+        # frees no descriptor NIXL uses: the decoder posts no transfer, it only sends notifs.
+        self._evict_idle(
+            now,
+            {e.remote.engine_id for e in self._expected.values()},
+            lambda engine_id, why: self._fail_engine(engine_id, _gone(engine_id, why), events),
+        )
         return events
+
+    def _fail_engine(self, engine_id: str, error: DisaggError, events: ConsumerEvents) -> None:
+        """Every request waiting on `engine_id` fails with `error`: its KV will not come."""
+        for request_id, expected in list(self._expected.items()):
+            if expected.remote.engine_id == engine_id:
+                del self._expected[request_id]
+                events.failed.append(Failure.of(request_id, error))
 
     # -- steps -----------------------------------------------------------------------------------------------
 
@@ -153,9 +188,9 @@ class PushConsumer(PushSide[_PrefillEngine]):
             for agent in engine.agents:
                 self.transport.send_notif(agent, message)
         except DisaggError as exc:
+            log.warning("registration with prefill engine %r failed: %s", engine.remote.engine_id, exc)
             self._evict(engine.remote.engine_id)
-            del self._expected[request_id]
-            events.failed.append(Failure.of(request_id, exc))
+            self._fail_engine(engine.remote.engine_id, _gone(engine.remote.engine_id, exc.message), events)
             return
         expected.registered = True
         expected.writers = frozenset(engine.agents)
@@ -176,10 +211,7 @@ class PushConsumer(PushSide[_PrefillEngine]):
                     else as_disagg_error(exc, f"connecting prefill engine {wire.quote(engine_id)}")
                 )
                 log.warning("prefill engine %s refused: %s", wire.quote(engine_id), error)
-                for request_id, expected in list(self._expected.items()):
-                    if expected.remote.engine_id == engine_id:
-                        del self._expected[request_id]
-                        events.failed.append(Failure.of(request_id, error))
+                self._fail_engine(engine_id, error, events)
 
     def _connect(self, remote: RemoteEngine, peers: Sequence[PeerHandshake], now: float) -> list[str]:
         """Notification-only peers: the decoder only sends PUSH_REG and heartbeats to prefill workers; what
@@ -256,13 +288,21 @@ class PushConsumer(PushSide[_PrefillEngine]):
             except DisaggError as exc:
                 log.warning("heartbeat to prefill engine %r failed: %s", engine_id, exc)
                 self._evict(engine_id)
-                for request_id in request_ids:
-                    del self._expected[request_id]
-                    events.failed.append(Failure.of(request_id, exc))
+                self._fail_engine(engine_id, _gone(engine_id, exc.message), events)
 
     def _watchdog(self, now: float, events: ConsumerEvents) -> None:
         for request_id, expected in list(self._expected.items()):
-            if now >= expected.deadline:
+            if not expected.registered and now >= expected.lease_deadline:
+                del self._expected[request_id]
+                lease = self.config.kv_lease_duration_s
+                error: DisaggError = LeaseExpired(
+                    f"request {request_id}: not registered with prefill engine {expected.remote.engine_id!r} "
+                    f"within {lease_wait_s(lease):g} s of being expected, so its lease of {lease:g} s there "
+                    "has run out and its KV will not come"
+                )
+                log.warning("%s", error)
+                events.failed.append(Failure.of(request_id, error))
+            elif now >= expected.deadline:
                 del self._expected[request_id]
                 error = RegistrationTimeout(
                     f"request {request_id}: {expected.received} of {expected.needed} completion notifs from "
@@ -271,3 +311,8 @@ class PushConsumer(PushSide[_PrefillEngine]):
                 )
                 log.warning("%s", error)
                 events.failed.append(Failure.of(request_id, error))
+
+
+def _gone(engine_id: str, why: str) -> PeerUnreachable:
+    """What fails every request waiting on a prefill engine found dead: its KV will not come."""
+    return PeerUnreachable(f"prefill engine {wire.quote(engine_id)} is gone: {why}")

@@ -265,8 +265,8 @@ class HandshakeJobs:
 
 
 class PeerProbes:
-    """Side-channel probes of idle connected peers, on a thread of their own (a dead peer's probe waits out
-    the handshake timeout, which must not delay a real handshake).
+    """Side-channel probes of connected peers (idle ones; on a decoder, busy ones too), on a thread of their
+    own (a dead peer's probe waits out the handshake timeout, which must not delay a real handshake).
 
     UCX notices a dead peer only when something is sent to it, and nothing is sent to an idle peer, so
     without these a killed decoder's agents and descriptors (megabytes for a large KV) stay until
@@ -434,20 +434,28 @@ class PushSide(Generic[E]):
         self._probes.know(remote, targets)
         self._handshakes.start(remote, targets)
 
-    def _evict_idle(self, now: float, busy: set[str]) -> None:
+    def _evict_idle(
+        self, now: float, busy: set[str], fail_busy: Callable[[str, str], None] | None = None
+    ) -> None:
         """Evict peers idle past their TTL and peers a probe found gone; start the probes that are due.
-        A busy peer (a transfer or registration names it) is never evicted here: its own path fails it."""
+        A busy peer (a transfer or registration names it) is never evicted for idling. Without `fail_busy`
+        it is neither probed nor evicted here (its own path fails it: a NIXL transfer to it may still use
+        its descriptors); with it, it is probed too, and one found gone is handed to `fail_busy` (engine
+        id, why) to fail what waits on it, then evicted."""
         for engine_id, engine in list(self._engines.items()):
             if engine_id not in busy and now - engine.last_active > self.config.engine_ttl_s:
                 log.info("evicting engine %r after %.0f s idle", engine_id, now - engine.last_active)
                 self._evict(engine_id, "Idle")
         for engine_id, reason, why in self._probes.gone():
-            if engine_id in self._engines and engine_id not in busy:
-                log.info("evicting engine %s: %s", wire.quote(engine_id), why)
-                self._evict(engine_id, reason)
+            if engine_id not in self._engines or (engine_id in busy and fail_busy is None):
+                continue
+            log.info("evicting engine %s: %s", wire.quote(engine_id), why)
+            if engine_id in busy and fail_busy is not None:
+                fail_busy(engine_id, why)
+            self._evict(engine_id, reason)
         self._probes.keep_only(self._engines.keys() | self._handshakes.running)
         for engine_id, engine in self._engines.items():
-            if engine_id not in busy:
+            if engine_id not in busy or fail_busy is not None:
                 self._probes.maybe_start(engine_id, engine.last_active, now)
 
     def _evict(self, engine_id: str, reason: str = "PeerFailed") -> None:

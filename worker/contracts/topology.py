@@ -127,6 +127,21 @@ class TopologyDocument(
     connector_version: int = wire.LATEST_CONNECTOR_VERSION
 
 
+LEASE_WAIT_MARGIN = 0.5
+"""The part of a lease added to it in `lease_wait_s`."""
+
+
+def lease_wait_s(kv_lease_duration_s: float) -> float:
+    """How long a decoder waits, from when it learns of a request (its decode leg arrives, its sidecar is told
+    to expect it), before it takes the prefill's lease on the request's KV to have run out.
+
+    A prefill's lease starts when its KV is complete, and only a registered decoder's heartbeats extend it.
+    When the prefill finished before the decoder learnt of the request (a router that waits for the prefill's
+    answer), the lease has run out at most one lease later; the margin of half a lease covers a prefill that
+    finished shortly after (a router that sends both legs at once) and a producer whose poll runs late."""
+    return kv_lease_duration_s * (1 + LEASE_WAIT_MARGIN)
+
+
 def encode_topology(document: TopologyDocument) -> str:
     """The ConfigMap's text: JSON with sorted keys, so equal documents have equal checksums."""
     return json.dumps(msgspec.to_builtins(document), sort_keys=True, indent=2)

@@ -29,7 +29,7 @@ from disagg.worker.engine.openai_api import GenerationRequest
 from disagg.worker.engine.pool_registration import LINK_REPLY_TIMEOUT_S, layout_message, new_pool
 from disagg.worker.engine.scheduler import BlockScheduler, State
 from disagg.worker.engine.settings import ServeSettings, model_config
-from disagg.worker.kv.errors import DuplicateRequest
+from disagg.worker.kv.errors import DisaggError, DuplicateRequest
 from disagg.worker.link.engine_link import EngineLink, Event, KVFailed, KVReady, KVSent
 
 log = logging.getLogger(__name__)
@@ -182,6 +182,24 @@ class Engine:
                 self.freed_blocks()
 
         self.model_thread.submit(job)
+
+    def cancel_expected(self, request_id: str) -> None:
+        """A decode leg gave up a request whose KV its sidecar still expects: tell the sidecar, and free the
+        blocks once it answers (it waits no more; an event it sent before is let go). Should it refuse, the
+        blocks wait for the request's event as before."""
+        self._spawn(self._cancel_expected(request_id))
+
+    async def _cancel_expected(self, request_id: str) -> None:
+        if self.link is None:
+            return
+        try:
+            status = await asyncio.to_thread(self.link.cancel_request, request_id)
+        except DisaggError as exc:
+            log.warning("the sidecar did not cancel request %s (%s): %s", request_id, exc.reason, exc.message)
+            return
+        log.info("request %s cancelled with its sidecar (%s); its blocks are freed", request_id, status.state)
+        self.forget_terminal(request_id)
+        self.release(request_id)
 
     def stage_done(self, request_id: str, stage: int) -> None:
         def job() -> None:

@@ -3,16 +3,22 @@
 The decoder allocates blocks for the prompt and the output, sends `ExpectRequest` naming the prefill
 engine, and waits for `KVReady`. Then it recomputes the last prompt token from the received KV, as vLLM does
 after a full prompt hit, which yields the first token (the model computes a prompt's last token alone so
-these are the prefill's bits), and decodes greedily. A client that goes away while its KV is still expected
-frees the blocks when the sidecar's registration ends (a prefill may still write them).
+these are the prefill's bits), and decodes greedily.
+
+A leg fails as soon as its KV can no longer come: one still waiting for blocks (the KV cache is full)
+`lease_wait_s` after it arrived fails with `LeaseExpired` (the prefill's lease on the KV has run out), as does
+one its sidecar reports so. A client that goes away while the KV is still expected makes the engine send
+`CancelRequest`; the blocks are freed once the sidecar answers (it no longer waits for the KV).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 from disagg.worker.contracts.kv_transfer_params import DecodeLeg
+from disagg.worker.contracts.topology import lease_wait_s
 from disagg.worker.engine import stages
 from disagg.worker.engine.api_errors import ApiError, bad_request
 from disagg.worker.engine.core import Engine
@@ -24,6 +30,8 @@ KV_WAIT_GRACE_S = 30.0
 """Past the registration timeout, how long a decode leg still waits for its sidecar's verdict."""
 # The sidecar refused the decode leg's parameters (the client's fault), rather than failing to serve them.
 _CLIENT_REASONS = {"EngineProtocolError", "UnsupportedPeerTopology", "DuplicateRequest", "BlockIdOutOfRange"}
+# The KV waited for too long: a gateway timeout, not a broken transfer.
+_TIMEOUT_REASONS = {"RegistrationTimeout", "LeaseExpired"}
 
 
 async def decode_leg(
@@ -32,13 +40,24 @@ async def decode_leg(
     s = e.settings
     if s.role != "decode":
         raise bad_request("this engine prefills: a decode leg goes to a decode engine", "kv_transfer_params")
+    arrived = time.monotonic()
     n = len(req.prompt)
     if leg.remote_num_tokens is not None and leg.remote_num_tokens != n:
         raise bad_request(
             f"the prefill computed {leg.remote_num_tokens} prompt tokens, this request's prompt has {n}",
             "kv_transfer_params.remote_num_tokens",
         )
-    tables = await e.admit(request_id, n + req.max_tokens - 1, "awaiting_kv")
+    lease = s.topology.kv_lease_duration_s
+    try:
+        async with asyncio.timeout_at(_loop_time(arrived + lease_wait_s(lease))):
+            tables = await e.admit(request_id, n + req.max_tokens - 1, "awaiting_kv")
+    except TimeoutError:
+        raise ApiError(
+            504,
+            f"the KV transfer failed (LeaseExpired): request {request_id} waited "
+            f"{time.monotonic() - arrived:.0f} s for KV blocks on this decoder, past the prefill's lease of "
+            f"{lease:g} s on its KV",
+        ) from None
     ready: asyncio.Future[Event] = asyncio.get_running_loop().create_future()
 
     def on_event(event: Event) -> None:
@@ -56,7 +75,9 @@ async def decode_leg(
         await asyncio.shield(call)
     except asyncio.CancelledError:
         ready.cancel()
-        call.add_done_callback(lambda c: _expect_refused(e, request_id) if c.exception() else None)
+        call.add_done_callback(
+            lambda c: _expect_refused(e, request_id) if c.exception() else e.cancel_expected(request_id)
+        )
         raise
     except DisaggError as exc:
         _expect_refused(e, request_id)
@@ -73,11 +94,12 @@ async def decode_leg(
         if ready.done() and not ready.cancelled():
             e.release(request_id)  # the KV came, but nobody decodes it
         else:
-            ready.cancel()  # its event frees the blocks: until then a prefill may still write
+            ready.cancel()  # an event that still comes frees the blocks
+            e.cancel_expected(request_id)
         raise
     if isinstance(event, KVFailed):
         e.release(request_id)
-        status = 504 if event.reason == "RegistrationTimeout" else 502
+        status = 504 if event.reason in _TIMEOUT_REASONS else 502
         raise ApiError(status, f"the KV transfer failed ({event.reason}): {event.message}")
     try:
         await e.model_thread.run(lambda: e.sched().set_state(request_id, "decoding"))
@@ -88,6 +110,11 @@ async def decode_leg(
             yield token
     finally:
         e.release(request_id)
+
+
+def _loop_time(monotonic: float) -> float:
+    """A `time.monotonic()` instant on the event loop's clock."""
+    return asyncio.get_running_loop().time() + monotonic - time.monotonic()
 
 
 def _expect_refused(e: Engine, request_id: str) -> None:

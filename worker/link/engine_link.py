@@ -14,6 +14,10 @@ Engine -> sidecar (every one gets exactly one reply, in order):
 - `ExpectRequest` (decode): KV for this request will be pushed into these blocks by that prefill engine.
   Reply `Ack`; later a `KVReady` or `KVFailed` event on the same connection.
 - `QueryRequest`: the state of a request this sidecar was told about. Reply `RequestStatus` or `Error`.
+- `CancelRequest` (decode): the engine gave up an expected request (its client went away). The sidecar stops
+  waiting for its KV (a completion that still comes is ignored) and replies `RequestStatus`: `cancelled`
+  when it was still pending, and then no event follows (the engine frees the blocks now), else the terminal
+  state whose event was already sent. A request it was never told about gets `Error(UnknownRequest)`.
 
 Sidecar -> engine: replies `Ack`, `Error(reason, message)`, `RequestStatus`; events `KVReady`, `KVSent`,
 `KVFailed(reason, message)`, pushed whenever they happen (the client sorts events from replies). An
@@ -49,7 +53,7 @@ FRAME_TIMEOUT_S = 30.0
 MAX_ID_CHARS = 1024
 """Request and engine ids longer than this are refused (they travel in notifs, logs and metrics)."""
 _HEADER = struct.Struct(">I")
-RequestState = Literal["pending", "sent", "ready", "failed"]
+RequestState = Literal["pending", "sent", "ready", "failed", "cancelled"]
 
 
 class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="type"):
@@ -153,6 +157,10 @@ class QueryRequest(_Message, frozen=True, tag="query_request"):
     request_id: str
 
 
+class CancelRequest(_Message, frozen=True, tag="cancel_request"):
+    request_id: str
+
+
 class Ack(_Message, frozen=True, tag="ack"):
     pass
 
@@ -192,7 +200,7 @@ class KVFailed(_Message, frozen=True, tag="kv_failed"):
     message: str
 
 
-EngineMessage = RegisterLayout | RequestFinished | ExpectRequest | QueryRequest
+EngineMessage = RegisterLayout | RequestFinished | ExpectRequest | QueryRequest | CancelRequest
 Reply = Ack | Error | RequestStatus
 Event = KVReady | KVSent | KVFailed
 SidecarMessage = Ack | Error | RequestStatus | KVReady | KVSent | KVFailed
@@ -321,6 +329,12 @@ def error_of(reason: str, message: str) -> DisaggError:
     return cls(message, reason=reason)
 
 
+def _status(reply: Reply) -> RequestStatus:
+    if not isinstance(reply, RequestStatus):
+        raise EngineProtocolError(f"expected a request status, got {type(reply).__name__}")
+    return reply
+
+
 class EngineLink:
     """The engine's end of the socket: one call at a time (thread-safe), events queued as they arrive."""
 
@@ -403,10 +417,12 @@ class EngineLink:
         self.call(ExpectRequest(request_id, [list(ids) for ids in block_ids], prefill))
 
     def query(self, request_id: str) -> RequestStatus:
-        reply = self.call(QueryRequest(request_id))
-        if not isinstance(reply, RequestStatus):
-            raise EngineProtocolError(f"expected a request status, got {type(reply).__name__}")
-        return reply
+        return _status(self.call(QueryRequest(request_id)))
+
+    def cancel_request(self, request_id: str) -> RequestStatus:
+        """Stop the sidecar waiting for an expected request's KV; the status says whether an event still
+        comes (`cancelled`: none will)."""
+        return _status(self.call(CancelRequest(request_id)))
 
     def next_event(self, timeout_s: float) -> Event | None:
         """The next event, or None if none comes within the timeout."""

@@ -67,6 +67,7 @@ from disagg.worker.kv.wire import clip
 from disagg.worker.link.engine_link import (
     MAX_ID_CHARS,
     Ack,
+    CancelRequest,
     EngineMessage,
     Error,
     KVFailed,
@@ -231,6 +232,8 @@ class Sidecar:
             if tracked is None:
                 raise UnknownRequest(f"no request {message.request_id!r} was finished or expected here")
             return RequestStatus(message.request_id, tracked.state, tracked.reason, tracked.message)
+        if isinstance(message, CancelRequest):
+            return self._cancel(message.request_id)
         if self.layout is None or self._connector is None:
             raise LayoutNotRegistered(
                 f"{type(message).__name__} before RegisterLayout: register the KV layout first"
@@ -262,6 +265,24 @@ class Sidecar:
             )
         self._track(message.request_id, _Tracked(conn, "pending", time.monotonic()))
         return Ack()
+
+    def _cancel(self, request_id: str) -> RequestStatus:
+        """The engine gave up an expected request: a pending one is dropped from the consumer and gets no
+        event (the reply is its end); one already ended keeps its state, whose event was sent."""
+        if not 0 < len(request_id) <= MAX_ID_CHARS:
+            raise EngineProtocolError(f"request_id must have 1 to {MAX_ID_CHARS} characters")
+        if isinstance(self._connector, PushProducer):
+            raise WrongRole("CancelRequest goes to a decode sidecar; this one prefills")
+        tracked = self._requests.get(request_id)
+        if tracked is None:
+            raise UnknownRequest(f"no request {request_id!r} was expected here")
+        if tracked.state == "pending":
+            assert isinstance(self._connector, PushConsumer)  # a tracked request came after the layout
+            self._connector.cancel(request_id)
+            self._pending -= 1
+            tracked.state = "cancelled"
+            _event(logging.INFO, "expected request cancelled", request_id=request_id)
+        return RequestStatus(request_id, tracked.state, tracked.reason, tracked.message)
 
     def _track(self, request_id: str, tracked: _Tracked) -> None:
         self._requests.pop(request_id, None)
