@@ -48,7 +48,7 @@ class HeapTrimmer:
     ) -> None:
         self._after_bytes = after_bytes
         self._interval_s = interval_s
-        self._trim = libc_malloc_trim() if trim is None else trim
+        self._trim = trim
         self._freed = 0
         self._last: float | None = None
         self.trims = 0
@@ -60,10 +60,13 @@ class HeapTrimmer:
     def maybe_trim(self, now: float) -> bool:
         """Trim if enough was freed and the last trim is at least the interval ago; True when it did.
         Called on every poll, so that bytes freed within the interval are trimmed once it has passed."""
-        if self._freed < self._after_bytes or self._trim is None:
+        if self._freed < self._after_bytes:
             return False
         if self._last is not None and now - self._last < self._interval_s:
             return False
+        if self._trim is None:
+            # Looked up on the first trim: a worker no flood reaches never touches the C library for it.
+            self._trim = libc_malloc_trim() or (lambda: None)
         started = time.perf_counter()
         self._trim()
         log.info(
