@@ -58,6 +58,8 @@ REASON_SOURCES = (
     "worker/connector/push.py",
     "worker/connector/producer.py",
     "worker/connector/consumer.py",
+    "worker/reporting/peer_check.py",
+    "worker/reporting/watch.py",
     *(f"operator/policies/{path.name}" for path in sorted((ROOT / "operator" / "policies").glob("*.py"))),
     "operator/control/reconcile.py",
     "operator/kv_status.py",
@@ -259,8 +261,8 @@ def test_handshake_refusal_is_the_named_error_type(row: dict[str, str]) -> None:
 
 
 def _reasons_in_source(path: Path) -> set[str]:
-    """CamelCase reasons a module writes: Violation("X", ...), reason="X", KVVerdict(_, "X", _), and the
-    reason of a `desired(COMPATIBLE, _, "X", ...)` condition."""
+    """CamelCase reasons a module writes: Violation("X", ...), reason="X", KVVerdict(_, "X", _), a Pod's
+    Outcome(_, "X", _), and the reason of a `desired(COMPATIBLE, _, "X", ...)` condition."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if not isinstance(node, ast.Call):
@@ -270,7 +272,7 @@ def _reasons_in_source(path: Path) -> set[str]:
         candidates: list[ast.expr] = [kw.value for kw in node.keywords if kw.arg == "reason"]
         if name == "Violation" and node.args:
             candidates.append(node.args[0])
-        if name == "KVVerdict" and len(node.args) > 1:
+        if name in ("KVVerdict", "Outcome") and len(node.args) > 1:
             candidates.append(node.args[1])
         if (
             name == "desired"

@@ -4,8 +4,11 @@ the bounds on what a decoder may make it allocate.
 A registration comes from the network with no credentials, so it is checked against this worker's layout
 (TP sizes that divide, its number of KV cache groups, no more blocks than a request can hold) before it is
 kept, it is kept once (its block ids as arrays: a Python list of ints takes some five times the memory), and
-the store is capped by count and bytes and ages entries out. A refusal is an `InvalidRegistration` naming the
-decoder's request, so the producer can fail the request it matches.
+the store is capped by count and by the bytes it holds (the notif's size plus the arrays', which are up to
+8 times the notif's: msgpack writes a small id in one byte), and ages entries out. Once the registrations
+dropped at their deadline add up, the C heap's free pages go back to the system (`heap`): without that, a
+flood's memory stayed resident after it expired. A refusal is an `InvalidRegistration` naming the decoder's
+request, so the producer can fail the request it matches.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from disagg.worker.connector.heap import HeapTrimmer
 from disagg.worker.kv import wire
 from disagg.worker.kv.errors import InvalidRegistration, RegionGeometryMismatch
 from disagg.worker.kv.layout import StageLayout
@@ -26,7 +30,7 @@ log = logging.getLogger(__name__)
 MAX_REGISTRATIONS = 4096
 """Unmatched registrations held at once; more are refused until some match or age out."""
 MAX_REGISTRATION_BYTES = 64 * 1024 * 1024
-"""Bytes of unmatched registrations (their notif sizes) held at once."""
+"""Bytes of unmatched registrations held at once: each one's notif size plus its block-id arrays."""
 MIN_REMOTE_DESCS = 1 << 22
 """A decoder may advertise this many destination descriptors, or 16 times this worker's, whichever is more:
 sizes beyond that are refused before the plan allocates for them."""
@@ -41,6 +45,7 @@ class Registration:
     block_ids: list[IdArray]
     deadline: float
     nbytes: int
+    """What it holds: its notif's size plus its block-id arrays'."""
 
 
 class Registrations:
@@ -53,6 +58,7 @@ class Registrations:
         *,
         max_count: int = MAX_REGISTRATIONS,
         max_bytes: int = MAX_REGISTRATION_BYTES,
+        trimmer: HeapTrimmer | None = None,
     ) -> None:
         self._layout = layout
         self._tp_size = tp_size
@@ -62,14 +68,17 @@ class Registrations:
         self.nbytes = 0
         self.refused = 0
         """Registrations refused since the start (out of bounds, or over the caps)."""
+        self.trimmer = HeapTrimmer() if trimmer is None else trimmer
 
     def __iter__(self) -> Iterator[Registration]:
         return iter(list(self._kept.values()))
 
-    def add(self, registration: wire.PushRegistration, nbytes: int, deadline: float) -> None:
-        """Keep `registration` (replacing one for the same request); raises InvalidRegistration."""
+    def add(self, registration: wire.PushRegistration, notif_bytes: int, deadline: float) -> None:
+        """Keep `registration`, which came in a notif of `notif_bytes` (replacing one for the same request);
+        raises InvalidRegistration."""
         try:
             block_ids = self._checked_block_ids(registration)
+            nbytes = notif_bytes + sum(ids.nbytes for ids in block_ids)
             old = self._kept.get(registration.request_id)
             held_bytes = self.nbytes - (old.nbytes if old else 0)
             count = len(self._kept) - (1 if old else 0)
@@ -94,6 +103,7 @@ class Registrations:
         return kept
 
     def expire(self, now: float) -> None:
+        """Drop the registrations whose deadline has passed; trim the heap once enough were dropped."""
         for kept in list(self._kept.values()):
             if kept.deadline <= now:
                 log.warning(
@@ -102,7 +112,8 @@ class Registrations:
                     wire.quote(kept.registration.request_id),
                     wire.quote(kept.registration.decode_engine_id),
                 )
-                self.pop(kept.registration.request_id)
+                self.trimmer.freed(self.pop(kept.registration.request_id).nbytes)
+        self.trimmer.maybe_trim(now)
 
     def _checked_block_ids(self, registration: wire.PushRegistration) -> list[IdArray]:
         """The registration's block ids, once its TP and block lists are known to fit this worker's layout."""

@@ -11,7 +11,8 @@ prefill engine): one bad decoder must not make every prefill stage unready. So t
 False only when peers refuse it and no peer engine is usable; a refusal by some peers is still named in the
 message and posted as an Event here. The pod at fault (a decoder on another engine version, a stage with
 other layers) is refused by every peer, so its own condition is False, naming them, and the operator's
-`KVTransferReady` turns False with its reason.
+`KVTransferReady` turns False with its reason. A peer that has never answered is pending, not refused, for a
+bounded startup grace (`startup`): a deployment whose engines are still loading is Unknown, not False.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from disagg.worker.contracts.peer_report import (
 from disagg.worker.contracts.topology import Role
 from disagg.worker.kv import wire
 from disagg.worker.kv.errors import CompatibilityHashMismatch, DisaggError, HandshakeError
+from disagg.worker.reporting.startup import PeerKey, StartupGrace
 from disagg.worker.sidecar.config import SidecarConfig
 
 MAX_MESSAGE_CHARS: Final = 4000
@@ -87,6 +89,11 @@ class Peer:
         through = f" (the side channel of its head pod {self.head})" if self.head else ""
         return f"{self.host}:{self.port}{through}"
 
+    @property
+    def key(self) -> PeerKey:
+        """The peer as the startup grace knows it: a pod recreated at another address is another peer."""
+        return self.pod, f"{self.host}:{self.port}"
+
 
 @dataclass
 class Advertised:
@@ -95,8 +102,11 @@ class Advertised:
 
     engine_id: str = ""
     kv_hash: str = ""
+    answered: bool = False
+    """Whether any rank's reply carried a payload (a refusal after that is the peer's answer)."""
 
     def note(self, reply: RankReply) -> None:
+        self.answered = True
         if self.kv_hash or self.engine_id:
             return
         try:
@@ -270,6 +280,41 @@ class PeerResult:
     """The live engine id the peer's side channel answered with ("" if it did not answer)."""
     kv_hash: str = ""
     """The compatibility hash the peer advertised ("" if it did not answer)."""
+    answered: bool = True
+    """Whether the peer's side channel answered with a payload this round; False for one that is not up
+    yet (unreachable, or serving no payload), which the startup grace may hold back (`hold_back`)."""
+
+
+@dataclass(frozen=True)
+class Starting:
+    """A peer that has never answered and whose failure the startup grace holds back this round."""
+
+    result: PeerResult
+    grace_left_s: float
+
+
+def checked(peer: Peer, error: DisaggError | None, seen: Advertised) -> PeerResult:
+    """One peer's result from its check and what its side channel advertised during it."""
+    return PeerResult(peer, error, seen.engine_id, seen.kv_hash, answered=error is None or seen.answered)
+
+
+def hold_back(
+    results: Sequence[PeerResult], grace: StartupGrace | None
+) -> tuple[list[PeerResult], list[Starting]]:
+    """The results to report this round, and those of peers still starting (never answered, within their
+    grace); without a grace, every result is reported."""
+    if grace is None:
+        return list(results), []
+    reported, starting = [], []
+    for result in results:
+        if result.error is None:
+            grace.answered(result.peer.key)
+            reported.append(result)
+        elif (left := grace.left(result.peer.key, result.answered)) is not None:
+            starting.append(Starting(result, left))
+        else:
+            reported.append(result)
+    return reported, starting
 
 
 @dataclass(frozen=True)
@@ -314,17 +359,36 @@ def _awaited(peer: Peer) -> str:
     return peer.where
 
 
-def summarize(config: SidecarConfig, results: Sequence[PeerResult], pending: Sequence[Peer]) -> Outcome:
-    """This pod's verdict from one round of checks (`pending`: peers without an IP, not checked). Pure.
+def _first_answer(starting: Starting) -> str:
+    """`decode pod d-1 at 10.0.0.3:5600 to answer (PeerUnreachable: ...; 540 s of its startup grace left)`"""
+    result = starting.result
+    assert result.error is not None
+    return (
+        f"{result.peer.where} at {result.peer.address} to answer ({result.error.reason}: "
+        f"{result.error.message}; {starting.grace_left_s:.0f} s of its startup grace left)"
+    )
+
+
+def summarize(
+    config: SidecarConfig,
+    results: Sequence[PeerResult],
+    pending: Sequence[Peer],
+    starting: Sequence[Starting] = (),
+) -> Outcome:
+    """This pod's verdict from one round of checks (`pending`: peers without an IP, not checked; `starting`:
+    peers that have never answered, held back by the startup grace). Pure.
 
     True while at least one peer engine accepts this pod on every one of its pods (all stages of a prefill
-    engine); False when some peer refuses and no engine is usable; Unknown before any peer could be asked.
+    engine); False when some peer refuses and no engine is usable; Unknown before any peer could be asked or
+    while the only peers are still starting.
     """
     refused = tuple(result for result in results if result.error is not None)
-    waiting_engines = {peer.engine_id for peer in pending}
+    waiting_engines = {peer.engine_id for peer in pending} | {s.result.peer.engine_id for s in starting}
     broken_engines = {result.peer.engine_id for result in refused} | waiting_engines
     usable = [r.peer for r in results if r.error is None and r.peer.engine_id not in broken_engines]
     waiting = f"; waiting for {', '.join(_awaited(peer) for peer in pending)} to get an IP" if pending else ""
+    if starting:
+        waiting += f"; waiting for {', '.join(_first_answer(s) for s in starting)}"
     if usable:
         names = ", ".join(peer.where for peer in usable)
         if refused:
@@ -336,7 +400,7 @@ def summarize(config: SidecarConfig, results: Sequence[PeerResult], pending: Seq
         assert first is not None
         return Outcome("False", first.reason, _clip(f"refused by {_refusals(refused)}{waiting}"), refused)
     others = "decode pods" if config.role == "prefill" else "prefill stages"
-    if pending:
+    if pending or starting:
         return Outcome("Unknown", "AwaitingPeers", _clip(f"no usable {others} yet{waiting}"))
     return Outcome("Unknown", "NoPeers", f"no {others} of this deployment exist yet")
 
@@ -347,18 +411,26 @@ def check_round(
     pods: Iterable[Mapping[str, Any]],
     *,
     timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+    grace: StartupGrace | None = None,
 ) -> Outcome:
-    """Handshake every peer among `pods` once and summarize."""
+    """Handshake every peer among `pods` once and summarize; with `grace` (kept from round to round), a
+    peer that has never answered is pending until its startup grace has passed."""
     peers = through_heads(peers_from_pods(pods, config))
     pending = [peer for peer in peers if peer.host is None]
     results = []
     for peer in peers:
         if peer.host is not None:
             seen = Advertised()
-            error = check_peer(config, local, peer, timeout_s=timeout_s, advertised=seen)
-            results.append(PeerResult(peer, error, seen.engine_id, seen.kv_hash))
+            results.append(
+                checked(peer, check_peer(config, local, peer, timeout_s=timeout_s, advertised=seen), seen)
+            )
+    if grace is not None:
+        grace.keep_only(peer.key for peer in peers if peer.host is not None)
+    reported, starting = hold_back(results, grace)
     engine_id, kv_hash = own_identity(config, local)
-    return replace(summarize(config, results, pending), report=peer_report(engine_id, kv_hash, results))
+    outcome = summarize(config, reported, pending, starting)
+    # A peer still starting is not yet checked, as one without an IP: the report vouches for it or not later.
+    return replace(outcome, report=peer_report(engine_id, kv_hash, reported))
 
 
 def own_identity(config: SidecarConfig, local: LocalKV | None) -> tuple[str, str]:

@@ -33,6 +33,7 @@ from disagg.worker.contracts.pod_contract import (
 from disagg.worker.kv.errors import WorkerConfigError
 from disagg.worker.reporting.peer_check import Outcome, check_round, peer_role
 from disagg.worker.reporting.pod_report import PodReporter
+from disagg.worker.reporting.startup import StartupGrace
 from disagg.worker.sidecar.config import SidecarConfig
 
 log = logging.getLogger("disagg.worker.reporting.status_loop")
@@ -55,12 +56,13 @@ def report_once(
     *,
     timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
     check: Check | None = None,
+    grace: StartupGrace | None = None,
 ) -> None:
     """One round: list the peers, handshake each (`check`, by default `peer_check.check_round` with
-    `local`), write this pod's condition and Events."""
+    `local` and the startup `grace`), write this pod's condition and Events."""
     pods = reporter.list_pods(peer_selector(deployment, config))
     if check is None:
-        reporter.report(check_round(config, local, pods, timeout_s=timeout_s))
+        reporter.report(check_round(config, local, pods, timeout_s=timeout_s, grace=grace))
     else:
         reporter.report(check(pods))
 
@@ -71,7 +73,8 @@ class PeerReporter:
     The thread makes no NIXL call (handshakes are ZMQ; planning a decode rank reads the registered layout), so
     a sidecar whose main thread owns the NIXL agent can run it beside its loop. An API server that is briefly
     unreachable or refuses a write costs one round, logged, not the sidecar. `check` replaces the round's
-    peer check (a watching sidecar checks its own engine too, see `disagg.worker.reporting.watch`).
+    peer check (a watching sidecar checks its own engine too, see `disagg.worker.reporting.watch`, and keeps
+    its own startup grace); the default check keeps `grace`, one for the reporter's life.
     """
 
     def __init__(
@@ -90,6 +93,7 @@ class PeerReporter:
         self.deployment = deployment
         self.interval_s = interval_s
         self.check = check
+        self.grace = StartupGrace(config.peer_startup_grace_s)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="disagg-peer-reporter", daemon=True)
 
@@ -124,7 +128,14 @@ class PeerReporter:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                report_once(self.config, self.local, self.reporter, self.deployment, check=self.check)
+                report_once(
+                    self.config,
+                    self.local,
+                    self.reporter,
+                    self.deployment,
+                    check=self.check,
+                    grace=self.grace,
+                )
             except (client.ApiException, urllib3.exceptions.HTTPError) as exc:
                 log.warning("%s: could not report to the API server this round: %s", self.reporter.pod, exc)
             self._stop.wait(self.interval_s)

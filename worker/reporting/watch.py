@@ -13,6 +13,9 @@ the pod's IP and side-channel port, so this sidecar binds neither. Each round it
    own engine's (`check_decode_metadata`: block size, decode TP, layer alignment by name, region count,
    memory type and block length), since there is no registered `LocalKV` to plan with here;
 3. writes the Pod condition and Events (`pod_report.PodReporter`, through `status_loop.PeerReporter`).
+
+An engine (its own or a peer's) that has never answered is pending for the startup grace (`startup`): the
+condition is Unknown (`AwaitingEngine`, `AwaitingPeers`) while a deployment's engines load, not False.
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ from disagg.worker.reporting.peer_check import (
     Peer,
     PeerResult,
     check_peer,
+    checked,
     handshake_peer,
+    hold_back,
     peer_refusal,
     peer_report,
     peers_from_pods,
@@ -54,6 +59,7 @@ from disagg.worker.reporting.peer_check import (
     summarize,
     through_heads,
 )
+from disagg.worker.reporting.startup import StartupGrace
 from disagg.worker.reporting.status_loop import PeerReporter, pod_api_client
 from disagg.worker.sidecar.config import SidecarConfig, from_env
 from disagg.worker.sidecar.logs import configure_logging
@@ -99,12 +105,21 @@ class OwnEngine:
     """The refusal the spec's predicted hash gives the live engine, or None when they agree."""
 
 
-def read_own_engine(config: SidecarConfig, *, timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S) -> OwnEngine:
+def read_own_engine(
+    config: SidecarConfig,
+    *,
+    timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+    advertised: Advertised | None = None,
+) -> OwnEngine:
     """Fetch this pod's engine's ranks (at its head for a PP stage) and decode them with the engine's own
-    live hash, which is what its peers check; the spec's prediction is compared, not enforced."""
+    live hash, which is what its peers check; the spec's prediction is compared, not enforced. `advertised`
+    notes whether (and what) the engine answered."""
     replies = fetch_payloads(
         config.engine_host, config.side_channel_port, own_targets(config), timeout_s=timeout_s
     )
+    if advertised is not None:
+        for reply in replies:
+            advertised.note(reply)
     facts = [payload_facts(reply.payload) for reply in replies]
     hashes = sorted({fact.compatibility_hash for fact in facts})
     if len(hashes) > 1:
@@ -233,25 +248,41 @@ def watch_round(
     pods: Iterable[Mapping[str, Any]],
     *,
     timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+    grace: StartupGrace | None = None,
 ) -> Outcome:
     """One round of a watching sidecar in pod `pod`: its own engine first, then every peer among `pods`.
 
     Peers are not asked while the pod's own engine is unreachable or refused: its condition is then False
-    with the engine's reason, whatever the peers say.
+    with the engine's reason, whatever the peers say. With `grace` (kept from round to round), an engine
+    that has never answered, this pod's or a peer's, is pending until its startup grace has passed.
     """
     engine = own_engine(config, pod)
+    peers = through_heads(peers_from_pods(pods, config))
+    if grace is not None:
+        grace.keep_only([engine.key, *(peer.key for peer in peers if peer.host is not None)])
 
     def refused(exc: DisaggError, report: PeerReport) -> Outcome:
         named = type(exc)(f"this pod's own engine {config.engine_id}: {exc.message}", reason=exc.reason)
         result = PeerResult(engine, named)
         return Outcome("False", named.reason, refusal_message(result), (result,), report=report)
 
+    own_seen = Advertised()
     try:
-        own = read_own_engine(config, timeout_s=timeout_s)
+        own = read_own_engine(config, timeout_s=timeout_s, advertised=own_seen)
     except DisaggError as exc:
         # Nothing is vouched for while the pod's own engine does not answer as expected.
+        left = None if grace is None else grace.left(engine.key, own_seen.answered)
+        if left is not None:
+            return Outcome(
+                "Unknown",
+                "AwaitingEngine",
+                f"waiting for this pod's own engine {config.engine_id} at {engine.address} to answer its "
+                f"first handshake ({exc.reason}: {exc.message}; {left:.0f} s of its startup grace left)",
+                report=peer_report(config.engine_id, "", []),
+            )
         return refused(exc, peer_report(config.engine_id, "", []))
-    peers = through_heads(peers_from_pods(pods, config))
+    if grace is not None:
+        grace.answered(engine.key)
     pending = [peer for peer in peers if peer.host is None]
     results = []
     for peer in peers:
@@ -264,17 +295,27 @@ def watch_round(
             )
         else:
             error = check_peer(config, None, peer, timeout_s=timeout_s, live=own.live, advertised=seen)
-        results.append(PeerResult(peer, error, seen.engine_id, seen.kv_hash))
+        results.append(checked(peer, error, seen))
+    results, starting = hold_back(results, grace)
     report = peer_report(own.live.engine_id or config.engine_id, own.live.compatibility_hash, results)
     if own.prediction_error is None:
-        return replace(summarize(config, results, pending), report=report)
+        return replace(summarize(config, results, pending, starting), report=report)
+    if not results and starting:
+        # The peers that would settle it are still starting: until one answers, the prediction is a note.
+        outcome = replace(summarize(config, results, pending, starting), report=report)
+        factors = "; ".join(prediction_differences(config.compat_factors, own.live))
+        note = (
+            f"; this engine advertises compatibility hash {own.live.compatibility_hash}, the spec predicts "
+            f"{config.compat_hash} (it differs in {factors}): the peers settle whether that matters"
+        )
+        return replace(outcome, message=outcome.message + note)
     if not results:
         # No live peer to compare with yet: until one answers, the prediction is all there is.
         factors = "; ".join(prediction_differences(config.compat_factors, own.live))
         error = own.prediction_error
         message = f"{error.message}; the engine differs in {factors}"
         return refused(type(error)(message, reason=error.reason), report)
-    outcome = replace(summarize(config, results, pending), report=report)
+    outcome = replace(summarize(config, results, pending, starting), report=report)
     warning = prediction_warning(config, own)
     if outcome.status != "True":
         return outcome
@@ -294,6 +335,7 @@ def run(env: Mapping[str, str], stop: threading.Event, *, interval_s: float = DE
             "configured (in-cluster service account or KUBECONFIG)"
         )
     pod = env[POD_NAME_ENV]
+    grace = StartupGrace(config.peer_startup_grace_s)
     with api:
         reporter = PeerReporter.for_pod(
             config,
@@ -301,7 +343,7 @@ def run(env: Mapping[str, str], stop: threading.Event, *, interval_s: float = DE
             api,
             env,
             interval_s=interval_s,
-            check=lambda pods: watch_round(config, pod, pods),
+            check=lambda pods: watch_round(config, pod, pods, grace=grace),
         )
         log.info(
             "%s: watching %s engine %s (pp %d) on %s:%d and its peers",

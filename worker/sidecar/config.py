@@ -30,6 +30,9 @@ Environment (the operator's builders set these in the pod spec; names are stable
 - `DISAGG_PEER_PROBE_INTERVAL_S`: how often an idle connected peer engine's side channel is asked whether
   the same engine still serves it (a killed or restarted peer is then evicted); default 10, 0 turns it off.
   Not set by the builders.
+- `DISAGG_PEER_STARTUP_GRACE_S`: how long a peer (or, watching, the pod's own engine) that has never answered
+  a handshake is reported as pending (the Pod's KV condition Unknown) rather than failed, from when this
+  sidecar first saw it; default 600, 0 reports every failure at once. Not set by the builders.
 
 Topology file: the operator's topology document (`disagg.worker.contracts.topology`, which lists its
 keys), JSON or YAML; `load_topology` reads it and `decode_topology` checks it.
@@ -78,6 +81,9 @@ from disagg.worker.kv.errors import WorkerConfigError
 # A tuning knob the builders do not set, so not in the pod contract.
 PEER_PROBE_INTERVAL_ENV = "DISAGG_PEER_PROBE_INTERVAL_S"
 DEFAULT_PEER_PROBE_INTERVAL_S = 10.0
+PEER_STARTUP_GRACE_ENV = "DISAGG_PEER_STARTUP_GRACE_S"
+DEFAULT_PEER_STARTUP_GRACE_S = 600.0
+"""Long enough for a vLLM engine to load a large model and capture its graphs."""
 DEFAULT_METRICS_PORT = 9090
 DEFAULT_ENGINE_SOCKET = "/dev/shm/disagg-engine.sock"
 _ORDINAL = re.compile(r"^(?P<base>.+)-(?P<ordinal>\d+)$")
@@ -119,6 +125,8 @@ class SidecarConfig:
     engine_workers: tuple[WorkerEndpoint, ...] | None = None
     """The engine's workers from `DISAGG_ENGINE_WORKERS`; None means the topology's `workers`."""
     peer_probe_interval_s: float = DEFAULT_PEER_PROBE_INTERVAL_S
+    peer_startup_grace_s: float = DEFAULT_PEER_STARTUP_GRACE_S
+    """How long a never-answered peer is pending rather than failed (`reporting.startup`)."""
 
     @property
     def engine_host(self) -> str:
@@ -264,6 +272,7 @@ def from_env(env: Mapping[str, str]) -> SidecarConfig:
         engine_side_channel_host=env.get(ENGINE_SIDE_CHANNEL_HOST_ENV) or "",
         engine_workers=_engine_workers(env.get(ENGINE_WORKERS_ENV)),
         peer_probe_interval_s=_env_seconds(env, PEER_PROBE_INTERVAL_ENV, DEFAULT_PEER_PROBE_INTERVAL_S),
+        peer_startup_grace_s=_env_seconds(env, PEER_STARTUP_GRACE_ENV, DEFAULT_PEER_STARTUP_GRACE_S),
         role=role,
         engine_id=engine_id,
         pp_rank=pp_rank,

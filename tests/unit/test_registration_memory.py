@@ -1,0 +1,65 @@
+"""What a prefill worker's unmatched registrations count against their byte cap, and when their expiry
+hands the heap's free pages back (the flood itself, against a real sidecar:
+tests/sidecar/test_sidecar_flood.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from disagg.worker.connector.heap import HeapTrimmer, libc_malloc_trim
+from disagg.worker.connector.registrations import Registrations
+from disagg.worker.kv import wire
+from disagg.worker.kv.errors import InvalidRegistration
+from disagg.worker.kv.layout import ModelGeometry, build_stage_layout
+
+MODEL = ModelGeometry.with_full_every(4, 1, num_kv_heads=2, head_size=8, dtype_bytes=2, hma=False)
+LAYOUT = build_stage_layout(MODEL, pp_rank=0, pp_size=1, tp_size=1, block_size=16, num_blocks=1024)
+
+
+def registration(request_id: str, blocks: int) -> wire.PushRegistration:
+    return wire.PushRegistration(
+        request_id, "d", "127.0.0.1", 5600, 1, [[1] * blocks], "p", "127.0.0.1", 5601, 1, 1
+    )  # fmt: skip
+
+
+class Trims:
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self) -> None:
+        self.count += 1
+
+
+def test_a_registration_counts_its_block_id_arrays_against_the_byte_cap() -> None:
+    store = Registrations(LAYOUT, 1, max_bytes=20_000)
+    store.add(registration("r0", 1000), 1100, deadline=10.0)
+    assert store.nbytes == 1100 + 8 * 1000  # an id a byte on the wire, 8 in its array
+    store.add(registration("r1", 1000), 1100, deadline=10.0)
+    with pytest.raises(InvalidRegistration, match="held unmatched already"):
+        store.add(registration("r2", 1000), 1100, deadline=10.0)  # 3 notifs of 1,100 bytes, 27,300 held
+
+
+def test_expiry_trims_the_heap_once_enough_was_dropped_and_at_most_once_an_interval() -> None:
+    trims = Trims()
+    store = Registrations(LAYOUT, 1, trimmer=HeapTrimmer(after_bytes=20_000, interval_s=2.0, trim=trims))
+    for i in range(4):
+        store.add(registration(f"r{i}", 1000), 1000, deadline=float(i))
+    store.expire(now=1.0)  # r0, r1: 18,000 bytes dropped, under the threshold
+    assert trims.count == 0
+    store.expire(now=2.0)  # r2 too: 27,000
+    assert trims.count == 1
+    store.add(registration("r4", 1000), 1000, deadline=2.5)
+    store.expire(now=3.0)  # r3 and r4: 18,000 again
+    store.add(registration("r5", 1000), 1000, deadline=3.0)
+    store.expire(now=3.5)  # r5: 27,000, but the last trim was 1.5 s ago
+    assert trims.count == 1
+    store.expire(now=4.0)  # nothing dropped, the interval has passed: the pending bytes are trimmed
+    assert (trims.count, list(store), store.nbytes) == (2, [], 0)
+    store.expire(now=9.0)
+    assert trims.count == 2
+
+
+def test_the_c_library_trim_is_found_on_glibc() -> None:
+    trim = libc_malloc_trim()
+    assert trim is not None
+    trim()
