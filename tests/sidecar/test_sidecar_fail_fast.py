@@ -188,7 +188,8 @@ def test_a_cancelled_request_is_dropped_and_a_late_write_is_ignored(
     decoder.link.expect_request("r-gone", blocks(1), prefill.engine)
     prefill.wait_registered(1)
     status = decoder.link.cancel_request("r-gone")
-    assert (status.request_id, status.state) == ("r-gone", "cancelled")
+    # Registered: the prefill was told the blocks, so the engine keeps them until its lease surely ended.
+    assert (status.request_id, status.state, status.registered) == ("r-gone", "cancelled", True)
     # Cancelling again tells the same; it is no longer pending, so nothing else happens.
     assert decoder.link.cancel_request("r-gone").state == "cancelled"
     assert decoder.link.query("r-gone").state == "cancelled"
@@ -209,3 +210,32 @@ def test_a_cancelled_request_is_dropped_and_a_late_write_is_ignored(
     event = decoder.link.next_event(60)
     assert isinstance(event, KVReady) and event.request_id == "r-next", event
     assert decoder.sidecar.proc.poll() is None
+
+
+def test_after_a_cancel_no_write_lands_once_the_decoder_freed_the_blocks(
+    workdir: Path, sidecars: list[SidecarProcess], workers: list[Worker]
+) -> None:
+    """A cancelled request's registration that already reached its prefill: the decoder sends no more
+    heartbeats for it, so the prefill drops it after a lease of silence, and a prefill request that finishes
+    later writes nothing. The engine holds the blocks for `lease_wait_s`, past that drop, so the blocks it
+    then gives to another request are never written for the cancelled one."""
+    lease = 2.0
+    prefill = Worker(workdir, sidecars, "prefill", "late-prefill", lease)
+    decoder = Worker(workdir, sidecars, "decode", "late-decoder", lease)
+    workers += [prefill, decoder]
+    decoder.pool.array[:] = 0
+    decoder.link.expect_request("r-cancelled", blocks(1), prefill.engine)
+    prefill.wait_registered(1)
+    status = decoder.link.cancel_request("r-cancelled")
+    assert status.registered
+    # The engine frees the blocks `lease_wait_s` after the cancel; the prefill finishes its request later.
+    time.sleep(lease_wait_s(lease) + 0.5)
+    log = prefill.sidecar.log_path.read_text(errors="replace")
+    assert "its decoder sent no heartbeat for it" in log, prefill.sidecar.log()
+    prefill.pool.array[:] = 7
+    prefill.link.request_finished("r-cancelled", blocks(2))
+    # No decoder takes it now: the lease frees the prefill's blocks, unwritten.
+    assert failure(prefill.link, "r-cancelled", lease * 4).reason == "LeaseExpired"
+    assert not decoder.pool.array.any(), (
+        "a WRITE for the cancelled request landed after its blocks were freed"
+    )

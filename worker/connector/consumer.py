@@ -114,10 +114,12 @@ class PushConsumer(PushSide[_PrefillEngine]):
         lease_deadline = now + lease_wait_s(self.config.kv_lease_duration_s)
         self._expected[request_id] = _Expected(blocks, remote, deadline, lease_deadline, needed)
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str) -> bool | None:
         """The engine gave the request up: forget it (no heartbeat keeps its lease, a completion that still
-        comes is ignored as one for an unknown request). False when it waits for nothing here."""
-        return self._expected.pop(request_id, None) is not None
+        comes is ignored as one for an unknown request). Whether its registration was sent (its prefill may
+        then still write the blocks until its lease ends); None when it waits for nothing here."""
+        expected = self._expected.pop(request_id, None)
+        return None if expected is None else expected.registered
 
     @property
     def expected_requests(self) -> frozenset[str]:

@@ -201,6 +201,7 @@ class PushProducer(PushSide[_DecodeEngine]):
                         held = self._find_held(request_id)
                         if held is not None:
                             held.deadline = max(held.deadline, now + self.config.heartbeat_extension_s)
+                        self.registrations.hear(request_id, now)
                 else:
                     self.ignored_notifs += 1
                     log.warning(
@@ -217,7 +218,7 @@ class PushProducer(PushSide[_DecodeEngine]):
         self, registration: wire.PushRegistration, nbytes: int, now: float, events: ProducerEvents
     ) -> None:
         try:
-            self.registrations.add(registration, nbytes, now + self.config.push_registration_timeout_s)
+            self.registrations.add(registration, nbytes, now + self.config.push_registration_timeout_s, now)
         except InvalidRegistration as exc:
             self._refuse_registration(exc, events)
             return
@@ -455,7 +456,7 @@ class PushProducer(PushSide[_DecodeEngine]):
         events.failed.append(Failure.of(held_id, error))
 
     def _expire(self, now: float, events: ProducerEvents) -> None:
-        self.registrations.expire(now)
+        self.registrations.expire(now, self.config.registration_silence_s)
         sending = {s.request_id for s in self._sending}
         for request_id, held in list(self._held.items()):
             if held.deadline <= now and request_id not in sending:

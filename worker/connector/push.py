@@ -88,6 +88,14 @@ class PushConfig:
     def heartbeat_extension_s(self) -> float:
         return self.kv_lease_duration_s * 2 / 3
 
+    @property
+    def registration_silence_s(self) -> float:
+        """How long an unmatched registration is kept without a heartbeat from its decoder (which sends one
+        every `heartbeat_interval_s`): a decoder silent for a lease gave the request up, or died, and its
+        blocks may be another request's by now. A decoder that cancels holds the blocks for longer
+        (`contracts.topology.lease_wait_s`), so no WRITE lands after it freed them."""
+        return self.kv_lease_duration_s
+
 
 @dataclass(frozen=True)
 class RemoteEngine:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import msgspec
 
 from disagg.worker.connector.heap import HeapTrimmer
+from disagg.worker.connector.push import find_request
 from disagg.worker.kv import wire
 from disagg.worker.kv.errors import InvalidRegistration, RegionGeometryMismatch
 from disagg.worker.kv.layout import StageLayout
@@ -46,6 +47,8 @@ class Registration:
     deadline: float
     nbytes: int
     """What it holds: its notif's size plus its block-id arrays'."""
+    heard: float
+    """When its decoder last said it still waits (the registration, then its heartbeats)."""
 
 
 class Registrations:
@@ -73,9 +76,9 @@ class Registrations:
     def __iter__(self) -> Iterator[Registration]:
         return iter(list(self._kept.values()))
 
-    def add(self, registration: wire.PushRegistration, notif_bytes: int, deadline: float) -> None:
-        """Keep `registration`, which came in a notif of `notif_bytes` (replacing one for the same request);
-        raises InvalidRegistration."""
+    def add(self, registration: wire.PushRegistration, notif_bytes: int, deadline: float, now: float) -> None:
+        """Keep `registration`, which came in a notif of `notif_bytes` at `now` (replacing one for the same
+        request); raises InvalidRegistration."""
         try:
             block_ids = self._checked_block_ids(registration)
             nbytes = notif_bytes + sum(ids.nbytes for ids in block_ids)
@@ -94,7 +97,7 @@ class Registrations:
         if old is not None:
             self.pop(registration.request_id)
         kept = msgspec.structs.replace(registration, local_block_ids=[])
-        self._kept[registration.request_id] = Registration(kept, block_ids, deadline, nbytes)
+        self._kept[registration.request_id] = Registration(kept, block_ids, deadline, nbytes, now)
         self.nbytes += nbytes
 
     def pop(self, request_id: str) -> Registration:
@@ -102,15 +105,30 @@ class Registrations:
         self.nbytes -= kept.nbytes
         return kept
 
-    def expire(self, now: float) -> None:
-        """Drop the registrations whose deadline has passed; trim the heap once enough were dropped."""
+    def hear(self, request_id: str, now: float) -> None:
+        """The decoder's heartbeat names `request_id` (up to an engine's random suffix): it still waits."""
+        kept_id = find_request(request_id, self._kept)
+        if kept_id is not None:
+            self._kept[kept_id].heard = now
+
+    def expire(self, now: float, silence_s: float) -> None:
+        """Drop the registrations whose deadline has passed, and those whose decoder said nothing for
+        `silence_s` (it gave the request up or died: writing its blocks later could land in blocks it gave to
+        another request); trim the heap once enough were dropped."""
         for kept in list(self._kept.values()):
-            if kept.deadline <= now:
+            why = (
+                "this worker never finished a matching request within push_registration_timeout_s"
+                if kept.deadline <= now
+                else f"its decoder sent no heartbeat for it in {silence_s:g} s"
+                if now - kept.heard > silence_s
+                else None
+            )
+            if why is not None:
                 log.warning(
-                    "Dropping the registration of decode request %s from engine %s: this worker never "
-                    "finished a matching request within push_registration_timeout_s",
+                    "Dropping the registration of decode request %s from engine %s: %s",
                     wire.quote(kept.registration.request_id),
                     wire.quote(kept.registration.decode_engine_id),
+                    why,
                 )
                 self.trimmer.freed(self.pop(kept.registration.request_id).nbytes)
         self.trimmer.maybe_trim(now)

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import torch
 
+from disagg.worker.contracts.topology import lease_wait_s
 from disagg.worker.engine import stages
 from disagg.worker.engine.api_errors import ApiError, bad_request
 from disagg.worker.engine.kv_cache import BlockTables, OutOfBlocks, PagedKVCache
@@ -185,8 +186,10 @@ class Engine:
 
     def cancel_expected(self, request_id: str) -> None:
         """A decode leg gave up a request whose KV its sidecar still expects: tell the sidecar, and free the
-        blocks once it answers (it waits no more; an event it sent before is let go). Should it refuse, the
-        blocks wait for the request's event as before."""
+        blocks once it answers (it waits no more; an event it sent before is let go), or, when its prefill
+        was already told the blocks, once the prefill's lease on the KV has surely ended: a WRITE may land in
+        them until then, and a block given to another request meanwhile would take it. Should the sidecar
+        refuse, the blocks wait for the request's event as before."""
         self._spawn(self._cancel_expected(request_id))
 
     async def _cancel_expected(self, request_id: str) -> None:
@@ -197,8 +200,15 @@ class Engine:
         except DisaggError as exc:
             log.warning("the sidecar did not cancel request %s (%s): %s", request_id, exc.reason, exc.message)
             return
-        log.info("request %s cancelled with its sidecar (%s); its blocks are freed", request_id, status.state)
         self.forget_terminal(request_id)
+        if status.state == "cancelled" and status.registered:
+            # No heartbeat extends the lease after the cancel, so it ends within one lease; the margin
+            # covers a WRITE posted just before it ends (`lease_wait_s`).
+            hold = lease_wait_s(self.settings.topology.kv_lease_duration_s)
+            log.info("request %s cancelled with its sidecar; its blocks free in %.0f s", request_id, hold)
+            await asyncio.sleep(hold)
+        else:
+            log.info("request %s cancelled with its sidecar (%s); blocks freed", request_id, status.state)
         self.release(request_id)
 
     def stage_done(self, request_id: str, stage: int) -> None:

@@ -8,7 +8,8 @@ these are the prefill's bits), and decodes greedily.
 A leg fails as soon as its KV can no longer come: one still waiting for blocks (the KV cache is full)
 `lease_wait_s` after it arrived fails with `LeaseExpired` (the prefill's lease on the KV has run out), as does
 one its sidecar reports so. A client that goes away while the KV is still expected makes the engine send
-`CancelRequest`; the blocks are freed once the sidecar answers (it no longer waits for the KV).
+`CancelRequest`; the blocks are freed once the sidecar answers (it no longer waits for the KV), or, when the
+prefill was already told them, once its lease on the KV has surely ended (`Engine.cancel_expected`).
 """
 
 from __future__ import annotations

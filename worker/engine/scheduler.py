@@ -4,9 +4,9 @@ One scheduler per engine decides block ids for every PP stage (vLLM's single sch
 the same on each stage, so they return to the pool only when every stage's sidecar has reported the push
 done (`KVSent`) or given up (`KVFailed`: lease expired, push failed). A decode leg's ids are held from
 `ExpectRequest` until the sidecar's terminal event, or, when the client is gone, until the sidecar has
-answered `CancelRequest` (it no longer expects the KV). Not thread-safe: the engine calls it from its
-model thread only, which also runs every model step, so ids return to the pool only after any step that
-used them is done.
+answered `CancelRequest` (it no longer expects the KV) and no prefill may still write them. Not thread-safe:
+the engine calls it from its model thread only, which also runs every model step, so ids return to the pool
+only after any step that used them is done.
 """
 
 from __future__ import annotations

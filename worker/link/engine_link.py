@@ -16,8 +16,10 @@ Engine -> sidecar (every one gets exactly one reply, in order):
 - `QueryRequest`: the state of a request this sidecar was told about. Reply `RequestStatus` or `Error`.
 - `CancelRequest` (decode): the engine gave up an expected request (its client went away). The sidecar stops
   waiting for its KV (a completion that still comes is ignored) and replies `RequestStatus`: `cancelled`
-  when it was still pending, and then no event follows (the engine frees the blocks now), else the terminal
-  state whose event was already sent. A request it was never told about gets `Error(UnknownRequest)`.
+  when it was still pending, and then no event follows, else the terminal state whose event was already
+  sent. `registered` says whether the prefill was told the blocks: then it may still write them until its
+  lease ends, and the engine frees them only then; else at once. A request it was never told about gets
+  `Error(UnknownRequest)`.
 
 Sidecar -> engine: replies `Ack`, `Error(reason, message)`, `RequestStatus`; events `KVReady`, `KVSent`,
 `KVFailed(reason, message)`, pushed whenever they happen (the client sorts events from replies). An
@@ -175,6 +177,9 @@ class RequestStatus(_Message, frozen=True, tag="request_status"):
     state: RequestState
     reason: str = ""
     message: str = ""
+    registered: bool = False
+    """A `cancelled` request's registration had reached its prefill, which may still write the blocks until
+    its lease on the KV ends: the engine keeps them until then."""
 
 
 class KVReady(_Message, frozen=True, tag="kv_ready"):

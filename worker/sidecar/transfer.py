@@ -276,13 +276,14 @@ class Sidecar:
         tracked = self._requests.get(request_id)
         if tracked is None:
             raise UnknownRequest(f"no request {request_id!r} was expected here")
+        registered = False
         if tracked.state == "pending":
             assert isinstance(self._connector, PushConsumer)  # a tracked request came after the layout
-            self._connector.cancel(request_id)
+            registered = bool(self._connector.cancel(request_id))
             self._pending -= 1
             tracked.state = "cancelled"
-            _event(logging.INFO, "expected request cancelled", request_id=request_id)
-        return RequestStatus(request_id, tracked.state, tracked.reason, tracked.message)
+            _event(logging.INFO, "expected request cancelled", request_id=request_id, registered=registered)
+        return RequestStatus(request_id, tracked.state, tracked.reason, tracked.message, registered)
 
     def _track(self, request_id: str, tracked: _Tracked) -> None:
         self._requests.pop(request_id, None)
