@@ -24,13 +24,24 @@ from disagg.worker.engine import stages
 from disagg.worker.engine.api_errors import ApiError, bad_request
 from disagg.worker.engine.core import Engine
 from disagg.worker.engine.openai_api import GenerationRequest
-from disagg.worker.kv.errors import DisaggError
+from disagg.worker.kv.errors import (
+    BlockIdOutOfRange,
+    DisaggError,
+    DuplicateRequest,
+    EngineProtocolError,
+    UnsupportedPeerTopology,
+)
 from disagg.worker.link.engine_link import Event, KVFailed, PrefillEngine
 
 KV_WAIT_GRACE_S = 30.0
 """Past the registration timeout, how long a decode leg still waits for its sidecar's verdict."""
 # The sidecar refused the decode leg's parameters (the client's fault), rather than failing to serve them.
-_CLIENT_REASONS = {"EngineProtocolError", "UnsupportedPeerTopology", "DuplicateRequest", "BlockIdOutOfRange"}
+_CLIENT_REASONS = {
+    EngineProtocolError.reason,
+    UnsupportedPeerTopology.reason,
+    DuplicateRequest.reason,
+    BlockIdOutOfRange.reason,
+}
 # The KV waited for too long: a gateway timeout, not a broken transfer.
 _TIMEOUT_REASONS = {"RegistrationTimeout", "LeaseExpired"}
 
