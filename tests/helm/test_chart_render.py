@@ -446,7 +446,7 @@ def test_the_monitors_and_the_dashboard_are_off_by_default(helm_bin: Path) -> No
 
 
 def test_the_monitors_select_every_workload_pod_and_service_the_operator_builds(helm_bin: Path) -> None:
-    from disagg.operator.builders import COMPONENT_LABEL, PART_OF_LABEL, owner_labels, selector_labels
+    from disagg.operator.naming import COMPONENT_LABEL, PART_OF_LABEL, owner_labels, selector_labels
     from disagg.worker.contracts.pod_contract import ROUTER_COMPONENT
 
     objs = render(helm_bin, {"metrics": ALL_METRICS, "watchNamespaces": ["team-a"]})
