@@ -30,22 +30,19 @@ from typing import Any, Final, Protocol
 
 from disagg.operator.api import RolloutSpec
 from disagg.operator.naming import COMPONENT_LABEL, REVISION_LABEL, SLOT_LABEL, SLOTS
-from disagg.worker.contracts.pairing import (
-    DRAINING,
-    INVALID_PEER_REPORT,
-    NOT_YET_CHECKED,
-    POD_NOT_READY,
-    Routing,
-)
-from disagg.worker.contracts.pod_contract import DRAINING_ANNOTATION
+from disagg.worker.contracts.pairing import HASH_DIFFERS, Routing
+from disagg.worker.contracts.peer_report import PeerReportError, decode_peer_report
+from disagg.worker.contracts.pod_contract import DRAINING_ANNOTATION, PEER_REPORT_ANNOTATION
+from disagg.worker.kv.errors import CompatibilityHashMismatch
 
 WAITING: Final = "RolloutWaitingForRoutablePairs"
 DRAINING_OLD: Final = "RolloutDraining"
 STUCK: Final = "RolloutStuck"
 COMPLETE: Final = "RolloutComplete"
-# Exclusion reasons that only mean "not yet": any other (a sidecar's refusal, equal-looking verdicts on
-# differing hashes) is a verdict on the pair that waiting does not change.
-_TRANSIENT: Final = frozenset({POD_NOT_READY, NOT_YET_CHECKED, INVALID_PEER_REPORT, DRAINING})
+# What stops a rollout at once: the sidecars found the new revision's own pairs' hashes differ (a refusal for
+# the hash, or ok verdicts on differing hashes). Any other refusal (a handshake that failed while a peer was
+# still starting) may pass; the progress deadline bounds it.
+_MISMATCH: Final = frozenset({CompatibilityHashMismatch.reason, HASH_DIFFERS})
 # The components whose children live in a slot; the worker's access and the router are shared.
 SLOTTED_COMPONENTS: Final = frozenset({"prefill", "decode", "topology"})
 
@@ -240,20 +237,14 @@ def _not_yet(
     now: datetime,
     settings: RolloutSpec,
 ) -> Rollout:
-    names = {_name(pod) for pod in mine}
-    refused = [
-        exclusion
-        for exclusion in routing.exclusions
-        if exclusion.prefill in names and exclusion.decode in names and exclusion.reason not in _TRANSIENT
-    ]
     old = f"revision {base.old_revision} keeps serving ({base.pairs.get(base.old_revision or '', 0)} pairs)"
-    if refused:
-        first = refused[0]
+    mismatch = _mismatch(routing, mine)
+    if mismatch:
         return _with(
             base,
             STUCK,
-            f"revision {base.revision} cannot pair with itself: {first.reason}: {first.message}; {old}. "
-            "Apply a spec whose roles agree, or the previous spec to roll back",
+            f"revision {base.revision} cannot pair with itself: {mismatch}; {old}. Apply a spec whose "
+            "roles agree, or the previous spec to roll back",
         )
     since = since_of(workloads, base.slot, base.revision, now)
     waited = (now - since).total_seconds()
@@ -269,6 +260,30 @@ def _not_yet(
             f"{settings.progress_deadline_seconds}); {old}",
         )
     return _with(base, WAITING, f"{progress}; {old}")
+
+
+def _mismatch(routing: Routing, mine: Sequence[Mapping[str, Any]]) -> str:
+    """What shows that the pods `mine` (one revision's) disagree on their hashes, or "": a pod's peer report
+    refusing another of them for its hash, or an exclusion of a pair of them for differing hashes."""
+    names = {_name(pod) for pod in mine}
+    for pod in mine:
+        text = _annotations(pod).get(PEER_REPORT_ANNOTATION)
+        if not isinstance(text, str):
+            continue
+        try:
+            report = decode_peer_report(text)
+        except PeerReportError:
+            continue
+        for verdict in report.peers:
+            if verdict.pod in names and not verdict.ok and verdict.reason in _MISMATCH:
+                return (
+                    f"pod {_name(pod)} (hash {report.kv_hash[:12]}) reports {verdict.reason} from pod "
+                    f"{verdict.pod} (hash {verdict.kv_hash[:12]})"
+                )
+    for exclusion in routing.exclusions:
+        if exclusion.prefill in names and exclusion.decode in names and exclusion.reason in _MISMATCH:
+            return f"{exclusion.reason}: {exclusion.message}"
+    return ""
 
 
 def _with(base: Rollout, phase: str, message: str) -> Rollout:

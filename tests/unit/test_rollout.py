@@ -166,7 +166,7 @@ def test_a_new_revision_that_cannot_pair_with_itself_is_stuck_at_once_and_the_ol
     pods = pair("a", OLD) + pair("b", NEW, decode_hash="c" * 64)
     found = judge(NEW, both, pods)
     assert (found.phase, found.keep_old, found.drain) == (STUCK, True, ())
-    assert "cannot pair with itself: CompatibilityHashMismatch" in found.message
+    assert "reports CompatibilityHashMismatch from pod d-b-" in found.message
     assert f"revision {OLD} keeps serving (1 pairs)" in found.message
 
 
@@ -195,3 +195,25 @@ def test_a_third_revision_during_a_rollout_replaces_the_slot_that_serves_less() 
     found = judge(third, both, pair("a", OLD))
     assert (found.slot, found.old_slot, found.old_revision) == ("b", "a", OLD)
     assert found.phase == WAITING and COMPLETE == "RolloutComplete"
+
+
+def test_a_handshake_that_failed_while_a_peer_started_is_waited_for_not_stuck() -> None:
+    both = [("a", OLD), ("b", NEW)]
+    pods = pair("a", OLD) + pair("b", NEW)
+    report = PeerReport(
+        version=PEER_REPORT_VERSION,
+        engine_id="d-b-decode-xb",
+        kv_hash=HASHES[NEW],
+        peers=(
+            PeerVerdict(
+                pod="d-b-prefill-0-0",
+                engine_id="d-b-prefill-0",
+                ok=False,
+                reason="HandshakeFailed",
+                kv_hash="",
+            ),
+        ),
+    )
+    pods[3]["metadata"]["annotations"][PEER_REPORT_ANNOTATION] = encode_peer_report(report)
+    found = judge(NEW, both, pods)
+    assert (found.phase, found.keep_old) == (WAITING, True)
