@@ -4,9 +4,9 @@ The operator (a real `disagg operator run`) builds a reference-engine deployment
 decoder, the router) on engine release 0.32.0; `LocalKubelet` runs every container as a process and
 `ServiceProxy` stands in for kube-proxy. A load of completions runs through the router's Service at
 concurrency 8 while `spec.engine.version` changes to 0.33.0 (a KV-incompatible change: another compatibility
-hash). Measured: failed requests (must be 0), outputs against the monolithic run (all equal), routable pairs
-at every sample (twice a second; never 0), engine pods at every sample against the surge bound (the whole
-new revision beside the old: twice the deployment's pods), and the rollout's duration and phases.
+hash). Measured: failed requests (must be 0), outputs against the monolithic run (all equal), routable
+pairs at every sample (every quarter second; never 0), engine pods at every sample against the surge bound
+(the whole new revision beside the old: twice the deployment's pods), and the rollout's duration and phases.
 
 Then the two ways a new revision can disagree with itself: roles the policies can tell apart (a decode
 override of the engine release) are refused before any pod; a decoder only its live hash tells apart (the
@@ -46,7 +46,7 @@ OLD_VERSION, NEW_VERSION = "0.32.0", "0.33.0"
 CONCURRENCY = 8
 MIN_REQUESTS = 300
 MAX_TOKENS = 6
-SAMPLE_S = 0.5
+SAMPLE_S = 0.25
 DRAIN_S = 4
 TIMEOUT_S = 300.0
 PROMPTS = tuple(f"Rollout request {k}: the KV moves from prefill to decode." for k in range(16))
@@ -195,6 +195,9 @@ class RolloutRun:
     apply: Callable[[dict[str, Any]], None]
     workdir: Path
     say: Callable[[str], None] = print
+    during_rollout: Callable[[], None] | None = None
+    """Called once while the version change waits for the new revision's pairs (a test restarts the
+    operator there: the rollout must resume from what the cluster shows)."""
     port: int = field(default_factory=lambda: 20000 + secrets.randbelow(20000))
 
     def __post_init__(self) -> None:
@@ -272,9 +275,13 @@ class RolloutRun:
                 start = time.monotonic()
                 self.apply(new)
 
+                hook = [self.during_rollout] if self.during_rollout is not None else []
+
                 def done() -> bool:
                     reason = self.condition("Progressing").get("reason") or ""
                     phases.setdefault(reason, time.monotonic() - start)
+                    if hook and reason == "RolloutWaitingForRoutablePairs":
+                        hook.pop()()
                     return (self.get().get("status") or {}).get("revision") != first and self.settled()
 
                 duration = self.wait("the rollout to complete", done, loop.check)
