@@ -302,6 +302,24 @@ PRINTER_COLUMNS: Final[tuple[dict[str, Any], ...]] = (
         "description": "Routable prefill/decode pairs of all pairs (the Routable condition names the rest).",
     },
     {
+        "name": "Revision",
+        "type": "string",
+        "jsonPath": ".status.revision",
+        "description": "The spec's engine revision (what pairs depend on).",
+    },
+    {
+        "name": "Old",
+        "type": "string",
+        "jsonPath": ".status.oldRevision",
+        "description": "The revision being replaced while a rollout is under way.",
+    },
+    _condition_column(
+        "Rollout",
+        "Progressing",
+        "Where a rollout is (RolloutWaitingForRoutablePairs, ...).",
+        field="reason",
+    ),
+    {
         "name": "Stages",
         "type": "integer",
         "jsonPath": ".spec.prefill.pipelineParallelSize",

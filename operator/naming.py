@@ -34,6 +34,14 @@ REPLICA_LABEL: Final = "disagg.io/replica"
 GENERATION_ANNOTATION: Final = "disagg.io/generation"
 HASH_ANNOTATION: Final = "disagg.io/compatibility-hash"
 TOPOLOGY_ANNOTATION: Final = "disagg.io/topology-checksum"
+# What an engine child's pairs depend on (`builders.topology.revision`), on the workload and its pods; and
+# which set of children it is: `a` keeps the plain names, `b` is the other set a rollout brings up beside it.
+REVISION_LABEL: Final = "disagg.io/revision"
+SLOT_LABEL: Final = "disagg.io/slot"
+SLOTS: Final = ("a", "b")
+# On an engine workload: when its slot began to run its revision (RFC 3339), what a rollout's progress
+# deadline counts from.
+SINCE_ANNOTATION: Final = "disagg.io/revision-since"
 WORKER_IMAGE_ENV: Final = "DISAGG_WORKER_IMAGE"
 ROUTER_IMAGE_ENV: Final = "DISAGG_ROUTER_IMAGE"
 # The transfer sidecar's default image (it needs NIXL and torch: the chart's disagg-transfer image); the watch
@@ -125,16 +133,21 @@ def child_name(owner: str, *parts: str) -> str:
     return f"{stem[:keep].rstrip('-')}-{digest}-{suffix}"
 
 
-def prefill_name(owner: str, replica: int) -> str:
-    return child_name(owner, "prefill", str(replica))
+def _slotted(slot: str, *parts: str) -> tuple[str, ...]:
+    """Slot `a`'s children keep the names a deployment that never rolled out has; slot `b`'s say `b`."""
+    return parts if slot == SLOTS[0] else (slot, *parts)
 
 
-def decode_name(owner: str) -> str:
-    return child_name(owner, "decode")
+def prefill_name(owner: str, replica: int, slot: str = SLOTS[0]) -> str:
+    return child_name(owner, *_slotted(slot, "prefill", str(replica)))
 
 
-def topology_name(owner: str) -> str:
-    return child_name(owner, "topology")
+def decode_name(owner: str, slot: str = SLOTS[0]) -> str:
+    return child_name(owner, *_slotted(slot, "decode"))
+
+
+def topology_name(owner: str, slot: str = SLOTS[0]) -> str:
+    return child_name(owner, *_slotted(slot, "topology"))
 
 
 def worker_account_name(owner: str) -> str:
@@ -161,11 +174,19 @@ def owner_labels(owner: str) -> dict[str, str]:
     }
 
 
-def selector_labels(owner: str, role: Role, replica: int | None = None) -> dict[str, str]:
-    """Immutable selector of one workload: never includes anything a spec change could alter."""
+def selector_labels(
+    owner: str, role: Role, replica: int | None = None, slot: str = SLOTS[0]
+) -> dict[str, str]:
+    """Immutable selector of one workload: never includes anything a spec change could alter.
+
+    Slot `a`'s is what it was before slots existed (a selector cannot change), so it also matches slot `b`'s
+    pods; the controllers tell them apart by owner (a StatefulSet by pod name, a ReplicaSet by its
+    pod-template-hash), and slot `b`'s own selector names its slot."""
     labels = {INSTANCE_LABEL: label_value(owner), COMPONENT_LABEL: role, ROLE_LABEL: role}
     if replica is not None:
         labels[REPLICA_LABEL] = str(replica)
+    if slot != SLOTS[0]:
+        labels[SLOT_LABEL] = slot
     return labels
 
 

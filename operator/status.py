@@ -17,12 +17,19 @@ from disagg.operator.api import (
     Condition,
     ConditionStatus,
     DisaggDeploymentStatus,
+    RevisionStatus,
     RoleHashes,
     RoleStatus,
 )
 from disagg.operator.kv_status import PodKV, aggregate, routable, routable_pairs
-from disagg.operator.naming import COMPONENT_LABEL, GENERATION_ANNOTATION
+from disagg.operator.naming import (
+    COMPONENT_LABEL,
+    GENERATION_ANNOTATION,
+    REVISION_LABEL,
+    SINCE_ANNOTATION,
+)
 from disagg.operator.policies.compat import CompatReport
+from disagg.operator.rollout import DRAINING_OLD, STUCK, Rollout, parse_time, slot_of
 from disagg.worker.contracts.pairing import Routing
 from disagg.worker.kv.errors import Violation
 
@@ -40,6 +47,11 @@ class Workload:
     updated: int
     settled: bool
     generation: int | None
+    slot: str = "a"
+    revision: str = ""
+    """The revision it runs (its `disagg.io/revision` label; "" on one from before revisions existed)."""
+    since: datetime | None = None
+    """When its slot began to run its revision (`disagg.io/revision-since`)."""
 
     @property
     def done(self) -> bool:
@@ -52,7 +64,8 @@ class Workload:
 def workload(obj: Mapping[str, Any]) -> Workload:
     """Read an apps/v1 StatefulSet or Deployment (camelCase dict)."""
     metadata, spec, status = obj.get("metadata") or {}, obj.get("spec") or {}, obj.get("status") or {}
-    annotation = (metadata.get("annotations") or {}).get(GENERATION_ANNOTATION)
+    annotations = metadata.get("annotations") or {}
+    annotation = annotations.get(GENERATION_ANNOTATION)
     return Workload(
         kind=str(obj.get("kind", "")),
         name=str(metadata.get("name", "")),
@@ -63,6 +76,9 @@ def workload(obj: Mapping[str, Any]) -> Workload:
         updated=int(status.get("updatedReplicas") or 0),
         settled=int(status.get("observedGeneration") or 0) >= int(metadata.get("generation") or 0),
         generation=int(annotation) if annotation is not None and annotation.isdigit() else None,
+        slot=slot_of(obj),
+        revision=str((metadata.get("labels") or {}).get(REVISION_LABEL) or ""),
+        since=parse_time(annotations.get(SINCE_ANNOTATION)),
     )
 
 
@@ -83,10 +99,12 @@ def compute(
     reported: bool,
     now: datetime,
     endpoint: str | None = None,
+    rollout: Rollout | None = None,
 ) -> DisaggDeploymentStatus:
     """The whole status; `violations` are every refusal (pre-flight rules and engine-argument conflicts);
     `routing` is `pairing.routing_from_pods` of the pods, `reported` whether any pod has a peer report;
-    `endpoint` is the router Service's URL, when one exists."""
+    `endpoint` is the router Service's URL, when one exists; `rollout` what `rollout.assess` makes of the
+    workloads and pods (None for a refused spec)."""
     updates: list[Condition] = []
     applied = sorted({w.generation for w in workloads if w.generation is not None})
     if violations:
@@ -121,7 +139,10 @@ def compute(
         )
         pending = [w for w in workloads if not w.done]
         stale = [w for w in workloads if w.generation != generation]
-        if pending or stale:
+        if rollout is not None and rollout.phase is not None:
+            status = ConditionStatus.FALSE if rollout.phase == STUCK else ConditionStatus.TRUE
+            updates.append(cond.desired(cond.PROGRESSING, status, rollout.phase, rollout.message, now))
+        elif pending or stale:
             updates.append(
                 cond.desired(
                     cond.PROGRESSING,
@@ -141,7 +162,7 @@ def compute(
                     now,
                 )
             )
-    updates.append(_available(workloads, violations, now))
+    updates.append(_available(_serving(workloads, rollout), violations, now))
     verdict = aggregate(pods)
     updates.append(cond.desired(cond.KV_TRANSFER_READY, verdict.status, verdict.reason, verdict.message, now))
     pairs = routable(routing, reported)
@@ -155,7 +176,39 @@ def compute(
         compatibility_hashes=RoleHashes(prefill=report.hashes["prefill"], decode=report.hashes["decode"]),
         routable_pairs=routable_pairs(routing),
         endpoint=endpoint,
+        **_revisions(rollout),
     )
+
+
+def _serving(workloads: Sequence[Workload], rollout: Rollout | None) -> list[Workload]:
+    """The workloads whose readiness is the deployment's: during a rollout, the old revision's until the
+    new one serves; the router's, always."""
+    if rollout is None or rollout.old_slot is None:
+        return list(workloads)
+    slot = rollout.slot if rollout.phase == DRAINING_OLD else rollout.old_slot
+    return [w for w in workloads if w.role not in ("prefill", "decode") or w.slot == slot]
+
+
+def _revisions(rollout: Rollout | None) -> dict[str, Any]:
+    if rollout is None:
+        return {}
+    revisions = [
+        RevisionStatus(
+            revision=rollout.revision,
+            slot=rollout.slot,
+            routable_pairs=rollout.pairs.get(rollout.revision, 0),
+        )
+    ]
+    if rollout.old_revision is not None and rollout.old_slot is not None:
+        revisions.append(
+            RevisionStatus(
+                revision=rollout.old_revision,
+                slot=rollout.old_slot,
+                routable_pairs=rollout.pairs.get(rollout.old_revision, 0),
+                draining=rollout.draining,
+            )
+        )
+    return {"revision": rollout.revision, "old_revision": rollout.old_revision, "revisions": revisions}
 
 
 def _available(every: Sequence[Workload], violations: Sequence[Violation], now: datetime) -> Condition:

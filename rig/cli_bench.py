@@ -19,6 +19,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "apply-to-Compatible latency and {deployments} deployments end to end",
     ),
     "router": ("disagg.rig.bench_router", "the router's added latency against calling the engines directly"),
+    "rollout": (
+        "disagg.rig.bench_rollout",
+        "engine 0.32.0 -> 0.33.0 under load through the router: failures, pairs, surge, duration",
+    ),
     "vllm": ("disagg.rig.bench_vllm", "real vLLM engines: P/D TTFT against monolithic, the router's share"),
 }
 

@@ -262,6 +262,39 @@ class RouterSpec(ApiModel):
     scheduling: SchedulingSpec | None = Field(default=None, description="Node selection for the router pods.")
 
 
+# The router's longest bound on one request (`worker/router/config.py`, `request_timeout_s`): by default a
+# draining pod is given as long as any request through the router may take.
+DEFAULT_DRAIN_SECONDS: Final = 3600
+MAX_DRAIN_SECONDS: Final = 86400
+DEFAULT_PROGRESS_DEADLINE_SECONDS: Final = 600
+
+
+class RolloutSpec(ApiModel):
+    """How a change that needs new prefill/decode pairs is rolled out (one that changes the compatibility
+    hashes or the topology document: the engine version, the model's KV geometry, dtypes, block size,
+    parallel sizes, the connector; see the README's table). The new revision's prefill engines and decode
+    pods come up beside the old ones; the router sends them traffic only once they pair with each other;
+    then the old revision's pods are drained and deleted. Any other change (replicas, resources, images
+    of the same release, the router) is applied in place."""
+
+    drain_seconds: int = Field(
+        default=DEFAULT_DRAIN_SECONDS,
+        ge=0,
+        le=MAX_DRAIN_SECONDS,
+        description="How long an old revision's pods take no new request before they are deleted, so "
+        "their in-flight requests finish (default 3600: the router's bound on one request). Pods that "
+        "never served are deleted without waiting.",
+    )
+    progress_deadline_seconds: int = Field(
+        default=DEFAULT_PROGRESS_DEADLINE_SECONDS,
+        ge=1,
+        le=MAX_DRAIN_SECONDS,
+        description="How long a new revision may take to have a routable pair before the rollout is "
+        "stuck (Progressing False, RolloutStuck); the old revision keeps serving. A hash mismatch within "
+        "the new revision, as the sidecars report it, stops the rollout at once.",
+    )
+
+
 class DisaggDeploymentSpec(ApiModel):
     """A prefill/decode pair serving one model, with KV pushed from prefill stages to decode."""
 
@@ -283,6 +316,12 @@ class DisaggDeploymentSpec(ApiModel):
         default_factory=lambda: RouterSpec(),
         json_schema_extra={"default": {}},
         description="The OpenAI-compatible router in front of the engines (on by default).",
+    )
+    rollout: RolloutSpec = Field(
+        default_factory=lambda: RolloutSpec(),
+        json_schema_extra={"default": {}},
+        description="How a change that needs new prefill/decode pairs rolls out: beside the old "
+        "revision, which is drained once the new one is routable.",
     )
 
     def role(self, role: Role) -> RoleSpec:

@@ -86,6 +86,15 @@ class RoleHashes(ApiModel):
     decode: str = Field(description="sha256 of the decode role's factors.")
 
 
+class RevisionStatus(ApiModel):
+    """One revision of the engines (what their pairs depend on) while it has workloads."""
+
+    revision: str = Field(max_length=64, description="The revision: a hash of the topology document.")
+    slot: str = Field(max_length=8, description="Which set of children holds it: a (the plain names) or b.")
+    routable_pairs: int = Field(default=0, ge=0, description="Routable pairs within this revision.")
+    draining: bool = Field(default=False, description="Its pods take no new request and are to go.")
+
+
 class DisaggDeploymentStatus(ApiModel):
     """Observed state; conditions are the summary, there is no phase."""
 
@@ -110,6 +119,20 @@ class DisaggDeploymentStatus(ApiModel):
         default=None,
         max_length=64,
         description="Routable (prefill engine, decode pod) pairs of all pairs, e.g. 3/4 (see Routable).",
+    )
+    revision: str | None = Field(
+        default=None,
+        max_length=64,
+        description="The spec's revision: a hash of what pairs depend on (the topology document, with the "
+        "compatibility hashes); a change of it rolls out beside the old revision.",
+    )
+    old_revision: str | None = Field(
+        default=None,
+        max_length=64,
+        description="The revision being replaced while a rollout is under way; absent otherwise.",
+    )
+    revisions: list[RevisionStatus] | None = Field(
+        default=None, max_length=2, description="The revisions that have workloads, the spec's first."
     )
     endpoint: str | None = Field(
         default=None,

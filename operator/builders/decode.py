@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from disagg.operator.api import DisaggDeploymentSpec
-from disagg.operator.builders.objects import owned_object
+from disagg.operator.builders.objects import owned_object, revision_labels
 from disagg.operator.builders.pod_template import engine_pod_template
-from disagg.operator.naming import Installation, Owner, decode_name, selector_labels
+from disagg.operator.builders.topology import revision
+from disagg.operator.naming import SLOTS, Installation, Owner, decode_name, selector_labels
 from disagg.operator.plan import TopologyPlan
 
 
@@ -18,19 +19,22 @@ def decode_deployment(
     compat_hash: str,
     checksum: str,
     installation: Installation,
+    slot: str = SLOTS[0],
 ) -> dict[str, Any]:
-    selector = selector_labels(owner.name, "decode")
-    return owned_object(
+    selector = selector_labels(owner.name, "decode", slot=slot)
+    deployment = owned_object(
         "apps/v1",
         "Deployment",
-        decode_name(owner.name),
+        decode_name(owner.name, slot),
         owner,
         "decode",
         spec={
             "replicas": spec.decode.replicas,
             "selector": {"matchLabels": selector},
             "template": engine_pod_template(
-                spec, owner, plan, "decode", selector, compat_hash, checksum, None, installation
+                spec, owner, plan, "decode", selector, compat_hash, checksum, None, installation, slot=slot
             ),
         },
     )
+    deployment["metadata"]["labels"].update(revision_labels(revision(checksum), slot))
+    return deployment

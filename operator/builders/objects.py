@@ -13,6 +13,8 @@ from disagg.operator.naming import (
     COMPONENT_LABEL,
     DEPLOYMENT_ANNOTATION,
     GENERATION_ANNOTATION,
+    REVISION_LABEL,
+    SLOT_LABEL,
     Owner,
     owner_labels,
 )
@@ -43,6 +45,11 @@ def owned_object(
     if references:
         metadata["ownerReferences"] = references
     return {"apiVersion": api_version, "kind": kind, "metadata": metadata, **body}
+
+
+def revision_labels(revision: str, slot: str) -> dict[str, str]:
+    """What an engine workload and its pods carry of the revision they run and the slot they are in."""
+    return {REVISION_LABEL: revision, SLOT_LABEL: slot}
 
 
 def json_copy(value: Mapping[str, Any]) -> dict[str, Any]:

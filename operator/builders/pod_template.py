@@ -30,11 +30,13 @@ from disagg.operator.builders.objects import (
     api_access_volume,
     container_resources,
     json_copy,
+    revision_labels,
 )
-from disagg.operator.builders.topology import TOPOLOGY_DIR, TOPOLOGY_KEY
+from disagg.operator.builders.topology import TOPOLOGY_DIR, TOPOLOGY_KEY, revision
 from disagg.operator.naming import (
     DEPLOYMENT_ANNOTATION,
     HASH_ANNOTATION,
+    SLOTS,
     TOPOLOGY_ANNOTATION,
     Installation,
     Owner,
@@ -149,6 +151,7 @@ def engine_pod_template(
     stage_service: str | None,
     installation: Installation,
     engine_env: list[dict[str, Any]] | None = None,
+    slot: str = SLOTS[0],
 ) -> dict[str, Any]:
     this = spec.role(role)
     # A vLLM engine runs the NIXL connector in-process and moves the KV itself; the sidecar then only watches
@@ -239,7 +242,7 @@ def engine_pod_template(
         "volumes": [
             # The engine's KV pool is a shared-memory file the sidecar maps and registers with NIXL.
             *_pool_volumes(spec),
-            {"name": "topology", "configMap": {"name": topology_name(owner.name)}},
+            {"name": "topology", "configMap": {"name": topology_name(owner.name, slot)}},
             api_access_volume(),
         ],
     }
@@ -255,7 +258,11 @@ def engine_pod_template(
         pod_spec["affinity"] = affinity
     return {
         "metadata": {
-            "labels": {**owner_labels(owner.name), **selector},
+            "labels": {
+                **owner_labels(owner.name),
+                **selector,
+                **revision_labels(revision(checksum), slot),
+            },
             "annotations": {
                 HASH_ANNOTATION: compat_hash,
                 TOPOLOGY_ANNOTATION: checksum,

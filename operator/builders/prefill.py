@@ -11,9 +11,10 @@ from typing import Any
 
 from disagg.operator.api import DisaggDeploymentSpec
 from disagg.operator.builders.engine import is_vllm_image, role_image, stage_dns
-from disagg.operator.builders.objects import owned_object
+from disagg.operator.builders.objects import owned_object, revision_labels
 from disagg.operator.builders.pod_template import engine_pod_template
-from disagg.operator.naming import Installation, Owner, prefill_name, selector_labels
+from disagg.operator.builders.topology import revision
+from disagg.operator.naming import SLOTS, Installation, Owner, prefill_name, selector_labels
 from disagg.operator.plan import TopologyPlan
 from disagg.worker.contracts.pod_contract import ENGINE_SIDE_CHANNEL_HOST_ENV, ENGINE_WORKERS_ENV
 
@@ -26,11 +27,12 @@ def prefill_statefulset(
     checksum: str,
     replica: int,
     installation: Installation,
+    slot: str = SLOTS[0],
 ) -> dict[str, Any]:
-    name = prefill_name(owner.name, replica)
-    selector = selector_labels(owner.name, "prefill", replica)
+    name = prefill_name(owner.name, replica, slot)
+    selector = selector_labels(owner.name, "prefill", replica, slot)
     master = stage_dns(name, name, owner.namespace)
-    return owned_object(
+    statefulset = owned_object(
         "apps/v1",
         "StatefulSet",
         name,
@@ -53,9 +55,12 @@ def prefill_statefulset(
                 master,
                 installation,
                 _engine_side_channel_env(spec, owner, name),
+                slot,
             ),
         },
     )
+    statefulset["metadata"]["labels"].update(revision_labels(revision(checksum), slot))
+    return statefulset
 
 
 def _engine_side_channel_env(spec: DisaggDeploymentSpec, owner: Owner, name: str) -> list[dict[str, Any]]:

@@ -12,13 +12,22 @@ from typing import Any, Final
 
 from disagg.operator.api import DisaggDeploymentSpec, Role
 from disagg.operator.builders.engine import role_release
-from disagg.operator.builders.objects import owned_object
-from disagg.operator.naming import Owner, topology_name
+from disagg.operator.builders.objects import owned_object, revision_labels
+from disagg.operator.naming import SLOTS, Owner, topology_name
 from disagg.operator.plan import TopologyPlan
 from disagg.worker.contracts.topology import ModelDocument, TopologyDocument, encode_topology
 
 TOPOLOGY_KEY: Final = "topology.json"
 TOPOLOGY_DIR: Final = "/etc/disagg/topology"
+REVISION_CHARS: Final = 10
+
+
+def revision(checksum: str) -> str:
+    """The revision of a deployment's engines: what their pairs depend on is the topology document (the plan,
+    the model's KV geometry, the engine release, the predicted compatibility hashes and their factors), so
+    it is its checksum's prefix. Replicas, resources, images and the router are not in it: changing them
+    needs no new pairs."""
+    return checksum[:REVISION_CHARS]
 
 
 def topology_document(
@@ -68,11 +77,13 @@ def topology_config_map(
     plan: TopologyPlan,
     hashes: Mapping[Role, str],
     factors: Mapping[Role, Mapping[str, Any]] | None = None,
+    slot: str = SLOTS[0],
 ) -> tuple[dict[str, Any], str]:
-    """The ConfigMap, and the checksum of its document the pod templates carry."""
+    """The ConfigMap of `slot`'s pods, and the checksum of its document the pod templates carry."""
     topology = encode_topology(topology_document(spec, owner, plan, hashes, factors))
     checksum = hashlib.sha256(topology.encode()).hexdigest()[:16]
     config_map = owned_object(
-        "v1", "ConfigMap", topology_name(owner.name), owner, "topology", data={TOPOLOGY_KEY: topology}
+        "v1", "ConfigMap", topology_name(owner.name, slot), owner, "topology", data={TOPOLOGY_KEY: topology}
     )
+    config_map["metadata"]["labels"].update(revision_labels(revision(checksum), slot))
     return config_map, checksum

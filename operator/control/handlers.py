@@ -36,6 +36,9 @@ CHILD_LABELS = {MANAGED_BY_LABEL: FIELD_MANAGER}
 # Each thread is another malloc arena and stack, and the API server, not Python, bounds the throughput.
 SPEC_WORKERS = 4
 LIST_PAGE = 500
+# How often a rollout under way is reconciled again: how soon a new revision's first routable pairs start
+# the old one's drain, and how close to `drainSeconds` its children are pruned.
+ROLLOUT_TICK_S = 2.0
 
 
 def _client() -> client.ApiClient:
@@ -143,11 +146,35 @@ def reconcile_spec(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: A
         if outcome.refused_now:
             kopf.event(body, type="Warning", reason="SpecRefused", message=outcome.refused)
         raise kopf.PermanentError(outcome.refused)
+    if outcome.drained:
+        kopf.event(body, type="Normal", reason="Draining", message="Draining " + ", ".join(outcome.drained))
     if outcome.deleted:
         kopf.event(body, type="Normal", reason="Pruned", message="Deleted " + ", ".join(outcome.deleted))
     if outcome.changed:
         kopf.event(body, type="Normal", reason="Applied", message="Applied " + ", ".join(outcome.changed))
     logger.info("%s/%s: %d children changed", metadata["namespace"], metadata["name"], len(outcome.changed))
+
+
+def _rolling_out(status: kopf.Status, **_: Any) -> bool:
+    return bool(status.get("oldRevision"))
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=ROLLOUT_TICK_S, when=_rolling_out)
+def advance_rollout(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    """While a rollout is under way (`status.oldRevision`), reconcile again: nothing in the spec changes when
+    the new revision becomes routable or a drain ends, and no child event runs a reconcile."""
+    metadata = body["metadata"]
+    with memo.refresh.holding((metadata["namespace"], metadata["name"])):
+        outcome = reconcile(memo.kube, body, memo.installation, memo.observed)
+    if outcome.drained:
+        kopf.event(body, type="Normal", reason="Draining", message="Draining " + ", ".join(outcome.drained))
+    if outcome.deleted:
+        kopf.event(body, type="Normal", reason="Pruned", message="Deleted " + ", ".join(outcome.deleted))
+    if outcome.changed:
+        kopf.event(body, type="Normal", reason="Applied", message="Applied " + ", ".join(outcome.changed))
+    logger.debug(
+        "%s/%s: rollout step, %d pods drained", metadata["namespace"], metadata["name"], len(outcome.drained)
+    )
 
 
 @kopf.on.event("apps", "v1", "statefulsets", labels=CHILD_LABELS)

@@ -162,6 +162,21 @@ class Kube:
             if error.status != 404:
                 raise
 
+    def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str]) -> None:
+        """Merge `annotations` into a Pod's (the rollout's drain mark); a pod already gone is fine."""
+        try:
+            self._call(
+                "PATCH",
+                f"/api/v1/namespaces/{namespace}/pods/{name}",
+                query={"fieldManager": FIELD_MANAGER},
+                body={"metadata": {"annotations": dict(annotations)}},
+                content_type=MERGE,
+                read=False,
+            )
+        except ApiException as error:
+            if error.status != 404:
+                raise
+
     def create_deployment(self, namespace: str, body: Mapping[str, Any]) -> dict[str, Any]:
         return self._call("POST", _DEPLOYMENTS.format(namespace=namespace), body=body)
 

@@ -5,6 +5,11 @@ server-side apply, deletes children the spec no longer wants, and recomputes the
 cluster shows. It never branches on the event that caused it. An incompatible spec changes no child: on
 create nothing exists, and on update the running topology stays as it was.
 
+A spec whose engine revision differs from the running one rolls out beside it (`rollout.assess` decides from
+the children's labels and the pods' pairing): the spec's children go in the other slot, the old slot's stay
+until the new revision serves, then the old pods are marked draining and, `drainSeconds` later, pruned. A
+timer (`handlers.advance_rollout`) calls `reconcile` while `status.oldRevision` says a rollout is under way.
+
 At scale (a thousand deployments, seven thousand children) three things keep the API server's load
 proportional to what changed: the verdict on a spec is computed once per distinct spec (`judge` is pure, so
 its cache is exact); a status refresh reads the workloads and pods from the operator's watch indices
@@ -26,15 +31,17 @@ from pydantic import ValidationError
 
 from disagg.operator import conditions as cond
 from disagg.operator.api import ConditionStatus, DisaggDeploymentSpec
-from disagg.operator.builders.children import build
+from disagg.operator.builders.children import build, revision_of
 from disagg.operator.builders.router import endpoint_of
 from disagg.operator.control.k8s_apply import Kube
 from disagg.operator.kv_status import peers_reported, pod_kv
-from disagg.operator.naming import Installation, Owner
+from disagg.operator.naming import COMPONENT_LABEL, SINCE_ANNOTATION, Installation, Owner
 from disagg.operator.policies.chain import REFUSAL_CHAIN
 from disagg.operator.policies.compat import CompatReport, evaluate
+from disagg.operator.rollout import Rollout, assess, since_of, slot_children
 from disagg.operator.status import Workload, compute, incompatibility_message, to_json, workload
-from disagg.worker.contracts.pairing import routing_from_pods
+from disagg.worker.contracts.pairing import Routing, routing_from_pods
+from disagg.worker.contracts.pod_contract import DRAINING_ANNOTATION
 from disagg.worker.kv.errors import Violation
 
 
@@ -58,6 +65,8 @@ class Outcome:
     deleted: tuple[str, ...]
     refused: str | None
     refused_now: bool = False
+    drained: tuple[str, ...] = ()
+    """Pods this call marked draining."""
 
 
 @dataclass(frozen=True)
@@ -132,27 +141,69 @@ def reconcile(kube: Kube, body: Mapping[str, Any], installation: Installation, o
         return Outcome((), (), verdict.message, refused_now=written)
     # judge() reports a violation whenever the spec cannot be parsed or planned.
     assert verdict.spec is not None and verdict.report is not None and verdict.report.plan is not None
+    children = kube.children(owner.namespace, owner.name, uid)
+    before = [workload(child) for child in children if _is_workload(child)]
+    pods = list(observed.pods(owner.namespace, owner.name))
+    now = datetime.now(UTC)
+    rollout = _assess(verdict, owner, before, pods, routing_from_pods(pods), now)
     desired = build(
-        verdict.spec, owner, verdict.report.plan, verdict.report.hashes, installation, verdict.report.factors
+        verdict.spec,
+        owner,
+        verdict.report.plan,
+        verdict.report.hashes,
+        installation,
+        verdict.report.factors,
+        rollout.slot,
     )
+    since = cond.rfc3339(since_of(before, rollout.slot, rollout.revision, now))
+    for obj in desired:
+        if _is_workload(obj) and obj["metadata"]["labels"].get(COMPONENT_LABEL) in ("prefill", "decode"):
+            obj["metadata"]["annotations"][SINCE_ANNOTATION] = since
     existing = {
         (child["kind"], child["metadata"]["name"]): child["metadata"].get("resourceVersion")
-        for child in kube.children(owner.namespace, owner.name, uid)
+        for child in children
     }
+    kept = set(slot_children(children, rollout.old_slot)) if rollout.keep_old and rollout.old_slot else set()
+    for pod in rollout.drain:
+        kube.annotate_pod(owner.namespace, pod, {DRAINING_ANNOTATION: cond.rfc3339(now)})
     changed, applied = [], []
     for obj in desired:
         key = (obj["kind"], obj["metadata"]["name"])
         applied.append({**kube.apply(obj), "kind": key[0]})
         if existing.get(key) != applied[-1]["metadata"].get("resourceVersion"):
             changed.append(f"{key[0]} {key[1]}")
-    wanted = {(obj["kind"], obj["metadata"]["name"]) for obj in desired}
+    wanted = {(obj["kind"], obj["metadata"]["name"]) for obj in desired} | kept
     deleted = []
     for key in sorted(existing.keys() - wanted):
         kube.delete(key[0], owner.namespace, key[1])
         deleted.append(f"{key[0]} {key[1]}")
     workloads = [workload(child) for child in applied if _is_workload(child)]
+    workloads += [w for w in before if (w.kind, w.name) in kept]
     _write_status(kube, body, verdict, workloads, observed, endpoint_of(applied))
-    return Outcome(tuple(sorted(changed)), tuple(deleted), None)
+    return Outcome(tuple(sorted(changed)), tuple(deleted), None, drained=rollout.drain)
+
+
+def _assess(
+    verdict: Verdict,
+    owner: Owner,
+    workloads: list[Workload],
+    pods: list[Mapping[str, Any]],
+    routing: Routing,
+    now: datetime,
+) -> Rollout:
+    """`rollout.assess` for a compatible verdict: its revision against what the cluster runs."""
+    assert verdict.spec is not None and verdict.report is not None and verdict.report.plan is not None
+    spec, report = verdict.spec, verdict.report
+    assert report.plan is not None
+    return assess(
+        revision=revision_of(spec, owner, report.plan, report.hashes, report.factors),
+        workloads=workloads,
+        pods=pods,
+        routing=routing,
+        now=now,
+        settings=spec.rollout,
+        sizes=(spec.prefill.replicas, spec.decode.replicas),
+    )
 
 
 def refresh_status(
@@ -198,6 +249,9 @@ def _write_status(
         return _write_invalid(kube, body, verdict)
     current = dict(body.get("status") or {})
     pods = list(observed.pods(metadata["namespace"], metadata["name"]))
+    routing = routing_from_pods(pods)
+    now = datetime.now(UTC)
+    rollout = None if verdict.violations else _assess(verdict, _owner(body), workloads, pods, routing, now)
     status = compute(
         generation=int(metadata.get("generation") or 1),
         previous=cond.parse(current.get("conditions")),
@@ -205,10 +259,11 @@ def _write_status(
         report=verdict.report,
         workloads=sorted(workloads, key=_listing_order),
         pods=[pod_kv(pod) for pod in pods],
-        routing=routing_from_pods(pods),
+        routing=routing,
         reported=peers_reported(pods),
-        now=datetime.now(UTC),
+        now=now,
         endpoint=endpoint,
+        rollout=rollout,
     )
     rendered = to_json(status)
     if rendered == current:

@@ -179,14 +179,30 @@ def test_scaling_and_spec_changes_converge(cluster: Cluster, ns: str) -> None:
     )
     deployment = cluster.apps.read_namespaced_deployment("gemma-decode", ns)
     assert deployment.spec.replicas == 3
+    # Another block size needs new pairs: the new revision comes up beside the old one, in the other slot,
+    # and the old one stays as it was until the new one serves (no kubelet runs here: it never does).
     cluster.patch_spec(ns, NAME, {"prefill": {"blockSize": 64}, "decode": {"blockSize": 64}})
 
-    def block_size() -> str | None:
-        sts = cluster.apps.read_namespaced_stateful_set("gemma-prefill-0", ns)
+    def block_size(name: str) -> str:
+        sts = cluster.apps.read_namespaced_stateful_set(name, ns)
         args = sts.spec.template.spec.containers[0].args
-        return args[args.index("--block-size") + 1] if args[args.index("--block-size") + 1] == "64" else None
+        return str(args[args.index("--block-size") + 1])
 
-    assert wait_for("block size 64 in the engine args", block_size) == "64"
+    wait_for(
+        "the new revision beside the old",
+        lambda: satisfied(
+            cluster.names(ns, NAME),
+            lambda n: (
+                n["StatefulSet"] == ["gemma-b-prefill-0", "gemma-prefill-0"]
+                and n["Deployment"] == ["gemma-b-decode", "gemma-decode", "gemma-router"]
+            ),
+        ),
+    )
+    assert (block_size("gemma-b-prefill-0"), block_size("gemma-prefill-0")) == ("64", "32")
+    progressing = cluster.wait_condition(ns, NAME, "Progressing", "True", "RolloutWaitingForRoutablePairs")
+    assert "0/1 prefill engines and 0/3 decode pods" in progressing["message"]
+    status = (cluster.get(ns, NAME) or {})["status"]
+    assert status["oldRevision"] != status["revision"]
     wait_for(
         "Compatible for generation 3",
         lambda: (cluster.condition(ns, NAME, "Compatible") or {}).get("observedGeneration") == 3,

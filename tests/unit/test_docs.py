@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 import yaml
 
-from disagg.operator import crd
+from disagg.operator import crd, rollout
 from disagg.operator.api import DisaggDeployment
 from disagg.operator.builders.engine import ARG_CONFLICT_REASON
 from disagg.operator.policies.compat import deployment_factors, evaluate
 from disagg.worker.contracts import releases
+from disagg.worker.contracts.pairing import DRAINING
 from disagg.worker.kv import errors, wire
 from disagg.worker.kv.layout import ModelGeometry, build_stage_layout, transfer_group_index_by_layer
 from disagg.worker.kv.routing import RegionGeometry, TransferLayers, plan_transfer
@@ -297,7 +298,9 @@ def code_reasons() -> frozenset[str]:
     from_types = {cls.reason for cls in error_types if cls is not errors.DisaggError}
     from_sources = set().union(*(_reasons_in_source(ROOT / path) for path in REASON_SOURCES))
     from_cel = {rule.reason for rule in crd.SPEC_RULES}
-    return frozenset(from_types | from_sources | from_cel | {ARG_CONFLICT_REASON})
+    # A rollout's Progressing reasons, and the exclusion of a draining pod's pairs.
+    from_rollout = {rollout.WAITING, rollout.DRAINING_OLD, rollout.STUCK, rollout.COMPLETE, DRAINING}
+    return frozenset(from_types | from_sources | from_cel | from_rollout | {ARG_CONFLICT_REASON})
 
 
 def documented_reasons() -> list[str]:

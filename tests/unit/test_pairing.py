@@ -37,6 +37,7 @@ from disagg.worker.contracts.peer_report import (
 )
 from disagg.worker.contracts.pod_contract import (
     DEPLOYMENT_LABEL,
+    DRAINING_ANNOTATION,
     PEER_REPORT_ANNOTATION,
     POD_CONDITION,
     ROUTER_COMPONENT,
@@ -191,6 +192,24 @@ def test_a_stage_pod_that_is_not_ready_takes_its_engine_out_of_every_pair() -> N
         assert exclusion.reason == "PodNotReady"
         assert f"prefill stage 1 (pod {STAGES[1]}) is not Ready" in exclusion.message
         assert decode in exclusion.message
+
+
+def test_a_draining_pod_takes_no_new_request_and_says_so_whatever_its_report_says() -> None:
+    pods = healthy()
+    pods[D2]["metadata"]["annotations"][DRAINING_ANNOTATION] = "2026-12-01T09:00:00Z"
+    routing = routing_from_pods(pods.values())
+    assert paired(routing) == [(STAGES[0], D1)]
+    exclusion = excluded(routing)[(STAGES[0], D2)]
+    assert exclusion.reason == "Draining"
+    assert f"decode pod {D2} is draining" in exclusion.message
+
+    # A draining stage takes its whole engine out; a pod being deleted is PodNotReady, draining or not.
+    pods = healthy()
+    pods[STAGES[1]]["metadata"]["annotations"][DRAINING_ANNOTATION] = "2026-12-01T09:00:00Z"
+    pods[D1]["metadata"]["annotations"][DRAINING_ANNOTATION] = "2026-12-01T09:00:00Z"
+    pods[D1]["metadata"]["deletionTimestamp"] = "2026-12-01T09:00:05Z"
+    reasons = {key: e.reason for key, e in excluded(routing_from_pods(pods.values())).items()}
+    assert reasons == {(STAGES[0], D1): "PodNotReady", (STAGES[0], D2): "Draining"}
 
 
 def test_a_pod_being_deleted_without_an_ip_or_missing_is_not_ready_whatever_its_report_says() -> None:

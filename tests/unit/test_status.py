@@ -197,3 +197,42 @@ def test_routable_is_unknown_until_a_pod_reports_and_false_after() -> None:
         "False",
         "NoRoutablePair",
     )
+
+
+def test_a_rollout_says_where_it_is_and_readiness_follows_the_revision_that_serves() -> None:
+    from disagg.operator.rollout import DRAINING_OLD, STUCK, WAITING, Rollout
+
+    old = [Workload("StatefulSet", "g-prefill-0", "prefill", 2, 2, 2, 2, True, 1, "a", "r1")]
+    old.append(Workload("Deployment", "g-decode", "decode", 2, 2, 2, 2, True, 1, "a", "r1"))
+    new = [Workload("StatefulSet", "g-b-prefill-0", "prefill", 2, 2, 0, 2, True, 2, "b", "r2")]
+    new.append(Workload("Deployment", "g-b-decode", "decode", 2, 2, 0, 2, True, 2, "b", "r2"))
+
+    def at(phase: str) -> DisaggDeploymentStatus:
+        rollout = Rollout("r2", "b", "r1", "a", phase, f"{phase} message", True, pairs={"r1": 2})
+        return compute(
+            generation=2,
+            previous=[],
+            violations=(),
+            report=evaluate(spec()),
+            workloads=old + new,
+            pods=[],
+            routing=routing_from_pods(()),
+            reported=False,
+            now=T0,
+            rollout=rollout,
+        )
+
+    waiting = at(WAITING)
+    assert by_type(waiting)["Progressing"] == ("True", WAITING)
+    # The old revision serves, so the deployment is available while the new one comes up.
+    assert by_type(waiting)["Available"] == ("True", "AllReplicasReady")
+    assert (waiting.revision, waiting.old_revision) == ("r2", "r1")
+    assert [(r.revision, r.slot, r.routable_pairs) for r in waiting.revisions or ()] == [
+        ("r2", "b", 0),
+        ("r1", "a", 2),
+    ]
+    assert by_type(at(STUCK))["Progressing"] == ("False", STUCK)
+    draining = at(DRAINING_OLD)
+    assert by_type(draining)["Progressing"] == ("True", DRAINING_OLD)
+    assert by_type(draining)["Available"][0] == "False"
+    assert to_json(draining)["oldRevision"] == "r1"

@@ -18,6 +18,7 @@ from disagg.worker.contracts.pod_contract import (
     DEFAULT_ENGINE_HTTP_PORT,
     DEFAULT_SIDE_CHANNEL_PORT,
     DEPLOYMENT_LABEL,
+    DRAINING_ANNOTATION,
     ENGINE_CONTAINER,
     ENGINE_HTTP_PORT_NAME,
     ENGINE_ID_ENV,
@@ -38,6 +39,7 @@ _ENV_READ: Final = frozenset(
     {ENGINE_ID_ENV, PP_RANK_ENV, SIDE_CHANNEL_PORT_ENV, TENSOR_PARALLEL_SIZE_ENV, PIPELINE_PARALLEL_SIZE_ENV}
 )
 _PORTS_READ: Final = frozenset({SIDE_CHANNEL_PORT_NAME, ENGINE_HTTP_PORT_NAME})
+_OWN_LABELS: Final = "disagg.io/"
 _CONDITIONS_READ: Final = frozenset({"Ready", POD_CONDITION})
 
 
@@ -61,6 +63,11 @@ class EnginePod:
     """The pod's `Ready` condition is True (which includes its readiness gates)."""
     deleting: bool
     annotations: Mapping[str, str]
+
+    @property
+    def draining(self) -> bool:
+        """The operator is draining the pod (`disagg.io/draining`): it takes no new request."""
+        return DRAINING_ANNOTATION in self.annotations
 
 
 def _mapping(value: object) -> Mapping[str, Any]:
@@ -142,8 +149,13 @@ def essentials(pod: Mapping[str, Any]) -> dict[str, Any]:
     status = _mapping(pod.get("status"))
     kept_metadata = {
         key: metadata[key]
-        for key in ("name", "namespace", "labels", "annotations", "deletionTimestamp")
+        for key in ("name", "namespace", "annotations", "deletionTimestamp")
         if key in metadata
+    }
+    # Only the project's own labels (role, deployment, revision, slot) are read; the others are for people.
+    labels = _mapping(metadata.get("labels"))
+    kept_metadata["labels"] = {
+        key: value for key, value in labels.items() if isinstance(key, str) and key.startswith(_OWN_LABELS)
     }
     kept_containers = []
     for container in containers(pod):

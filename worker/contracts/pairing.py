@@ -8,6 +8,7 @@ A prefill engine is the stage pods of one StatefulSet (stage `s` is the pod with
 routable only when
 
 1. every stage pod and the decode pod exist, are not being deleted, have an IP and are Ready;
+   and none is draining (`disagg.io/draining`, the operator's mark on a revision being replaced);
 2. the decode pod's peer report (`peer_report`) has an ok verdict for every stage pod, and every stage
    pod's report has an ok verdict for the decode pod;
 3. those verdicts are about the engines running now: each names the other side's current live engine id
@@ -17,7 +18,9 @@ routable only when
 Otherwise the pair is one `Exclusion`, with the first failing rule's reason: a refusal the reports show
 (`CompatibilityHashMismatch`, ...) comes before `PodNotReady`, because a refused pod is unready by its
 readiness gate and the refusal is why; then `PodNotReady`, `InvalidPeerReport`, `NotYetChecked`,
-`HashDiffers`. A pod that is gone, being deleted or without an IP is `PodNotReady` whatever its report says.
+`HashDiffers`. A pod that is gone, being deleted or without an IP is `PodNotReady` whatever its report says;
+a pod that is there but draining is `Draining` whatever its report says (it served until now: nothing
+else is wrong with it, it is just leaving).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ POD_NOT_READY: Final = "PodNotReady"
 NOT_YET_CHECKED: Final = "NotYetChecked"
 INVALID_PEER_REPORT: Final = PeerReportError.reason
 HASH_DIFFERS: Final = "HashDiffers"
+DRAINING: Final = "Draining"
 _SHORT_HASH: Final = 12
 
 
@@ -224,6 +228,15 @@ def _absent(pod: EnginePod, where: str) -> list[str]:
     return []
 
 
+def _draining(engine: _Engine, decode: _Reported) -> list[str]:
+    stages = [(_where(stage, found.pod.name), found) for stage, found in sorted(engine.stages.items())]
+    return [
+        f"{where} is draining"
+        for where, found in [*stages, (f"decode pod {decode.pod.name}", decode)]
+        if found.pod.draining
+    ]
+
+
 def _unready(engine: _Engine, decode: _Reported) -> list[str]:
     stages = [(_where(stage, found.pod.name), found) for stage, found in sorted(engine.stages.items())]
     return [
@@ -353,6 +366,9 @@ def _judge(engine: _Engine, decode: _Reported) -> tuple[str, str] | None:
     gone = _gone(engine, decode)
     if gone:
         return POD_NOT_READY, "; ".join(gone)
+    draining = _draining(engine, decode)
+    if draining:
+        return DRAINING, "; ".join(draining)
     refusals = _refusals(engine, decode)
     if refusals:
         return refusals[0][0], "; ".join(sentence for _, sentence in refusals)

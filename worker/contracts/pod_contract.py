@@ -38,6 +38,11 @@ POD_CONDITION: Final = "disagg.io/kv-transfer-ready"
 # (`peer_report.PeerReport`, JSON), only when they changed; routers and the operator pair pods by it.
 PEER_REPORT_ANNOTATION: Final = "disagg.io/kv-peers"
 
+# The operator marks an engine pod of a revision being replaced with this annotation (its value: when the
+# drain began, RFC 3339): routers send it no new request (pairing's `Draining`), its in-flight ones finish,
+# and the operator deletes it once the rollout's `drainSeconds` have passed.
+DRAINING_ANNOTATION: Final = "disagg.io/draining"
+
 # The pod's identity, from the downward API.
 POD_NAME_ENV: Final = "POD_NAME"
 POD_NAMESPACE_ENV: Final = "POD_NAMESPACE"

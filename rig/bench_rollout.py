@@ -1,0 +1,473 @@
+"""`disagg bench rollout`: an engine version change rolled out under steady load, on the real API server.
+
+The operator (a real `disagg operator run`) builds a reference-engine deployment (a PP2 prefill engine, one
+decoder, the router) on engine release 0.32.0; `LocalKubelet` runs every container as a process and
+`ServiceProxy` stands in for kube-proxy. A load of completions runs through the router's Service at
+concurrency 8 while `spec.engine.version` changes to 0.33.0 (a KV-incompatible change: another compatibility
+hash). Measured: failed requests (must be 0), outputs against the monolithic run (all equal), routable
+pairs at every sample (every quarter second; never 0), engine pods at every sample against the surge bound
+(the whole new revision beside the old: twice the deployment's pods), and the rollout's duration and phases.
+
+Then the two ways a new revision can disagree with itself: roles the policies can tell apart (a decode
+override of the engine release) are refused before any pod; a decoder only its live hash tells apart (the
+rig starts the new revision's decoders with another engine's hash, what a wrong image would do) stops the
+rollout (`RolloutStuck`) with the old revision serving, and applying the old spec again rolls back.
+
+`RolloutRun` is the scenario; the cluster test (`tests/cluster/test_rollout_cluster.py`) runs it too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kubernetes import client
+
+from disagg.operator.api import GROUP, PLURAL, VERSION
+from disagg.rig.local import REPO
+from disagg.worker.contracts.pairing import routing_from_pods
+from disagg.worker.contracts.pod_contract import DEPLOYMENT_LABEL, POD_NAME_ENV, ROLE_ENV
+
+EXAMPLE = REPO / "examples" / "reference-pp2-hma.yaml"
+CRD = REPO / "crds" / "disagg.io_disaggdeployments.yaml"
+NAME = "roll"
+OLD_VERSION, NEW_VERSION = "0.32.0", "0.33.0"
+CONCURRENCY = 8
+MIN_REQUESTS = 300
+MAX_TOKENS = 6
+SAMPLE_S = 0.25
+DRAIN_S = 4
+TIMEOUT_S = 300.0
+PROMPTS = tuple(f"Rollout request {k}: the KV moves from prefill to decode." for k in range(16))
+
+
+def document(namespace: str, version: str, side_channel_port: int) -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    doc["metadata"] = {"name": NAME, "namespace": namespace}
+    spec = doc["spec"]
+    spec["engine"]["version"] = version
+    spec["decode"]["replicas"] = 1
+    spec["kvTransfer"]["sideChannelPort"] = side_channel_port
+    spec["rollout"] = {"drainSeconds": DRAIN_S, "progressDeadlineSeconds": 240}
+    return doc
+
+
+def monolithic(prompt: str) -> str:
+    import torch
+
+    from disagg.worker.engine.config import TinyConfig, decode, encode
+    from disagg.worker.engine.model import TinyModel
+
+    torch.set_num_threads(1)
+    text: str = decode(TinyModel(TinyConfig()).generate(encode(prompt), MAX_TOKENS))
+    return text
+
+
+@dataclass
+class Load:
+    """Completions through `url` at a fixed concurrency until stopped; every answer compared."""
+
+    url: str
+    model: str
+    expected: dict[str, str]
+    sent: int = 0
+    ok: int = 0
+    failures: list[str] = field(default_factory=list)
+    mismatches: list[str] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> Load:
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+        self._thread.start()
+        return self
+
+    async def _run(self) -> None:
+        import aiohttp
+
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+
+            async def worker(offset: int) -> None:
+                index = offset
+                while not self._stop.is_set():
+                    prompt = PROMPTS[index % len(PROMPTS)]
+                    index += CONCURRENCY
+                    self.sent += 1
+                    body = {"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS}
+                    try:
+                        async with session.post(f"{self.url}/v1/completions", json=body) as response:
+                            raw = await response.read()
+                            if response.status != 200:
+                                self.failures.append(f"{response.status} {raw[:300]!r}")
+                                continue
+                        text = json.loads(raw)["choices"][0]["text"]
+                    except Exception as exc:  # every failure is counted and reported
+                        self.failures.append(f"{type(exc).__name__}: {exc}")
+                        continue
+                    self.ok += 1
+                    if text != self.expected[prompt]:
+                        self.mismatches.append(f"{prompt!r}: {text!r} != {self.expected[prompt]!r}")
+
+            await asyncio.gather(*(worker(k) for k in range(CONCURRENCY)))
+
+    def stop(self) -> None:
+        self._stop.set()
+        assert self._thread is not None
+        self._thread.join(timeout=180)
+
+
+@dataclass
+class Samples:
+    """Routable pairs and engine pods, sampled from the pods (the router's own pairing) every SAMPLE_S."""
+
+    core: client.CoreV1Api
+    namespace: str
+    pairs: list[int] = field(default_factory=list)
+    pods: list[int] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> Samples:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while not self._stop.is_set():
+            items = live_pods(self.core, self.namespace)
+            engines = [p for p in items if "disagg.io/role" in (p["metadata"].get("labels") or {})]
+            self.pairs.append(len(routing_from_pods(items).pairs))
+            self.pods.append(len(engines))
+            now = time.monotonic()
+            self.gaps.append(now - last)
+            last = now
+            self._stop.wait(SAMPLE_S)
+
+    def stop(self) -> None:
+        self._stop.set()
+        assert self._thread is not None
+        self._thread.join(timeout=30)
+
+
+def live_pods(core: client.CoreV1Api, namespace: str) -> list[dict[str, Any]]:
+    response: Any = core.list_namespaced_pod(
+        namespace, label_selector=f"{DEPLOYMENT_LABEL}={NAME}", _preload_content=False
+    )
+    items: list[dict[str, Any]] = json.loads(response.data)["items"]
+    return items
+
+
+def stale_decoders(slot_prefix: str, compat_hash: str) -> Callable[[dict[str, Any], dict[str, str]], None]:
+    """The rig's knob for a difference only the live hashes show: the decoders whose pod name starts with
+    `slot_prefix` start with `compat_hash` (what a decode image of another engine build would advertise);
+    every other pod as built."""
+    from disagg.rig.local_kubelet import with_engine_hash
+
+    skew = with_engine_hash("decode", compat_hash)
+
+    def fault(document: dict[str, Any], env: dict[str, str]) -> None:
+        if env.get(ROLE_ENV) == "decode" and env.get(POD_NAME_ENV, "").startswith(slot_prefix):
+            skew(document, env)
+
+    return fault
+
+
+@dataclass
+class RolloutRun:
+    """The scenario on a namespace an operator watches; `apply` is `kubectl apply` of a document."""
+
+    api: client.ApiClient
+    kubeconfig: Path
+    namespace: str
+    apply: Callable[[dict[str, Any]], None]
+    workdir: Path
+    say: Callable[[str], None] = print
+    during_rollout: Callable[[], None] | None = None
+    """Called once while the version change waits for the new revision's pairs (a test restarts the
+    operator there: the rollout must resume from what the cluster shows)."""
+    port: int = field(default_factory=lambda: 20000 + secrets.randbelow(20000))
+
+    def __post_init__(self) -> None:
+        self.core = client.CoreV1Api(self.api)
+        self.custom = client.CustomObjectsApi(self.api)
+
+    def get(self) -> dict[str, Any]:
+        response: Any = self.custom.get_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, PLURAL, NAME, _preload_content=False
+        )
+        found: dict[str, Any] = json.loads(response.data)
+        return found
+
+    def condition(self, type_: str) -> dict[str, Any]:
+        conditions = (self.get().get("status") or {}).get("conditions") or ()
+        return next((c for c in conditions if c["type"] == type_), {})
+
+    def wait(self, what: str, probe: Callable[[], bool], check: Callable[[], None]) -> float:
+        start = time.monotonic()
+        while not probe():
+            check()
+            if time.monotonic() - start > TIMEOUT_S:
+                status = self.get().get("status") or {}
+                raise AssertionError(f"timed out waiting for {what}; status: {json.dumps(status)[:3000]}")
+            time.sleep(0.5)
+        return time.monotonic() - start
+
+    def settled(self, revisions: int = 1) -> bool:
+        status = self.get().get("status") or {}
+        progressing = self.condition("Progressing")
+        return (
+            status.get("routablePairs") == "1/1"
+            and progressing.get("reason") == "RolloutComplete"
+            and not status.get("oldRevision")
+            and len({p["metadata"]["labels"].get("disagg.io/revision") for p in self.engines()}) == revisions
+        )
+
+    def engines(self) -> list[dict[str, Any]]:
+        return [
+            p for p in live_pods(self.core, self.namespace) if "disagg.io/role" in p["metadata"]["labels"]
+        ]
+
+    def run(self) -> dict[str, Any]:
+        from disagg.rig.local_kubelet import KubeletLoop, LocalKubelet
+        from disagg.rig.service_proxy import ServiceProxy
+
+        say = self.say
+        old = document(self.namespace, OLD_VERSION, self.port)
+        model = old["spec"]["model"]["name"]
+        self.apply(old)
+        kubelet = LocalKubelet(self.api, self.kubeconfig, self.namespace, NAME, self.workdir / "pods")
+        proxy = ServiceProxy(self.api, self.namespace)
+        loop = KubeletLoop([kubelet.sync, proxy.sync]).start()
+        result: dict[str, Any] = {}
+        try:
+            up = self.wait("the first revision to serve", self.settled, loop.check)
+            base = len(self.engines())
+            first = (self.get().get("status") or {}).get("revision")
+            say(
+                f"  revision {first} (engine {OLD_VERSION}) serving after {up:.1f} s: {base} engine pods, "
+                "1/1 pairs"
+            )
+            read: Any = self.core.read_namespaced_service(
+                f"{NAME}-router", self.namespace, _preload_content=False
+            )
+            service = json.loads(read.data)
+            url = f"http://{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}"
+            expected = {prompt: monolithic(prompt) for prompt in PROMPTS}
+            load = Load(url, model, expected).start()
+            samples = Samples(self.core, self.namespace).start()
+            phases: dict[str, float] = {}
+            try:
+                self.wait("requests before the change", lambda: load.ok >= 40, loop.check)
+                new = document(self.namespace, NEW_VERSION, self.port)
+                start = time.monotonic()
+                self.apply(new)
+
+                hook = [self.during_rollout] if self.during_rollout is not None else []
+
+                def done() -> bool:
+                    reason = self.condition("Progressing").get("reason") or ""
+                    phases.setdefault(reason, time.monotonic() - start)
+                    if hook and reason == "RolloutWaitingForRoutablePairs":
+                        hook.pop()()
+                    return (self.get().get("status") or {}).get("revision") != first and self.settled()
+
+                duration = self.wait("the rollout to complete", done, loop.check)
+                self.wait(f"{MIN_REQUESTS} requests", lambda: load.sent >= MIN_REQUESTS, loop.check)
+            finally:
+                samples.stop()
+                load.stop()
+            second = (self.get().get("status") or {}).get("revision")
+            result["version_change"] = {
+                "requests": load.sent,
+                "ok": load.ok,
+                "failed": len(load.failures),
+                "mismatched": len(load.mismatches),
+                "min_pairs": min(samples.pairs),
+                "samples": len(samples.pairs),
+                "max_sample_gap_s": max(samples.gaps[1:], default=0.0),
+                "max_engine_pods": max(samples.pods),
+                "surge_bound": 2 * base,
+                "duration_s": duration,
+                "phases": phases,
+                "revisions": (first, second),
+                "failures": load.failures[:5] + load.mismatches[:5],
+            }
+            say(
+                f"  {OLD_VERSION} -> {NEW_VERSION}: revision {first} -> {second} in {duration:.1f} s "
+                f"(phases first seen at: "
+                + ", ".join(f"{reason} {t:.1f} s" for reason, t in phases.items())
+                + ")"
+            )
+            say(
+                f"  load at concurrency {CONCURRENCY}: {load.sent} requests, {len(load.failures)} failed, "
+                f"{load.ok - len(load.mismatches)}/{load.ok} equal to the monolithic run"
+            )
+            say(
+                f"  routable pairs over {len(samples.pairs)} samples (max gap "
+                f"{result['version_change']['max_sample_gap_s']:.2f} s): min {min(samples.pairs)}, max "
+                f"{max(samples.pairs)}; engine pods max {max(samples.pods)} (bound {2 * base}: the whole "
+                f"new revision beside the old)"
+            )
+            result["refused"] = self.refused_before_any_pod(new, loop.check)
+            result["stuck"] = self.stuck_then_rolled_back(kubelet, new, url, model, expected, loop.check)
+        finally:
+            try:
+                loop.stop()
+            finally:
+                proxy.close()
+                kubelet.stop_all()
+        return result
+
+    def refused_before_any_pod(self, serving: dict[str, Any], check: Callable[[], None]) -> dict[str, Any]:
+        """A decode override of the engine release: pre-flight tells the roles apart, nothing is built."""
+        before = sorted(p["metadata"]["name"] for p in self.engines())
+        bad = json.loads(json.dumps(serving))
+        bad["spec"]["decode"]["overrides"] = {"version": OLD_VERSION}
+        self.apply(bad)
+        self.wait("the refusal", lambda: self.condition("Compatible").get("status") == "False", check)
+        compatible = self.condition("Compatible")
+        time.sleep(3)
+        after = sorted(p["metadata"]["name"] for p in self.engines())
+        self.say(
+            f"  decode override {OLD_VERSION} beside prefill {NEW_VERSION}: Compatible=False "
+            f"{compatible.get('reason')}; engine pods unchanged: {after == before}"
+        )
+        self.apply(serving)
+        self.wait(
+            "the serving spec again", lambda: self.condition("Compatible").get("status") == "True", check
+        )
+        return {
+            "reason": compatible.get("reason"),
+            "message": compatible.get("message"),
+            "unchanged": after == before,
+        }
+
+    def stuck_then_rolled_back(
+        self,
+        kubelet: Any,
+        serving: dict[str, Any],
+        url: str,
+        model: str,
+        expected: dict[str, str],
+        check: Callable[[], None],
+    ) -> dict[str, Any]:
+        """The new revision's decoders start with another hash: the rollout stops, the old one serves."""
+        status = self.get().get("status") or {}
+        serving_slot = next(
+            r["slot"] for r in status.get("revisions") or () if r["revision"] == status["revision"]
+        )
+        prefix = f"{NAME}-decode" if serving_slot == "b" else f"{NAME}-b-decode"
+        kubelet.new_pod_fault = stale_decoders(prefix, "0" * 64)
+        changed = json.loads(json.dumps(serving))
+        changed["spec"]["engine"]["version"] = OLD_VERSION
+        load = Load(url, model, expected).start()
+        samples = Samples(self.core, self.namespace).start()
+        try:
+            start = time.monotonic()
+            self.apply(changed)
+            self.wait(
+                "RolloutStuck",
+                lambda: self.condition("Progressing").get("reason") == "RolloutStuck",
+                check,
+            )
+            stuck_after = time.monotonic() - start
+            stuck = self.condition("Progressing")
+            time.sleep(4)
+            still = self.get().get("status") or {}
+            self.apply(serving)
+            back = self.wait("the rollback", self.settled, check)
+        finally:
+            samples.stop()
+            load.stop()
+            kubelet.new_pod_fault = None
+        self.say(
+            f"  new decoders with another live hash: Progressing={stuck.get('status')} {stuck.get('reason')} "
+            f"after {stuck_after:.1f} s; old revision {still.get('oldRevision')} kept serving "
+            f"(pairs {still.get('routablePairs')})"
+        )
+        self.say(f"    {stuck.get('message', '')[:400]}")
+        self.say(
+            f"  rollback (kubectl apply of the serving spec): complete after {back:.1f} s; load meanwhile "
+            f"{load.sent} requests, {len(load.failures)} failed, {len(load.mismatches)} mismatched, "
+            f"min routable pairs {min(samples.pairs)}"
+        )
+        return {
+            "reason": stuck.get("reason"),
+            "status": stuck.get("status"),
+            "message": stuck.get("message"),
+            "requests": load.sent,
+            "failed": len(load.failures),
+            "mismatched": len(load.mismatches),
+            "min_pairs": min(samples.pairs),
+            "rollback_s": back,
+            "failures": load.failures[:5] + load.mismatches[:5],
+        }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from kubernetes import config
+
+    from disagg.rig import control_plane
+    from disagg.rig.bench_operator import Operator
+
+    with control_plane.shared() as (paths, _):
+        env = {**os.environ, "KUBECONFIG": str(paths.kubeconfig)}
+        kubectl = str(paths.bin_dir / "kubectl")
+        subprocess.run([kubectl, "apply", "-f", str(CRD)], check=True, capture_output=True, env=env)
+        api = config.new_client_from_config(config_file=str(paths.kubeconfig))  # type: ignore[no-untyped-call]
+        core = client.CoreV1Api(api)
+        namespace = f"bench-rollout-{secrets.token_hex(3)}"
+        core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
+
+        def apply(doc: dict[str, Any]) -> None:
+            subprocess.run(
+                [kubectl, "apply", "-f", "-"],
+                input=yaml.safe_dump(doc),
+                text=True,
+                check=True,
+                capture_output=True,
+                env=env,
+            )
+
+        workdir = Path(f"/tmp/disagg-bench-rollout-{os.getpid()}")
+        operator = Operator(paths, [namespace], workdir.with_suffix(".operator.log"))
+        print("rollout bench: kube-apiserver v1.20.2, the operator, every container a local process")
+        try:
+            result = RolloutRun(api, paths.kubeconfig, namespace, apply, workdir).run()
+        finally:
+            operator.stop()
+            core.delete_namespace(namespace)
+    change = result["version_change"]
+    stuck = result["stuck"]
+    good = (
+        change["failed"] == 0
+        and change["mismatched"] == 0
+        and change["requests"] >= MIN_REQUESTS
+        and change["min_pairs"] >= 1
+        and change["max_engine_pods"] <= change["surge_bound"]
+        and stuck["reason"] == "RolloutStuck"
+        and stuck["failed"] == 0
+        and stuck["min_pairs"] >= 1
+        and result["refused"]["unchanged"]
+    )
+    for line in change["failures"] + stuck["failures"]:
+        print(f"    {line}")
+    print("  verdict: " + ("every bound held" if good else "A BOUND WAS BROKEN"))
+    return 0 if good else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
