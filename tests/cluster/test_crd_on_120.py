@@ -84,7 +84,7 @@ def test_every_example_is_accepted_and_defaulted(installed_crd: ControlPlane, na
 def test_printer_columns_and_short_name(installed_crd: ControlPlane, namespace: str) -> None:
     must(_apply(installed_crd, namespace, _example("pp2-hma.yaml")))
     header = must(installed_crd.kubectl("get", "disagg", "-n", namespace)).splitlines()[0].split()
-    assert header == ["NAME", "COMPATIBLE", "KV", "READY", "PAIRS", "AGE"]
+    assert header == ["NAME", "COMPATIBLE", "KV", "READY", "PAIRS", "REVISION", "OLD", "ROLLOUT", "AGE"]
     wide = must(installed_crd.kubectl("get", "disagg", "-n", namespace, "-o", "wide")).splitlines()[0].split()
     assert wide == [
         "NAME",
@@ -92,6 +92,9 @@ def test_printer_columns_and_short_name(installed_crd: ControlPlane, namespace: 
         "KV",
         "READY",
         "PAIRS",
+        "REVISION",
+        "OLD",
+        "ROLLOUT",
         "STAGES",
         "PREFILL",
         "DECODE",
