@@ -135,7 +135,8 @@ WORKLOAD_GRANTS = {
     ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
     ("", "services"): {"get", "list", "watch", "create", "patch", "delete"},
     ("", "configmaps"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("", "pods"): {"get", "list", "watch"},
+    # patch: a rollout annotates the old revision's engine pods as draining.
+    ("", "pods"): {"get", "list", "watch", "patch"},
     ("", "events"): {"create", "patch"},
     ("", "serviceaccounts"): {"get", "list", "watch", "create", "patch", "delete"},
     ("rbac.authorization.k8s.io", "rolebindings"): {"get", "list", "watch", "create", "patch", "delete"},
