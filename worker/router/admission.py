@@ -61,7 +61,7 @@ class Admission:
         awaits, so the room it was given is not given twice. `timeout_s` (the request's own deadline) may
         shorten the wait; when it is what ends the wait, the caller's deadline error is raised
         (TimeoutError), else 503 QueueTimeout. With no pair at all it fails at once (503 NoRoutablePair),
-        unless `coming()` says a pair is on its way (its first KV canary is in flight): then it waits."""
+        unless `coming()` says a pair is on its way (its KV canary is in flight): then it waits."""
         if not self._waiters:
             pair = self._pick(pairs())
             if pair is not None:

@@ -246,7 +246,7 @@ class Router:
             pair = await self.admission.choose(
                 self._pairs,
                 None if deadline is None else deadline - loop.time(),
-                coming=lambda: self.canary is not None and self.canary.first_in_flight(),
+                coming=lambda: self.canary is not None and self.canary.in_flight(),
             )
         except RouterError as exc:
             return self._fail(clock, exc)

@@ -89,9 +89,11 @@ class KvCanary:
             )
         return replace(routing, pairs=tuple(admitted), exclusions=(*routing.exclusions, *waiting))
 
-    def first_in_flight(self) -> bool:
-        """A pair's first canary is still running (none has failed yet): a request may wait for it."""
-        return any(not state.verified and not state.failure for state in self._pairs.values())
+    def in_flight(self) -> bool:
+        """A pair's canary is running: its first request, or the retries after a failed one (against real
+        vLLM, the first request to a restarted engine often loses its handshake's 5 s window). A request
+        may wait for it, within its queue bound, rather than fail at once for want of a pair."""
+        return any(not state.verified for state in self._pairs.values())
 
     def verified(self, pair: Pair) -> bool:
         state = self._pairs.get(pair_key(pair))
