@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from disagg.worker.contracts.kv_transfer_params import DecodeLeg, PrefillLeg
+from disagg.worker.contracts.kv_transfer_params import DecodeLeg, PrefillLeg, handoff
 from disagg.worker.engine.api_errors import ApiError
 from disagg.worker.engine.kv_cache import BlockPool, OutOfBlocks
 from disagg.worker.engine.openai_api import (
@@ -23,7 +23,6 @@ from disagg.worker.engine.scheduler import BlockScheduler
 from disagg.worker.engine.transfer_params import (
     internal_request_id,
     parse_kv_transfer_params,
-    prefill_response_params,
 )
 from disagg.worker.kv.errors import DuplicateRequest
 
@@ -153,7 +152,7 @@ def test_bad_decode_params_are_refused(change: dict[str, Any]) -> None:
 
 
 def test_the_prefill_response_has_vllms_keys_and_ids_pair_by_endpoint() -> None:
-    params = prefill_response_params(
+    params = handoff(
         block_ids=[[1, 2], [3]],
         engine_id="p",
         request_id="cmpl-r",
@@ -162,7 +161,7 @@ def test_the_prefill_response_has_vllms_keys_and_ids_pair_by_endpoint() -> None:
         tp_size=1,
         pp_size=2,
         num_tokens=20,
-    )
+    ).to_json()
     assert set(params) == VLLM_PREFILL_RESPONSE_KEYS
     assert (
         params["transfer_mode"] == "push" and params["do_remote_prefill"] and not params["do_remote_decode"]

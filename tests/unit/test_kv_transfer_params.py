@@ -16,7 +16,6 @@ from disagg.worker.engine.api_errors import ApiError
 from disagg.worker.engine.transfer_params import (
     internal_request_id,
     parse_kv_transfer_params,
-    prefill_response_params,
 )
 from disagg.worker.router.protocol import (
     CHAT_COMPLETIONS,
@@ -279,7 +278,7 @@ def test_the_engine_reads_the_legs_the_router_writes_and_the_router_reads_the_en
     )
 
     # The prefill engine answers under its own engine id and the request id both legs share.
-    answer = prefill_response_params(
+    answer = kv.handoff(
         block_ids=[[4, 5]],
         engine_id=target.engine_id,
         request_id=request_id,
@@ -288,7 +287,7 @@ def test_the_engine_reads_the_legs_the_router_writes_and_the_router_reads_the_en
         tp_size=target.tp_size,
         pp_size=target.pp_size,
         num_tokens=2,
-    )
+    ).to_json()
     raw = json.dumps({"id": request_id, "choices": [{"text": "x"}], "kv_transfer_params": answer}).encode()
     handoff = parse_prefill_response(200, raw, pair())
     assert (handoff.remote_engine_id, handoff.remote_request_id, handoff.pp_size) == (

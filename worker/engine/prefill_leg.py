@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from disagg.worker.contracts.kv_transfer_params import handoff
 from disagg.worker.engine import stages
 from disagg.worker.engine.api_errors import ApiError, bad_request
 from disagg.worker.engine.core import Engine
 from disagg.worker.engine.openai_api import GenerationRequest
-from disagg.worker.engine.transfer_params import prefill_response_params
 from disagg.worker.kv.errors import DisaggError
 
 
@@ -65,7 +65,7 @@ async def prefill_leg(e: Engine, req: GenerationRequest, request_id: str) -> tup
         e.fail(f"the pipeline broke: {exc}")
         raise ApiError(503, f"the pipeline broke: {exc}") from None
     e.metrics.tokens.inc()
-    params = prefill_response_params(
+    params = handoff(
         block_ids=blocks,
         engine_id=s.engine_id,
         request_id=request_id,
@@ -74,5 +74,5 @@ async def prefill_leg(e: Engine, req: GenerationRequest, request_id: str) -> tup
         tp_size=s.tp_size,
         pp_size=s.pp_size,
         num_tokens=n,
-    )
+    ).to_json()
     return first, params
