@@ -14,11 +14,15 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from disagg.rig.local import LOOPBACK_UCX_ENV as UCX_ENV
 from disagg.rig.local import free_port
+from disagg.worker.kv.layout import ModelGeometry, StageLayout, build_stage_layout
+from disagg.worker.link.engine_link import RegisterLayout, register_layout_message
+from disagg.worker.link.kv_pool import ShmPool
 
 HOST = "127.0.0.1"
 
@@ -98,3 +102,51 @@ class SidecarProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=30)
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """One stage's KV as a sidecar test configures it: the topology document a sidecar reads, the layout, and
+    the engine's registration of a pool of that layout."""
+
+    geometry: ModelGeometry
+    block_size: int
+    num_blocks: int
+
+    def topology(self, **extra: Any) -> dict[str, Any]:
+        """A single-stage push topology; `extra` adds keys (`kvLeaseDurationSeconds`, ...)."""
+        g = self.geometry
+        return {
+            "transferMode": "push",
+            "blockSize": self.block_size,
+            "stages": [{"stage": 0, "startLayer": 0, "endLayer": g.num_layers}],
+            "model": {
+                "layerKinds": [kind.value for kind in g.kinds],
+                "numKVHeads": g.num_kv_heads,
+                "headSize": g.head_size,
+                "dtypeBytes": g.dtype_bytes,
+            },
+            **extra,
+        }
+
+    def stage_layout(self) -> StageLayout:
+        return build_stage_layout(
+            self.geometry,
+            pp_rank=0,
+            pp_size=1,
+            tp_size=1,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+        )
+
+    def registration(self, pool: ShmPool, engine_id: str, role: str) -> RegisterLayout:
+        return register_layout_message(
+            engine_id=engine_id,
+            role=role,
+            geometry=self.geometry,
+            stage=self.stage_layout(),
+            tp_rank=0,
+            num_blocks=self.num_blocks,
+            pool_path=str(pool.path),
+            pool_bytes=pool.nbytes,
+        )

@@ -17,66 +17,32 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sidecar_procs import HOST, SidecarProcess
+from sidecar_procs import HOST, KVShape, SidecarProcess
 
 from disagg.rig.local import free_port
 from disagg.worker.contracts.topology import lease_wait_s
 from disagg.worker.kv.errors import EngineProtocolError, UnknownRequest, WrongRole
-from disagg.worker.kv.layout import ModelGeometry, StageLayout, build_stage_layout
+from disagg.worker.kv.layout import ModelGeometry
 from disagg.worker.link.engine_link import (
     EngineLink,
     KVFailed,
     KVReady,
     KVSent,
     PrefillEngine,
-    RegisterLayout,
-    register_layout_message,
 )
 from disagg.worker.link.kv_pool import ShmPool
 
-GEOMETRY = ModelGeometry.with_full_every(4, 1, num_kv_heads=2, head_size=8, dtype_bytes=2)
-BLOCK_SIZE, NUM_BLOCKS = 16, 64
+KV = KVShape(ModelGeometry.with_full_every(4, 1, num_kv_heads=2, head_size=8, dtype_bytes=2), 16, 64)
 REGISTRATION_TIMEOUT_S = 120.0
 """Far past every bound below: a request that fails before it failed fast."""
 
 
 def topology(lease_s: float) -> dict[str, Any]:
-    return {
-        "transferMode": "push",
-        "blockSize": BLOCK_SIZE,
-        "stages": [{"stage": 0, "startLayer": 0, "endLayer": GEOMETRY.num_layers}],
-        "model": {
-            "layerKinds": [kind.value for kind in GEOMETRY.kinds],
-            "numKVHeads": GEOMETRY.num_kv_heads,
-            "headSize": GEOMETRY.head_size,
-            "dtypeBytes": GEOMETRY.dtype_bytes,
-        },
-        "kvLeaseDurationSeconds": lease_s,
-        "pushRegistrationTimeoutSeconds": REGISTRATION_TIMEOUT_S,
-    }
-
-
-def stage_layout() -> StageLayout:
-    return build_stage_layout(
-        GEOMETRY, pp_rank=0, pp_size=1, tp_size=1, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS
-    )
-
-
-def registration(pool: ShmPool, engine_id: str, role: str) -> RegisterLayout:
-    return register_layout_message(
-        engine_id=engine_id,
-        role=role,
-        geometry=GEOMETRY,
-        stage=stage_layout(),
-        tp_rank=0,
-        num_blocks=NUM_BLOCKS,
-        pool_path=str(pool.path),
-        pool_bytes=pool.nbytes,
-    )
+    return KV.topology(kvLeaseDurationSeconds=lease_s, pushRegistrationTimeoutSeconds=REGISTRATION_TIMEOUT_S)
 
 
 def blocks(first: int) -> list[list[int]]:
-    return [[first + g] for g in range(len(stage_layout().groups))]
+    return [[first + g] for g in range(len(KV.stage_layout().groups))]
 
 
 class Worker:
@@ -97,9 +63,9 @@ class Worker:
         self.sidecar = SidecarProcess(folder, role[0], topology(lease_s), **env)
         sidecars.append(self.sidecar)
         self.sidecar.wait_listening()
-        self.pool = ShmPool.create(folder / "kv", stage_layout().total_bytes)
+        self.pool = ShmPool.create(folder / "kv", KV.stage_layout().total_bytes)
         self.link = EngineLink(self.sidecar.socket_path)
-        self.link.register_layout(registration(self.pool, engine_id, role))
+        self.link.register_layout(KV.registration(self.pool, engine_id, role))
         self.engine = PrefillEngine(engine_id, HOST, self.sidecar.side_channel_port)
 
     def wait_registered(self, count: int) -> None:

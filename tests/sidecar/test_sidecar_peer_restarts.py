@@ -10,17 +10,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sidecar_procs import SidecarProcess, metric
+from sidecar_procs import KVShape, SidecarProcess, metric
 from test_sidecar_hostile import proc_rss
 
-from disagg.worker.kv.layout import ModelGeometry, StageLayout, build_stage_layout
+from disagg.worker.kv.layout import ModelGeometry
 from disagg.worker.link.engine_link import (
     EngineLink,
     KVReady,
     KVSent,
     PrefillEngine,
-    RegisterLayout,
-    register_layout_message,
 )
 from disagg.worker.link.kv_pool import ShmPool
 
@@ -28,42 +26,8 @@ CYCLES = 20
 WARM_UP = 5
 PREFILL_ID = "restarts-prefill"
 # A KV large enough that a dead decoder's descriptors show in RSS (~3 MiB each before the fix).
-GEOMETRY = ModelGeometry.with_full_every(32, 1, num_kv_heads=2, head_size=8, dtype_bytes=2)
-BLOCK_SIZE, NUM_BLOCKS = 16, 4096
+KV = KVShape(ModelGeometry.with_full_every(32, 1, num_kv_heads=2, head_size=8, dtype_bytes=2), 16, 4096)
 PROBE = {"DISAGG_PEER_PROBE_INTERVAL_S": "0.5"}
-
-
-def topology() -> dict[str, Any]:
-    return {
-        "transferMode": "push",
-        "blockSize": BLOCK_SIZE,
-        "stages": [{"stage": 0, "startLayer": 0, "endLayer": GEOMETRY.num_layers}],
-        "model": {
-            "layerKinds": [kind.value for kind in GEOMETRY.kinds],
-            "numKVHeads": GEOMETRY.num_kv_heads,
-            "headSize": GEOMETRY.head_size,
-            "dtypeBytes": GEOMETRY.dtype_bytes,
-        },
-    }
-
-
-def stage_layout() -> StageLayout:
-    return build_stage_layout(
-        GEOMETRY, pp_rank=0, pp_size=1, tp_size=1, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS
-    )
-
-
-def registration(pool: ShmPool, engine_id: str, role: str) -> RegisterLayout:
-    return register_layout_message(
-        engine_id=engine_id,
-        role=role,
-        geometry=GEOMETRY,
-        stage=stage_layout(),
-        tp_rank=0,
-        num_blocks=NUM_BLOCKS,
-        pool_path=str(pool.path),
-        pool_bytes=pool.nbytes,
-    )
 
 
 class Decoder:
@@ -75,14 +39,14 @@ class Decoder:
         folder = workdir / name
         folder.mkdir()
         self.sidecar = SidecarProcess(
-            folder, "d", topology(), DISAGG_ROLE="decode", DISAGG_ENGINE_ID=engine_id, **PROBE, **env
+            folder, "d", KV.topology(), DISAGG_ROLE="decode", DISAGG_ENGINE_ID=engine_id, **PROBE, **env
         )
         self.side_channel_port = int(env.get("DISAGG_SIDE_CHANNEL_PORT", self.sidecar.side_channel_port))
         sidecars.append(self.sidecar)
         self.sidecar.wait_listening()
-        self.pool = ShmPool.create(folder / "d.kv", stage_layout().total_bytes)
+        self.pool = ShmPool.create(folder / "d.kv", KV.stage_layout().total_bytes)
         self.link = EngineLink(self.sidecar.socket_path).__enter__()
-        self.link.register_layout(registration(self.pool, engine_id, "decode"))
+        self.link.register_layout(KV.registration(self.pool, engine_id, "decode"))
 
     def kill(self) -> None:
         self.link.__exit__(None, None, None)
@@ -92,7 +56,7 @@ class Decoder:
 
 
 def transfer(p_link: EngineLink, decoder: Decoder, source: PrefillEngine, request_id: str) -> None:
-    groups = len(stage_layout().groups)
+    groups = len(KV.stage_layout().groups)
     decoder.link.expect_request(request_id, [[g + 1] for g in range(groups)], source)
     p_link.request_finished(request_id, [[g + 2] for g in range(groups)])
     assert isinstance(p_link.wait(request_id, timeout_s=60), KVSent)
@@ -120,7 +84,7 @@ def test_killed_decoders_are_evicted_and_the_prefill_rss_stays_flat(
     prefill = SidecarProcess(
         workdir,
         "p",
-        topology(),
+        KV.topology(),
         DISAGG_ROLE="prefill",
         DISAGG_ENGINE_ID=PREFILL_ID,
         DISAGG_PP_RANK="0",
@@ -128,11 +92,11 @@ def test_killed_decoders_are_evicted_and_the_prefill_rss_stays_flat(
     )
     sidecars.append(prefill)
     prefill.wait_listening()
-    p_pool = ShmPool.create(workdir / "p.kv", stage_layout().total_bytes)
+    p_pool = ShmPool.create(workdir / "p.kv", KV.stage_layout().total_bytes)
     source = PrefillEngine(PREFILL_ID, "127.0.0.1", prefill.side_channel_port)
     rss: list[int] = []
     with EngineLink(prefill.socket_path) as p_link:
-        p_link.register_layout(registration(p_pool, PREFILL_ID, "prefill"))
+        p_link.register_layout(KV.registration(p_pool, PREFILL_ID, "prefill"))
         live = Decoder(workdir, sidecars, "live-decoder", "live")
         transfer(p_link, live, source, "live-r0")
         for cycle in range(CYCLES):
