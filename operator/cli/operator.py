@@ -77,6 +77,15 @@ def _run(args: argparse.Namespace) -> int:
     import kopf
 
     import disagg.operator.control.handlers  # noqa: F401  (registers the handlers)
+    from disagg.operator.control import access
+    from disagg.operator.control.k8s_apply import Kube, api_client
+    from disagg.operator.naming import Installation
+
+    role = Installation.from_environ(os.environ).worker_cluster_role
+    try:
+        access.check_when_reachable(Kube(api_client()), role, args.namespace, clusterwide=args.namespace_all)
+    except access.AccessDenied as denied:
+        raise SystemExit(f"disagg operator run: {denied}") from None
 
     memo = kopf.Memo()
     if args.webhook_port is not None:

@@ -19,11 +19,10 @@ import os
 from typing import Any
 
 import kopf
-from kubernetes import client, config
 
 from disagg.operator.api import GROUP, PLURAL, VERSION
 from disagg.operator.control.backoffs import API_BACKOFFS
-from disagg.operator.control.k8s_apply import Kube
+from disagg.operator.control.k8s_apply import Kube, api_client
 from disagg.operator.control.reconcile import Observed, reconcile, refresh_status
 from disagg.operator.control.refresh_queue import RefreshQueue
 from disagg.operator.naming import DEPLOYMENT_ANNOTATION, FIELD_MANAGER, MANAGED_BY_LABEL, Installation
@@ -39,14 +38,6 @@ LIST_PAGE = 500
 # How often a rollout under way is reconciled again: how soon a new revision's first routable pairs start
 # the old one's drain, and how close to `drainSeconds` its children are pruned.
 ROLLOUT_TICK_S = 2.0
-
-
-def _client() -> client.ApiClient:
-    try:
-        config.load_incluster_config()  # type: ignore[no-untyped-call]
-    except config.ConfigException:
-        config.load_kube_config()  # type: ignore[no-untyped-call]
-    return client.ApiClient()
 
 
 def _owner_key(annotations: kopf.Annotations, namespace: str | None) -> tuple[str, str] | None:
@@ -120,7 +111,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **indices: Any) 
     if webhook is not None:
         settings.admission.server = webhook.server
         settings.admission.managed = webhook.managed
-    kube = Kube(_client())
+    kube = Kube(api_client())
     installation = Installation.from_environ(os.environ)
     # kopf passes every index to every handler by its function's name.
     observed = _observed(indices["statefulsets"], indices["deployments"], indices["pods"])

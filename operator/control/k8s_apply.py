@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from kubernetes import client
+from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from disagg.operator.api import GROUP, PLURAL, VERSION
@@ -46,6 +46,15 @@ def _collection(kind: str) -> str:
     """`/apis/apps/v1/namespaces/{namespace}/statefulsets` for a kind (plural: the noun, unsplit, +s)."""
     api, noun = CHILD_APIS[kind]
     return f"{_API_PATHS[api]}/namespaces/{{namespace}}/{noun.replace('_', '')}s"
+
+
+def api_client() -> client.ApiClient:
+    """A client for the pod's ServiceAccount in a cluster, else for the kubeconfig ($KUBECONFIG)."""
+    try:
+        config.load_incluster_config()  # type: ignore[no-untyped-call]
+    except config.ConfigException:
+        config.load_kube_config()  # type: ignore[no-untyped-call]
+    return client.ApiClient()
 
 
 @dataclass
@@ -199,6 +208,31 @@ class Kube:
             content_type=MERGE,
             read=False,
         )
+
+    def allowed(self, verb: str, group: str, resource: str, *, namespace: str = "", name: str = "") -> bool:
+        """Whether the API server's authorizer lets this process's account do `verb` on `resource`
+        (`plural` or `plural/subresource`) in `namespace` ("" is every namespace, or a cluster-scoped kind),
+        on the object `name` if one is given: a SelfSubjectAccessReview, which every account may create."""
+        plural, _, subresource = resource.partition("/")
+        attributes = {"verb": verb, "group": group, "resource": plural}
+        attributes |= {
+            k: v for k, v in (("subresource", subresource), ("namespace", namespace), ("name", name)) if v
+        }
+        review = self._call(
+            "POST",
+            "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
+            body={
+                "apiVersion": "authorization.k8s.io/v1",
+                "kind": "SelfSubjectAccessReview",
+                "spec": {"resourceAttributes": attributes},
+            },
+        )
+        return bool((review.get("status") or {}).get("allowed"))
+
+    def namespace_names(self) -> list[str]:
+        """Every namespace's name (to resolve `--namespace` globs as kopf does)."""
+        listed = self._call("GET", "/api/v1/namespaces").get("items") or []
+        return [item["metadata"]["name"] for item in listed]
 
 
 def _owned_by(owner: str) -> str:

@@ -26,6 +26,7 @@ import pytest
 import yaml
 from local_cluster import ControlPlane
 
+from disagg.operator.permissions import grants, operator_rules
 from disagg.rig.local import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -126,30 +127,15 @@ def release(control_plane: ControlPlane, helm: Path, namespace: str) -> Iterator
         )
 
 
-# What RBAC lets the operator's ServiceAccount do, as the API server's own evaluator lists it: the chart's
-# rules plus what system:basic-user grants every authenticated user.
-WORKLOAD_GRANTS = {
-    ("disagg.io", "disaggdeployments"): {"get", "list", "watch", "patch"},
-    ("disagg.io", "disaggdeployments/status"): {"get", "patch", "update"},
-    ("apps", "statefulsets"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("", "services"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("", "configmaps"): {"get", "list", "watch", "create", "patch", "delete"},
-    # patch: a rollout annotates the old revision's engine pods as draining.
-    ("", "pods"): {"get", "list", "watch", "patch"},
-    ("", "events"): {"create", "patch"},
-    ("", "serviceaccounts"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("rbac.authorization.k8s.io", "rolebindings"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("rbac.authorization.k8s.io", "roles"): {"get", "list", "watch", "create", "patch", "delete"},
-}
+# What RBAC lets the operator's ServiceAccount do, as the API server's own evaluator lists it: the operator's
+# rules (`permissions`) plus what system:basic-user grants every authenticated user.
 BASIC_USER_GRANTS = {
     ("authorization.k8s.io", "selfsubjectaccessreviews"): {"create"},
     ("authorization.k8s.io", "selfsubjectrulesreviews"): {"create"},
 }
-OUTSIDE_WATCHED_NAMESPACES = {
-    ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
-    ("", "namespaces"): {"list", "watch"},
-} | BASIC_USER_GRANTS
+OUTSIDE_WATCHED_NAMESPACES = (
+    grants(rule for rule in operator_rules("") if rule.scope == "cluster") | BASIC_USER_GRANTS
+)
 # What a KV-worker sidecar may do in its own namespace (the chart's worker ClusterRole).
 WORKER_GRANTS = {
     ("", "pods"): {"get", "list", "watch"},
@@ -159,9 +145,9 @@ WORKER_GRANTS = {
 
 
 def workload_grants(release: Release) -> dict[tuple[str, str], set[str]]:
-    """The workload grants plus `bind` on this release's worker ClusterRole, and on no other role."""
-    bind = {("rbac.authorization.k8s.io", f"clusterroles[{release.fullname}-worker]"): {"bind"}}
-    return WORKLOAD_GRANTS | bind
+    """The operator's namespaced rules (`permissions`), `bind` limited to this release's worker role."""
+    rules = operator_rules(f"{release.fullname}-worker")
+    return grants(rule for rule in rules if rule.scope == "namespace")
 
 
 def granted(release: Release, namespace: str) -> dict[tuple[str, str], set[str]]:

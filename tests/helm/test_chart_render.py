@@ -14,6 +14,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from disagg.operator.permissions import grants, operator_rules
+
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "disagg"
 CHART_META = yaml.safe_load((CHART / "Chart.yaml").read_text())
@@ -111,38 +113,20 @@ def test_every_object_carries_the_standard_labels(helm_bin: Path) -> None:
     assert one(objs, "Service")["spec"]["selector"] == selector
 
 
-# (apiGroup, resource) -> verbs: exactly what the operator and kopf use, nothing more.
-WORKLOAD_RULES = {
-    ("disagg.io", "disaggdeployments"): {"get", "list", "watch", "patch"},
-    ("disagg.io", "disaggdeployments/status"): {"get", "patch", "update"},
-    ("apps", "statefulsets"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("", "services"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("", "configmaps"): {"get", "list", "watch", "create", "patch", "delete"},
-    # patch: a rollout annotates the old revision's engine pods as draining.
-    ("", "pods"): {"get", "list", "watch", "patch"},
-    ("", "events"): {"create", "patch"},
-    ("", "serviceaccounts"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("rbac.authorization.k8s.io", "rolebindings"): {"get", "list", "watch", "create", "patch", "delete"},
-    # Each router's Role (get/list/watch pods, which the operator holds itself, so no `escalate`).
-    ("rbac.authorization.k8s.io", "roles"): {"get", "list", "watch", "create", "patch", "delete"},
-    # Only to bind the worker ClusterRole to each deployment's sidecars (resourceNames: that one role).
-    ("rbac.authorization.k8s.io", f"clusterroles[{RELEASE}-disagg-worker]"): {"bind"},
-}
+# (apiGroup, resource) -> verbs: exactly what the operator and kopf use, nothing more (`permissions`).
+OPERATOR_RULES = operator_rules(f"{RELEASE}-disagg-worker")
+WORKLOAD_RULES = grants(rule for rule in OPERATOR_RULES if rule.scope == "namespace")
+CLUSTER_RULES = grants(rule for rule in OPERATOR_RULES if rule.scope == "cluster")
 # What each engine pod's KV-worker sidecar does: its own Pod condition, its peers, its Events.
 WORKER_RULES = {
     ("", "pods"): {"get", "list", "watch"},
     ("", "pods/status"): {"get", "patch"},
     ("", "events"): {"create", "get", "patch"},
 }
-CLUSTER_RULES = {
-    ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
-    ("", "namespaces"): {"list", "watch"},
-}
 
 
 def flatten_rules(role: Obj) -> dict[tuple[str, str], set[str]]:
-    grants: dict[tuple[str, str], set[str]] = {}
+    granted: dict[tuple[str, str], set[str]] = {}
     for rule in role["rules"]:
         assert "nonResourceURLs" not in rule
         for field in ("apiGroups", "resources", "verbs", "resourceNames"):
@@ -151,8 +135,8 @@ def flatten_rules(role: Obj) -> dict[tuple[str, str], set[str]]:
         names = f"[{' '.join(rule['resourceNames'])}]" if "resourceNames" in rule else ""
         for group in rule["apiGroups"]:
             for resource in rule["resources"]:
-                grants.setdefault((group, resource + names), set()).update(rule["verbs"])
-    return grants
+                granted.setdefault((group, resource + names), set()).update(rule["verbs"])
+    return granted
 
 
 def test_rbac_grants_exactly_the_operators_needs_without_wildcards(helm_bin: Path) -> None:
