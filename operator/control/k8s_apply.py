@@ -1,4 +1,5 @@
-"""The only module of the operator that talks to the API server: server-side apply, listing, pruning, status.
+"""The only module of the operator that talks to the API server: server-side apply, listing, pruning, status,
+access reviews.
 
 Every write names the field manager `disagg-operator`. Applies are forced: the operator is authoritative for
 every field it builds, and a conflict with another manager would otherwise stall the reconcile forever.
