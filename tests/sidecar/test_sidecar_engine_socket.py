@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from sidecar_procs import SidecarProcess, metric
+from sidecar_procs import KVShape, SidecarProcess, metric
 
 from disagg.rig.local import free_port
 from disagg.worker.kv.errors import (
@@ -24,7 +24,7 @@ from disagg.worker.kv.errors import (
     UnknownRequest,
     WrongRole,
 )
-from disagg.worker.kv.layout import ModelGeometry, StageLayout, build_stage_layout
+from disagg.worker.kv.layout import ModelGeometry
 from disagg.worker.link.engine_link import (
     MAX_FRAME_BYTES,
     EngineLink,
@@ -32,12 +32,10 @@ from disagg.worker.link.engine_link import (
     ExpectRequest,
     PrefillEngine,
     QueryRequest,
-    RegisterLayout,
     RequestFinished,
     decode_sidecar_message,
     encode_frame,
     read_frame,
-    register_layout_message,
 )
 from disagg.worker.link.kv_pool import ShmPool
 
@@ -46,37 +44,7 @@ BLOCK_SIZE, NUM_BLOCKS = 16, 24
 ENGINE_ID = "socket-test-prefill"
 
 
-def topology() -> dict[str, Any]:
-    return {
-        "transferMode": "push",
-        "blockSize": BLOCK_SIZE,
-        "stages": [{"stage": 0, "startLayer": 0, "endLayer": GEOMETRY.num_layers}],
-        "model": {
-            "layerKinds": [kind.value for kind in GEOMETRY.kinds],
-            "numKVHeads": GEOMETRY.num_kv_heads,
-            "headSize": GEOMETRY.head_size,
-            "dtypeBytes": GEOMETRY.dtype_bytes,
-        },
-    }
-
-
-def stage_layout() -> StageLayout:
-    return build_stage_layout(
-        GEOMETRY, pp_rank=0, pp_size=1, tp_size=1, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS
-    )
-
-
-def registration(pool: ShmPool) -> RegisterLayout:
-    return register_layout_message(
-        engine_id=ENGINE_ID,
-        role="prefill",
-        geometry=GEOMETRY,
-        stage=stage_layout(),
-        tp_rank=0,
-        num_blocks=NUM_BLOCKS,
-        pool_path=str(pool.path),
-        pool_bytes=pool.nbytes,
-    )
+SHAPE = KVShape(GEOMETRY, BLOCK_SIZE, NUM_BLOCKS)
 
 
 def refused(link: EngineLink, message: Any, error: type[DisaggError], reason: str | None = None) -> str:
@@ -98,7 +66,7 @@ def test_bad_engine_input_gets_typed_errors_and_the_sidecar_keeps_serving(
     workdir: Path, sidecars: list[SidecarProcess]
 ) -> None:
     sidecar = SidecarProcess(
-        workdir, "p0", topology(), DISAGG_ROLE="prefill", DISAGG_ENGINE_ID=ENGINE_ID, DISAGG_PP_RANK="0"
+        workdir, "p0", SHAPE.topology(), DISAGG_ROLE="prefill", DISAGG_ENGINE_ID=ENGINE_ID, DISAGG_PP_RANK="0"
     )
     sidecars.append(sidecar)
     sidecar.wait_listening()
@@ -106,9 +74,9 @@ def test_bad_engine_input_gets_typed_errors_and_the_sidecar_keeps_serving(
     assert (code, body.strip()) == (503, "the engine has not registered its KV layout")
     assert sidecar.get("/healthz") == (200, "ok\n")
 
-    pool = ShmPool.create(workdir / "p0.kv", stage_layout().total_bytes)
-    good = registration(pool)
-    groups = len(stage_layout().groups)
+    pool = ShmPool.create(workdir / "p0.kv", SHAPE.stage_layout().total_bytes)
+    good = SHAPE.registration(pool, ENGINE_ID, "prefill")
+    groups = len(SHAPE.stage_layout().groups)
     with EngineLink(sidecar.socket_path) as link:
         refused(link, QueryRequest("never-seen"), UnknownRequest)
         refused(link, RequestFinished("r1", [[1]] * groups), LayoutNotRegistered)
@@ -183,7 +151,7 @@ def test_invalid_configuration_exits_2_with_a_structured_reason(
     sidecar = SidecarProcess(
         workdir,
         "bad",
-        topology(),
+        SHAPE.topology(),
         DISAGG_ROLE="prefill",
         DISAGG_ENGINE_ID=ENGINE_ID,
         DISAGG_PP_RANK="0",
@@ -201,13 +169,13 @@ def test_an_unreachable_prefill_engine_fails_the_request_with_its_reason(
     workdir: Path, sidecars: list[SidecarProcess]
 ) -> None:
     sidecar = SidecarProcess(
-        workdir, "d0", topology(), DISAGG_ROLE="decode", DISAGG_ENGINE_ID="socket-test-decode"
+        workdir, "d0", SHAPE.topology(), DISAGG_ROLE="decode", DISAGG_ENGINE_ID="socket-test-decode"
     )
     sidecars.append(sidecar)
     sidecar.wait_listening()
-    pool = ShmPool.create(workdir / "d0.kv", stage_layout().total_bytes)
-    message = msgspec.structs.replace(registration(pool), engine_id="socket-test-decode", role="decode")
-    groups = len(stage_layout().groups)
+    pool = ShmPool.create(workdir / "d0.kv", SHAPE.stage_layout().total_bytes)
+    message = SHAPE.registration(pool, "socket-test-decode", "decode")
+    groups = len(SHAPE.stage_layout().groups)
     nobody = PrefillEngine("gone-prefill", "127.0.0.1", free_port(), tp_size=1, pp_size=2)
     with EngineLink(sidecar.socket_path) as link:
         link.register_layout(message)
@@ -230,13 +198,13 @@ def test_a_killed_sidecar_is_reported_to_the_engine_as_unreachable(
     workdir: Path, sidecars: list[SidecarProcess]
 ) -> None:
     sidecar = SidecarProcess(
-        workdir, "p0", topology(), DISAGG_ROLE="prefill", DISAGG_ENGINE_ID=ENGINE_ID, DISAGG_PP_RANK="0"
+        workdir, "p0", SHAPE.topology(), DISAGG_ROLE="prefill", DISAGG_ENGINE_ID=ENGINE_ID, DISAGG_PP_RANK="0"
     )
     sidecars.append(sidecar)
     sidecar.wait_listening()
-    pool = ShmPool.create(workdir / "p0.kv", stage_layout().total_bytes)
+    pool = ShmPool.create(workdir / "p0.kv", SHAPE.stage_layout().total_bytes)
     with EngineLink(sidecar.socket_path) as link:
-        link.register_layout(registration(pool))
+        link.register_layout(SHAPE.registration(pool, ENGINE_ID, "prefill"))
         sidecar.kill()
         # Whether the send or the wait for the reply notices first, the engine gets the typed reason.
         for _ in range(2):

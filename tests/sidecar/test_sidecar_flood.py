@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from sidecar_procs import HOST, SidecarProcess
-from test_sidecar_engine_socket import BLOCK_SIZE, ENGINE_ID, GEOMETRY, topology
+from sidecar_procs import HOST, KVShape, SidecarProcess
+from test_sidecar_engine_socket import BLOCK_SIZE, ENGINE_ID, GEOMETRY
 from test_sidecar_hostile import proc_rss
 
 from disagg.worker.connector.heap import TRIM_AFTER_BYTES, TRIM_INTERVAL_S
@@ -20,12 +20,12 @@ from disagg.worker.connector.registrations import MAX_REGISTRATION_BYTES
 from disagg.worker.connector.side_channel import fetch_payloads
 from disagg.worker.connector.transport import NixlTransport
 from disagg.worker.kv import wire
-from disagg.worker.kv.layout import build_stage_layout
-from disagg.worker.link.engine_link import EngineLink, register_layout_message
+from disagg.worker.link.engine_link import EngineLink
 from disagg.worker.link.kv_pool import ShmPool
 
 NUM_BLOCKS = 8192
 """A request may name up to this many blocks per group: each registration holds 3 arrays of 64 KiB."""
+SHAPE = KVShape(GEOMETRY, BLOCK_SIZE, NUM_BLOCKS)
 TIMEOUT_S = 4.0
 FLOOD = 3000
 """Registrations in the flood: many more than the byte cap lets the sidecar hold at once."""
@@ -56,32 +56,19 @@ def test_a_registration_flood_is_capped_by_what_it_holds_and_its_memory_comes_ba
     sidecar = SidecarProcess(
         workdir,
         "p",
-        {**topology(), "pushRegistrationTimeoutSeconds": TIMEOUT_S},
+        SHAPE.topology(pushRegistrationTimeoutSeconds=TIMEOUT_S),
         DISAGG_ROLE="prefill",
         DISAGG_ENGINE_ID=ENGINE_ID,
         DISAGG_PP_RANK="0",
     )
     sidecars.append(sidecar)
     sidecar.wait_listening()
-    stage = build_stage_layout(
-        GEOMETRY, pp_rank=0, pp_size=1, tp_size=1, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS
-    )
+    stage = SHAPE.stage_layout()
     pool = ShmPool.create(workdir / "p.kv", stage.total_bytes)
     decoder = NixlTransport("flood-decode/pp0/tp0")
     try:
         with EngineLink(sidecar.socket_path) as link:
-            link.register_layout(
-                register_layout_message(
-                    engine_id=ENGINE_ID,
-                    role="prefill",
-                    geometry=GEOMETRY,
-                    stage=stage,
-                    tp_rank=0,
-                    num_blocks=NUM_BLOCKS,
-                    pool_path=str(pool.path),
-                    pool_bytes=pool.nbytes,
-                )
-            )
+            link.register_layout(SHAPE.registration(pool, ENGINE_ID, "prefill"))
         [reply] = fetch_payloads(HOST, sidecar.side_channel_port, [(0, 0)])
         meta = wire.decode_handshake_payload(reply.payload, expected_hash=None)
         peer = decoder.add_peer(meta.agent_metadata)

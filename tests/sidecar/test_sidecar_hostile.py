@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import pytest
 from sidecar_procs import SidecarProcess, http_get
-from test_sidecar_engine_socket import ENGINE_ID, NUM_BLOCKS, registration, stage_layout, topology
+from test_sidecar_engine_socket import ENGINE_ID, NUM_BLOCKS, SHAPE
 
 from disagg.rig.local import free_port
 from disagg.worker.kv.errors import DisaggError, EngineProtocolError
@@ -67,12 +67,12 @@ def next_reply(sock: socket.socket) -> Any:
 def started(workdir: Path, sidecars: list[SidecarProcess], role: str) -> tuple[SidecarProcess, ShmPool]:
     engine_id = ENGINE_ID if role == "prefill" else "hostile-decode"
     sidecar = SidecarProcess(
-        workdir, role, topology(), DISAGG_ROLE=role, DISAGG_ENGINE_ID=engine_id, DISAGG_PP_RANK="0"
+        workdir, role, SHAPE.topology(), DISAGG_ROLE=role, DISAGG_ENGINE_ID=engine_id, DISAGG_PP_RANK="0"
     )
     sidecars.append(sidecar)
     sidecar.wait_listening()
-    pool = ShmPool.create(workdir / f"{role}.kv", stage_layout().total_bytes)
-    message = msgspec.structs.replace(registration(pool), engine_id=engine_id, role=role)
+    pool = ShmPool.create(workdir / f"{role}.kv", SHAPE.stage_layout().total_bytes)
+    message = SHAPE.registration(pool, engine_id, role)
     with EngineLink(sidecar.socket_path) as link:
         link.register_layout(message)
     return sidecar, pool
@@ -82,7 +82,7 @@ def test_an_expect_request_with_impossible_prefill_sizes_is_refused_and_the_side
     workdir: Path, sidecars: list[SidecarProcess]
 ) -> None:
     sidecar, pool = started(workdir, sidecars, "decode")
-    groups = len(stage_layout().groups)
+    groups = len(SHAPE.stage_layout().groups)
     blocks = [[g + 1] for g in range(groups)]
     with EngineLink(sidecar.socket_path) as link:
         for i, (tp, pp) in enumerate([(2**40, 1), (1, 2**40), (0, 1), (1, 0)]):
@@ -106,8 +106,8 @@ def test_an_expect_request_with_impossible_prefill_sizes_is_refused_and_the_side
 def test_a_killed_decoder_gives_the_prefill_engine_exactly_one_terminal_event(
     workdir: Path, sidecars: list[SidecarProcess]
 ) -> None:
-    short_lease = {**topology(), "kvLeaseDurationSeconds": 3}
-    groups = len(stage_layout().groups)
+    short_lease = {**SHAPE.topology(), "kvLeaseDurationSeconds": 3}
+    groups = len(SHAPE.stage_layout().groups)
     prefill = SidecarProcess(
         workdir, "p", short_lease, DISAGG_ROLE="prefill", DISAGG_ENGINE_ID=ENGINE_ID, DISAGG_PP_RANK="0"
     )
@@ -115,14 +115,12 @@ def test_a_killed_decoder_gives_the_prefill_engine_exactly_one_terminal_event(
     sidecars += [prefill, decode]
     prefill.wait_listening()
     decode.wait_listening()
-    p_pool = ShmPool.create(workdir / "p.kv", stage_layout().total_bytes)
-    d_pool = ShmPool.create(workdir / "d.kv", stage_layout().total_bytes)
+    p_pool = ShmPool.create(workdir / "p.kv", SHAPE.stage_layout().total_bytes)
+    d_pool = ShmPool.create(workdir / "d.kv", SHAPE.stage_layout().total_bytes)
     source = PrefillEngine(ENGINE_ID, "127.0.0.1", prefill.side_channel_port)
     with EngineLink(prefill.socket_path) as p_link, EngineLink(decode.socket_path) as d_link:
-        p_link.register_layout(registration(p_pool))
-        d_link.register_layout(
-            msgspec.structs.replace(registration(d_pool), engine_id="hostile-d", role="decode")
-        )
+        p_link.register_layout(SHAPE.registration(p_pool, ENGINE_ID, "prefill"))
+        d_link.register_layout(SHAPE.registration(d_pool, "hostile-d", "decode"))
         # A first request connects the two, so the next registration reaches a prefill that knows the decoder.
         d_link.expect_request("r0", [[g + 1] for g in range(groups)], source)
         p_link.request_finished("r0", [[g + 2] for g in range(groups)])
@@ -146,7 +144,7 @@ def test_a_killed_decoder_gives_the_prefill_engine_exactly_one_terminal_event(
 
 def test_readyz_reports_a_stopped_serving_thread(workdir: Path) -> None:
     topology_file = workdir / "topology.json"
-    topology_file.write_text(json.dumps(topology()))
+    topology_file.write_text(json.dumps(SHAPE.topology()))
     env = {
         "DISAGG_ROLE": "prefill",
         "DISAGG_ENGINE_ID": ENGINE_ID,
@@ -161,10 +159,10 @@ def test_readyz_reports_a_stopped_serving_thread(workdir: Path) -> None:
     sidecar = Sidecar(from_env(env))
     loop = threading.Thread(target=sidecar.run, name="sidecar-main")
     loop.start()
-    pool = ShmPool.create(workdir / "ready.kv", stage_layout().total_bytes)
+    pool = ShmPool.create(workdir / "ready.kv", SHAPE.stage_layout().total_bytes)
     try:
         with EngineLink(env["DISAGG_ENGINE_SOCKET"]) as link:
-            link.register_layout(registration(pool))
+            link.register_layout(SHAPE.registration(pool, ENGINE_ID, "prefill"))
         assert http_get(sidecar.http.port, "/readyz") == (200, "ready\n")
         sidecar.side_channel.stop()  # as if its thread had died
         deadline = time.monotonic() + 30
@@ -182,7 +180,7 @@ def test_pipelined_replies_come_in_order_even_for_undecodable_frames(
     workdir: Path, sidecars: list[SidecarProcess]
 ) -> None:
     sidecar, pool = started(workdir, sidecars, "prefill")
-    groups = len(stage_layout().groups)
+    groups = len(SHAPE.stage_layout().groups)
     with EngineLink(sidecar.socket_path) as link:
         link.request_finished("r1", [[g + 1] for g in range(groups)])
     garbage = b"\xc1 not msgpack"
@@ -247,7 +245,7 @@ def test_engine_socket_fuzz_5000_messages_no_crash_flat_memory_every_refusal_wit
     workdir: Path, sidecars: list[SidecarProcess]
 ) -> None:
     sidecar, pool = started(workdir, sidecars, "prefill")
-    groups = len(stage_layout().groups)
+    groups = len(SHAPE.stage_layout().groups)
     rng = random.Random(SEED)
     pid = sidecar.proc.pid
     replies = Counter[str]()
