@@ -149,6 +149,8 @@ class Samples:
     pairs: list[int] = field(default_factory=list)
     pods: list[int] = field(default_factory=list)
     gaps: list[float] = field(default_factory=list)
+    peak: list[str] = field(default_factory=list)
+    """The engine pods of the sample with the most: name, phase, and whether it is being deleted."""
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -163,6 +165,12 @@ class Samples:
             items = live_pods(self.core, self.namespace)
             engines = [p for p in items if "disagg.io/role" in (p["metadata"].get("labels") or {})]
             self.pairs.append(len(routing_from_pods(items).pairs))
+            if len(engines) > max(self.pods, default=0):
+                self.peak = [
+                    f"{p['metadata']['name']} {(p.get('status') or {}).get('phase')}"
+                    + (" deleting" if p["metadata"].get("deletionTimestamp") else "")
+                    for p in engines
+                ]
             self.pods.append(len(engines))
             now = time.monotonic()
             self.gaps.append(now - last)
@@ -342,6 +350,7 @@ class RolloutRun:
                 f"would be {surge_bound(new)[1]})"
             )
             say("  steps Progressing named: " + " | ".join(steps))
+            say("  engine pods at the peak: " + ", ".join(samples.peak))
             result["refused"] = self.refused_before_any_pod(new, loop.check)
             result["stuck"] = self.stuck_then_rolled_back(kubelet, new, url, model, expected, loop.check)
         finally:
@@ -454,14 +463,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
 
         def apply(doc: dict[str, Any]) -> None:
-            subprocess.run(
+            done = subprocess.run(
                 [kubectl, "apply", "-f", "-"],
                 input=yaml.safe_dump(doc),
                 text=True,
-                check=True,
+                check=False,
                 capture_output=True,
                 env=env,
             )
+            if done.returncode != 0:
+                raise RuntimeError(f"kubectl apply exited with {done.returncode}: {done.stderr.strip()}")
 
         workdir = Path(f"/tmp/disagg-bench-rollout-{os.getpid()}")
         operator = Operator(paths, [namespace], workdir.with_suffix(".operator.log"))
