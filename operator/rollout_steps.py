@@ -101,13 +101,23 @@ def plan_step(
 ) -> dict[str, RoleStep]:
     """The next step for every role in `ROLES`. `frozen`: the rollout is stuck; the new revision does not
     grow and no old engine is taken out of service (drains already done still end in removal)."""
-    paired = all(states[role].routable >= 1 for role in ROLES)
-    return {role: _role_step(states[role], settings, now, frozen, paired) for role in ROLES}
+    needs = {role: _needed(states[role], settings) for role in ROLES}
+    # Old engines serve only in old pairs: while the new revision has no pair, or any role still needs old
+    # engines, every role keeps one old engine serving (the last old prefill engine drained would leave
+    # the old decoders with nothing to pair with).
+    keep_pair = not all(states[role].routable >= 1 for role in ROLES) or any(needs.values())
+    return {
+        role: _role_step(states[role], settings, now, frozen, max(needs[role], int(keep_pair)))
+        for role in ROLES
+    }
 
 
-def _role_step(
-    state: RoleState, settings: RolloutSpec, now: datetime, frozen: bool, paired: bool
-) -> RoleStep:
+def _needed(state: RoleState, settings: RolloutSpec) -> int:
+    """Old engines of a role that must keep serving: the floor maxUnavailable sets, less the new ones."""
+    return max(0, state.desired - bounds(settings, state.desired).unavailable - state.routable)
+
+
+def _role_step(state: RoleState, settings: RolloutSpec, now: datetime, frozen: bool, need: int) -> RoleStep:
     bound = bounds(settings, state.desired)
     drain_for = timedelta(seconds=settings.drain_seconds)
     live = [engine for engine in state.old if not engine.gone]
@@ -118,10 +128,6 @@ def _role_step(
     if not frozen and state.routable >= state.new:
         room = state.desired + bound.surge - len(state.old)
         new = max(new, min(state.desired, room))
-    # Old engines that must keep serving: the floor of maxUnavailable, and a routable pair whatever it says.
-    need = max(0, state.desired - bound.unavailable - state.routable)
-    if not paired:
-        need = max(need, 1)
     drained: list[OldEngine] = []
     if not frozen:
         left, serving = len(active), sum(engine.serving for engine in active)

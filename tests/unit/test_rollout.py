@@ -253,9 +253,9 @@ def test_a_step_drains_one_old_decoder_per_new_one_then_deletes_exactly_it_and_s
         )
 
     found = at(NOW)
-    # The new pair serves: the old prefill engine and one old decoder (the highest) drain; the new
-    # revision may not grow yet (3 old decoders + 1 new = desired + maxSurge).
-    assert found.drain == ("d-decode-2", "d-prefill-0-0")
+    # The new pair serves: one old decoder (the highest) drains; the old prefill engine stays, the old
+    # decoders' pair; the new revision may not grow yet (3 old decoders + 1 new = desired + maxSurge).
+    assert found.drain == ("d-decode-2",)
     assert found.replicas[NEW] == (1, 1) and found.phase == DRAINING_OLD
     assert found.message.startswith("step 1 of 3: 1/1 prefill engines and 1/3 decoders")
     assert (found.delete_pods, found.scale, found.remove) == ((), None, ())
@@ -264,10 +264,9 @@ def test_a_step_drains_one_old_decoder_per_new_one_then_deletes_exactly_it_and_s
         if each["metadata"]["name"] in found.drain:
             each["metadata"]["annotations"][DRAINING_ANNOTATION] = marked
     found = at(NOW)
-    # Drained: exactly that decoder goes, its Deployment one replica lower; the prefill engine's children go.
+    # Drained: exactly that decoder goes, its Deployment one replica lower.
     assert found.delete_pods == ("d-decode-2",) and found.scale == ("d-decode", 2)
-    assert found.remove == (("StatefulSet", "d-prefill-0"), ("Service", "d-prefill-0"))
-    assert found.replicas == {NEW: (1, 1), OLD: (0, 2)} and found.keep_old
+    assert found.replicas == {NEW: (1, 1), OLD: (1, 2)} and found.keep_old and not found.remove
 
 
 def test_a_rollback_midway_unmarks_the_spec_slots_draining_pods() -> None:
@@ -276,3 +275,39 @@ def test_a_rollback_midway_unmarks_the_spec_slots_draining_pods() -> None:
     pods[1]["metadata"]["annotations"][DRAINING_ANNOTATION] = marked
     found = judge(OLD, [("a", OLD), ("b", NEW)], pods)
     assert found.slot == "a" and found.undrain == ("d-decode-xa",)
+
+
+def test_a_steps_pod_not_routable_past_the_deadline_since_it_was_made_stops_the_rollout() -> None:
+    from disagg.worker.contracts.engine_pods import essentials
+
+    settings = RolloutSpec(progress_deadline_seconds=120, max_surge=1)
+    old = [
+        Workload("StatefulSet", "d-prefill-0", "prefill", 1, 1, 1, 1, True, 1, "a", OLD, NOW),
+        Workload("Deployment", "d-decode", "decode", 1, 1, 1, 1, True, 1, "a", OLD, NOW),
+    ]
+    # The new revision began long ago (an earlier step paired); its second decoder was made later.
+    began = NOW - timedelta(seconds=600)
+    new = [
+        Workload("StatefulSet", "d-b-prefill-0", "prefill", 1, 1, 1, 1, True, 1, "b", NEW, began),
+        Workload("Deployment", "d-b-decode", "decode", 2, 2, 1, 2, True, 1, "b", NEW, began),
+    ]
+    late = pod("d-b-decode-9", "decode", "b", NEW, [])
+    pods = decoders("a", OLD, 1) + decoders("b", NEW, 1) + [late]
+
+    def at(made: datetime) -> Any:
+        late["metadata"]["creationTimestamp"] = made.strftime("%Y-%m-%dT%H:%M:%SZ")
+        seen = [essentials(each) for each in pods]
+        return assess(
+            revision=NEW,
+            workloads=old + new,
+            pods=seen,
+            routing=routing_from_pods(seen),
+            now=NOW,
+            settings=settings,
+            sizes=(1, 2),
+        )
+
+    assert at(NOW - timedelta(seconds=60)).phase == WAITING
+    found = at(NOW - timedelta(seconds=121))
+    assert found.phase == STUCK and "progressDeadlineSeconds 120" in found.message
+    assert found.drain == () and found.replicas[NEW] == (1, 2)

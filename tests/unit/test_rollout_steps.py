@@ -87,6 +87,13 @@ def tick(roles: dict[str, Role], settings: RolloutSpec, now: datetime, *, frozen
         assert step.old == len([e for e in role.old if not e.gone])
 
 
+def couple(roles: dict[str, Role]) -> None:
+    """Old engines serve only in old pairs: with no old engine of the other role serving, none does."""
+    if not all(any(e.serving for e in roles[name].old) for name in ROLES):
+        for role in roles.values():
+            role.old = [replace(e, serving=False) for e in role.old]
+
+
 def check(roles: dict[str, Role], settings: RolloutSpec) -> None:
     for name, role in roles.items():
         bound = bounds(settings, role.desired)
@@ -105,6 +112,7 @@ def walk(
         if stop is not None and count == stop:
             return count, now
         tick(roles, settings, now)
+        couple(roles)
         check(roles, settings)
         if all(
             role.new == role.desired and role.routable == role.new and not role.old for role in roles.values()
