@@ -9,30 +9,42 @@ where the cluster is.
 
 - The spec's revision is applied in the slot that already holds it; a change that keeps the revision
   (replicas, resources, images of the same release) is applied there in place, as before slots existed.
-- A new revision goes in the other slot, beside the old one (the whole new revision at once: a surge of
-  100%). The old slot's children are kept, untouched, until the new revision serves.
-- Once every new prefill engine and every new decode pod is in a routable pair (the router's own pairing:
-  verified handshakes, equal hashes), the old revision's pods that served are marked draining
-  (`pod_contract.DRAINING_ANNOTATION`): the router sends them nothing new. After `drainSeconds` the old
-  slot's children are no longer kept, and the reconcile prunes them.
+- A new revision goes in the other slot, beside the old one, in steps (`rollout_steps.plan_step`, bounded
+  per role by `maxSurge` and `maxUnavailable`): each step adds new engines once the previous step's pair
+  (the router's own pairing: verified handshakes, equal hashes), and takes as many old ones out of service
+  as the new ones replace. An old engine that served is first marked draining
+  (`pod_contract.DRAINING_ANNOTATION`: the router sends it nothing new) and removed `drainSeconds` later:
+  a prefill engine by deleting its StatefulSet (the highest replica first), a decode pod by deleting it
+  and lowering the old Deployment's replicas in the same reconcile. Once no old engine is left, the old
+  slot's children are pruned. `maxSurge: 100%` brings the whole new revision up at once, as before steps.
 - A new revision whose own pairs the sidecars refuse (a hash mismatch within it) is stuck at once; one
   without a routable pair after `progressDeadlineSeconds` is stuck too. Stuck, the old revision keeps
-  serving at full size and the new one stays, never routed, for inspection. Applying the old spec makes the
+  serving with what it has (no step grows the new one or drains the old) and the new one stays, never
+  routed, for inspection. Applying the old spec makes the
   old slot the spec's again: the failed slot's children go (its pods never served: nothing to drain).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final, Protocol
 
 from disagg.operator.api import RolloutSpec
 from disagg.operator.naming import COMPONENT_LABEL, REVISION_LABEL, SLOT_LABEL, SLOTS
+from disagg.operator.rollout_steps import (
+    NOUNS,
+    ROLES,
+    OldEngine,
+    RoleState,
+    plan_step,
+    progress,
+    removal_order,
+)
 from disagg.worker.contracts.pairing import HASH_DIFFERS, Routing
 from disagg.worker.contracts.peer_report import PeerReportError, decode_peer_report
-from disagg.worker.contracts.pod_contract import DRAINING_ANNOTATION, PEER_REPORT_ANNOTATION
+from disagg.worker.contracts.pod_contract import DRAINING_ANNOTATION, PEER_REPORT_ANNOTATION, ROLE_LABEL
 from disagg.worker.kv.errors import CompatibilityHashMismatch
 
 WAITING: Final = "RolloutWaitingForRoutablePairs"
@@ -51,7 +63,13 @@ class EngineWorkload(Protocol):
     """What the rollout reads of a StatefulSet or Deployment (`status.Workload` is one)."""
 
     @property
+    def name(self) -> str: ...
+
+    @property
     def role(self) -> str: ...
+
+    @property
+    def desired(self) -> int: ...
 
     @property
     def slot(self) -> str: ...
@@ -69,7 +87,11 @@ class Rollout:
 
     `phase` is None while no other revision has workloads (the spec's revision is all there is), else one
     of `WAITING`, `DRAINING_OLD`, `STUCK`. `keep_old`: the old slot's children stay (else they are pruned);
-    `drain`: old pods to mark draining now; `pairs`: routable pairs within each revision."""
+    `pairs`: routable pairs within each revision; `replicas`: (prefill engines, decode pods) each revision
+    runs after this step, the spec's revision's being what its slot is built with. This step's actions:
+    `drain` old pods to mark draining, `undrain` pods of the spec's slot to unmark (a rollback midway),
+    `remove` old prefill children to delete (the engines' StatefulSets and Services), `delete_pods` old
+    decode pods to delete and then `scale` (the old decode Deployment, its new replicas)."""
 
     revision: str
     slot: str
@@ -81,6 +103,11 @@ class Rollout:
     drain: tuple[str, ...] = ()
     draining: bool = False
     pairs: Mapping[str, int] = field(default_factory=dict)
+    replicas: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    undrain: tuple[str, ...] = ()
+    remove: tuple[tuple[str, str], ...] = ()
+    delete_pods: tuple[str, ...] = ()
+    scale: tuple[str, int] | None = None
 
 
 def labels_of(obj: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -181,85 +208,192 @@ def assess(
     found = _revisions(workloads, revision)
     old = sorted(found.get(old_slot, set()) - {revision})
     if not old:
-        return Rollout(revision, slot, pairs=pairs)
+        return Rollout(revision, slot, pairs=pairs, replicas={revision: sizes})
     old_revision = old[0]
-    base = Rollout(revision, slot, old_revision, old_slot, keep_old=True, pairs=pairs)
     mine = [pod for pod in pods if slot_of(pod) == slot and labels_of(pod).get(REVISION_LABEL) == revision]
     theirs = [pod for pod in pods if slot_of(pod) == old_slot]
     routable = _routable_engines(routing, {_name(pod) for pod in mine})
-    prefills, decodes = sizes
-    if routable[0] < prefills or routable[1] < decodes:
-        return _not_yet(base, routing, mine, routable, sizes, workloads, now, settings)
-    # Every new engine serves: drain the old pods that served (the rest have nothing to finish).
-    serving = {pair.prefill.head_pod for pair in routing.pairs} | {pair.decode.pod for pair in routing.pairs}
-    serving |= {stage for pair in routing.pairs for stage in pair.prefill.stage_pods}
-    marks = tuple(sorted(_name(pod) for pod in theirs if _name(pod) in serving and not _marked(pod)))
-    started = [t for t in (parse_time(_annotations(pod).get(DRAINING_ANNOTATION)) for pod in theirs) if t]
-    if marks:
-        started.append(now)
-    ends = max(started, default=now) + timedelta(seconds=settings.drain_seconds)
-    if not started or now >= ends:
-        return Rollout(
-            revision,
-            slot,
-            old_revision,
-            old_slot,
-            DRAINING_OLD,
-            f"revision {revision} serves ({pairs.get(revision, 0)} routable pairs); revision "
-            f"{old_revision} is drained and its children are deleted",
-            keep_old=False,
-            draining=True,
-            pairs=pairs,
-        )
-    left = int((ends - now).total_seconds() + 0.999)
-    return Rollout(
+    serving = _serving_pods(routing)
+    states = {
+        "prefill": RoleState(
+            desired=sizes[0],
+            new=len([w for w in _in_slot(workloads, slot) if w.role == "prefill"]),
+            routable=routable[0],
+            old=_old_prefills(_in_slot(workloads, old_slot), theirs, serving),
+        ),
+        "decode": RoleState(
+            desired=sizes[1],
+            new=sum(w.desired for w in _in_slot(workloads, slot) if w.role == "decode"),
+            routable=routable[1],
+            old=_old_decoders(_in_slot(workloads, old_slot), theirs, serving),
+        ),
+    }
+    kept = f"revision {old_revision} keeps serving ({pairs.get(old_revision, 0)} pairs)"
+    stuck = _stuck(routing, mine, serving, routable, states, workloads, slot, revision, now, settings)
+    steps = plan_step(states, settings, now, frozen=bool(stuck))
+    step = progress(states, settings, revision)
+    left = {role: steps[role].old for role in ROLES}
+    base = Rollout(
         revision,
         slot,
         old_revision,
         old_slot,
-        DRAINING_OLD,
-        f"revision {revision} serves ({pairs.get(revision, 0)} routable pairs); revision {old_revision} "
-        f"takes no new request and is deleted in {left}s (drainSeconds {settings.drain_seconds})",
-        keep_old=True,
-        drain=marks,
-        draining=True,
+        keep_old=any(left.values()),
         pairs=pairs,
+        replicas={
+            revision: (steps["prefill"].new, steps["decode"].new),
+            old_revision: (left["prefill"], left["decode"]),
+        },
+        drain=tuple(sorted(pod for role in ROLES for pod in steps[role].drain)),
+        undrain=tuple(sorted(_name(pod) for pod in mine if _marked(pod))),
+        draining=any(_marked(pod) for pod in theirs) or any(steps[role].drain for role in ROLES),
+        remove=tuple(
+            (kind, engine.name) for engine in steps["prefill"].remove for kind in ("StatefulSet", "Service")
+        ),
+        delete_pods=tuple(sorted(e.name for e in steps["decode"].remove if e.name and not e.gone)),
+        scale=_scale(_in_slot(workloads, old_slot), left["decode"]),
+    )
+    if stuck:
+        return replace(base, phase=STUCK, message=f"{step}; {stuck}; {kept}")
+    if not base.keep_old:
+        return replace(
+            base,
+            phase=DRAINING_OLD,
+            message=f"{step}; revision {old_revision} is drained and its children are deleted",
+        )
+    if any(steps[role].new > states[role].routable for role in ROLES):
+        return replace(base, phase=WAITING, message=f"{step}; {kept}")
+    return replace(base, phase=DRAINING_OLD, message=f"{step}; {_drain_note(theirs, base, now, settings)}")
+
+
+def _drain_note(
+    theirs: Sequence[Mapping[str, Any]], rollout: Rollout, now: datetime, settings: RolloutSpec
+) -> str:
+    marks = [t for t in (parse_time(_annotations(pod).get(DRAINING_ANNOTATION)) for pod in theirs) if t]
+    count = len(marks) + len(rollout.drain)
+    serves = rollout.pairs.get(rollout.old_revision or "", 0)
+    if not count:
+        return f"revision {rollout.old_revision} serves ({serves} pairs)"
+    ends = max(marks, default=now) + timedelta(seconds=settings.drain_seconds)
+    wait = max(0, int((ends - now).total_seconds() + 0.999))
+    return (
+        f"{count} pods of revision {rollout.old_revision} take no new request and are deleted in {wait}s "
+        f"(drainSeconds {settings.drain_seconds}); it serves {serves} pairs meanwhile"
     )
 
 
-def _not_yet(
-    base: Rollout,
+def _in_slot(workloads: Sequence[EngineWorkload], slot: str) -> list[EngineWorkload]:
+    return [w for w in _engines(workloads) if w.slot == slot]
+
+
+def _serving_pods(routing: Routing) -> set[str]:
+    """Every pod in a routable pair: prefill heads and their stages, decoders."""
+    serving = {pair.prefill.head_pod for pair in routing.pairs} | {pair.decode.pod for pair in routing.pairs}
+    return serving | {stage for pair in routing.pairs for stage in pair.prefill.stage_pods}
+
+
+def _drained_at(pods: Sequence[Mapping[str, Any]]) -> datetime | None:
+    marks = [t for t in (parse_time(_annotations(pod).get(DRAINING_ANNOTATION)) for pod in pods) if t]
+    return min(marks, default=None)
+
+
+def _old_prefills(
+    workloads: Sequence[EngineWorkload], pods: Sequence[Mapping[str, Any]], serving: set[str]
+) -> tuple[OldEngine, ...]:
+    """The old slot's prefill engines: its StatefulSets, and any whose pods outlive a deleted one (a pod
+    is its StatefulSet's name and its ordinal)."""
+    by_set: dict[str, list[Mapping[str, Any]]] = {}
+    for pod in pods:
+        if _role(pod) == "prefill":
+            by_set.setdefault(_name(pod).rsplit("-", 1)[0], []).append(pod)
+    sets = {w.name for w in workloads if w.role == "prefill"}
+    engines = []
+    for name in sorted(sets | by_set.keys()):
+        members = by_set.get(name, [])
+        engine = OldEngine(
+            name=name,
+            pods=tuple(sorted(_name(pod) for pod in members)),
+            serving=any(_name(pod) in serving for pod in members),
+            draining_since=_drained_at(members),
+            gone=name not in sets,
+        )
+        engines.append((_index(name), engine))
+    return removal_order("prefill", engines)
+
+
+def _old_decoders(
+    workloads: Sequence[EngineWorkload], pods: Sequence[Mapping[str, Any]], serving: set[str]
+) -> tuple[OldEngine, ...]:
+    """The old slot's decode pods, and one unnamed engine per replica its Deployment has not made yet."""
+    engines = [
+        OldEngine(
+            name=_name(pod),
+            pods=(_name(pod),),
+            serving=_name(pod) in serving,
+            draining_since=_drained_at([pod]),
+            gone=bool((pod.get("metadata") or {}).get("deletionTimestamp")),
+        )
+        for pod in sorted((pod for pod in pods if _role(pod) == "decode"), key=_name)
+    ]
+    wanted = sum(w.desired for w in workloads if w.role == "decode")
+    engines += [OldEngine(name="")] * max(0, wanted - len([e for e in engines if not e.gone]))
+    return removal_order("decode", list(enumerate(engines)))
+
+
+def _scale(workloads: Sequence[EngineWorkload], replicas: int) -> tuple[str, int] | None:
+    """The old decode Deployment's name and new replicas, when a step lowers them."""
+    for w in workloads:
+        if w.role == "decode" and w.desired != replicas:
+            return w.name, replicas
+    return None
+
+
+def _index(name: str) -> int:
+    tail = name.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
+
+
+def _role(pod: Mapping[str, Any]) -> str:
+    return str(labels_of(pod).get(ROLE_LABEL) or "")
+
+
+def _stuck(
     routing: Routing,
     mine: Sequence[Mapping[str, Any]],
+    serving: set[str],
     routable: tuple[int, int],
-    sizes: tuple[int, int],
+    states: Mapping[str, RoleState],
     workloads: Sequence[EngineWorkload],
+    slot: str,
+    revision: str,
     now: datetime,
     settings: RolloutSpec,
-) -> Rollout:
-    old = f"revision {base.old_revision} keeps serving ({base.pairs.get(base.old_revision or '', 0)} pairs)"
+) -> str:
+    """Why the new revision is stuck, or "": its own pairs' hashes differ (at once), or its engines have
+    waited past progressDeadlineSeconds for a routable pair (counted from when the slot began while the
+    revision has no pair at all, else from the making of its oldest pod that is not routable)."""
     mismatch = _mismatch(routing, mine)
     if mismatch:
-        return _with(
-            base,
-            STUCK,
-            f"revision {base.revision} cannot pair with itself: {mismatch}; {old}. Apply a spec whose "
-            "roles agree, or the previous spec to roll back",
+        return (
+            f"revision {revision} cannot pair with itself: {mismatch}. Apply a spec whose roles agree, or "
+            "the previous spec to roll back"
         )
-    since = since_of(workloads, base.slot, base.revision, now)
-    waited = (now - since).total_seconds()
-    progress = (
-        f"{routable[0]}/{sizes[0]} prefill engines and {routable[1]}/{sizes[1]} decode pods of revision "
-        f"{base.revision} routable"
+    if routable[0] == 0 or routable[1] == 0:
+        waited = (now - since_of(workloads, slot, revision, now)).total_seconds()
+    else:
+        made = [
+            parse_time((pod.get("metadata") or {}).get("creationTimestamp"))
+            for pod in mine
+            if _name(pod) not in serving and not _marked(pod)
+        ]
+        waited = (now - min((t for t in made if t is not None), default=now)).total_seconds()
+    if waited <= settings.progress_deadline_seconds:
+        return ""
+    counts = " and ".join(f"{states[role].routable}/{states[role].new} {NOUNS[role]}" for role in ROLES)
+    return (
+        f"{counts} of revision {revision} routable after {int(waited)}s (progressDeadlineSeconds "
+        f"{settings.progress_deadline_seconds})"
     )
-    if waited > settings.progress_deadline_seconds:
-        return _with(
-            base,
-            STUCK,
-            f"{progress} after {int(waited)}s (progressDeadlineSeconds "
-            f"{settings.progress_deadline_seconds}); {old}",
-        )
-    return _with(base, WAITING, f"{progress}; {old}")
 
 
 def _mismatch(routing: Routing, mine: Sequence[Mapping[str, Any]]) -> str:
@@ -284,19 +418,6 @@ def _mismatch(routing: Routing, mine: Sequence[Mapping[str, Any]]) -> str:
         if exclusion.prefill in names and exclusion.decode in names and exclusion.reason in _MISMATCH:
             return f"{exclusion.reason}: {exclusion.message}"
     return ""
-
-
-def _with(base: Rollout, phase: str, message: str) -> Rollout:
-    return Rollout(
-        base.revision,
-        base.slot,
-        base.old_revision,
-        base.old_slot,
-        phase,
-        message,
-        keep_old=True,
-        pairs=base.pairs,
-    )
 
 
 def _routable_engines(routing: Routing, names: set[str]) -> tuple[int, int]:

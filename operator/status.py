@@ -29,7 +29,7 @@ from disagg.operator.naming import (
     SINCE_ANNOTATION,
 )
 from disagg.operator.policies.compat import CompatReport
-from disagg.operator.rollout import DRAINING_OLD, STUCK, Rollout, parse_time, slot_of
+from disagg.operator.rollout import STUCK, Rollout, parse_time, slot_of
 from disagg.worker.contracts.pairing import Routing
 from disagg.worker.kv.errors import Violation
 
@@ -181,12 +181,15 @@ def compute(
 
 
 def _serving(workloads: Sequence[Workload], rollout: Rollout | None) -> list[Workload]:
-    """The workloads whose readiness is the deployment's: during a rollout, the old revision's until the
-    new one serves; the router's, always."""
+    """The workloads whose readiness is the deployment's: during a rollout, the old revision's and the
+    new revision's that are ready; the router's, always."""
     if rollout is None or rollout.old_slot is None:
         return list(workloads)
-    slot = rollout.slot if rollout.phase == DRAINING_OLD else rollout.old_slot
-    return [w for w in workloads if w.role not in ("prefill", "decode") or w.slot == slot]
+    # The old revision's (at the size its steps left it) and the new revision's that are up; one the new
+    # revision is still growing waits for its step, as a Deployment's surge pods do.
+    return [
+        w for w in workloads if w.role not in ("prefill", "decode") or w.slot == rollout.old_slot or w.done
+    ]
 
 
 def _revisions(rollout: Rollout | None) -> dict[str, Any]:
@@ -197,6 +200,8 @@ def _revisions(rollout: Rollout | None) -> dict[str, Any]:
             revision=rollout.revision,
             slot=rollout.slot,
             routable_pairs=rollout.pairs.get(rollout.revision, 0),
+            prefill_replicas=rollout.replicas.get(rollout.revision, (0, 0))[0],
+            decode_replicas=rollout.replicas.get(rollout.revision, (0, 0))[1],
         )
     ]
     if rollout.old_revision is not None and rollout.old_slot is not None:
@@ -206,6 +211,8 @@ def _revisions(rollout: Rollout | None) -> dict[str, Any]:
                 slot=rollout.old_slot,
                 routable_pairs=rollout.pairs.get(rollout.old_revision, 0),
                 draining=rollout.draining,
+                prefill_replicas=rollout.replicas.get(rollout.old_revision, (0, 0))[0],
+                decode_replicas=rollout.replicas.get(rollout.old_revision, (0, 0))[1],
             )
         )
     return {"revision": rollout.revision, "old_revision": rollout.old_revision, "revisions": revisions}

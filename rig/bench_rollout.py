@@ -1,12 +1,13 @@
 """`disagg bench rollout`: an engine version change rolled out under steady load, on the real API server.
 
-The operator (a real `disagg operator run`) builds a reference-engine deployment (a PP2 prefill engine, one
-decoder, the router) on engine release 0.32.0; `LocalKubelet` runs every container as a process and
+The operator (a real `disagg operator run`) builds a reference-engine deployment (a PP2 prefill engine, two
+decoders, the router) on engine release 0.32.0; `LocalKubelet` runs every container as a process and
 `ServiceProxy` stands in for kube-proxy. A load of completions runs through the router's Service at
 concurrency 8 while `spec.engine.version` changes to 0.33.0 (a KV-incompatible change: another compatibility
-hash). Measured: failed requests (must be 0), outputs against the monolithic run (all equal), routable
-pairs at every sample (every quarter second; never 0), engine pods at every sample against the surge bound
-(the whole new revision beside the old: twice the deployment's pods), and the rollout's duration and phases.
+hash), in steps of `maxSurge: 1` per role. Measured: failed requests (must be 0), outputs against the
+monolithic run (all equal), routable pairs at every sample (every quarter second; never 0), engine pods at
+every sample against the surge bound (desired + maxSurge engines per role, a PP2 prefill engine being two
+pods), the steps Progressing named, and the rollout's duration and phases.
 
 Then the two ways a new revision can disagree with itself: roles the policies can tell apart (a decode
 override of the engine release) are refused before any pod; a decoder only its live hash tells apart (the
@@ -48,6 +49,8 @@ MIN_REQUESTS = 300
 MAX_TOKENS = 6
 SAMPLE_S = 0.25
 DRAIN_S = 4
+DECODERS = 2
+MAX_SURGE = 1
 TIMEOUT_S = 300.0
 PROMPTS = tuple(f"Rollout request {k}: the KV moves from prefill to decode." for k in range(16))
 
@@ -57,10 +60,20 @@ def document(namespace: str, version: str, side_channel_port: int) -> dict[str, 
     doc["metadata"] = {"name": NAME, "namespace": namespace}
     spec = doc["spec"]
     spec["engine"]["version"] = version
-    spec["decode"]["replicas"] = 1
+    spec["decode"]["replicas"] = DECODERS
     spec["kvTransfer"]["sideChannelPort"] = side_channel_port
-    spec["rollout"] = {"drainSeconds": DRAIN_S, "progressDeadlineSeconds": 240}
+    spec["rollout"] = {"drainSeconds": DRAIN_S, "progressDeadlineSeconds": 240, "maxSurge": MAX_SURGE}
     return doc
+
+
+def surge_bound(doc: dict[str, Any]) -> tuple[int, int]:
+    """Engine pods at most during the rollout (desired + maxSurge engines per role), and what the whole new
+    revision beside the old would be."""
+    prefill, decode = doc["spec"]["prefill"], doc["spec"]["decode"]
+    stages = int(prefill.get("pipelineParallelSize", 1))
+    desired = prefill["replicas"] * stages + decode["replicas"]
+    bound = (prefill["replicas"] + MAX_SURGE) * stages + decode["replicas"] + MAX_SURGE
+    return bound, 2 * desired
 
 
 def monolithic(prompt: str) -> str:
@@ -136,6 +149,8 @@ class Samples:
     pairs: list[int] = field(default_factory=list)
     pods: list[int] = field(default_factory=list)
     gaps: list[float] = field(default_factory=list)
+    peak: list[str] = field(default_factory=list)
+    """The engine pods of the sample with the most: name, phase, and whether it is being deleted."""
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -150,6 +165,12 @@ class Samples:
             items = live_pods(self.core, self.namespace)
             engines = [p for p in items if "disagg.io/role" in (p["metadata"].get("labels") or {})]
             self.pairs.append(len(routing_from_pods(items).pairs))
+            if len(engines) > max(self.pods, default=0):
+                self.peak = [
+                    f"{p['metadata']['name']} {(p.get('status') or {}).get('phase')}"
+                    + (" deleting" if p["metadata"].get("deletionTimestamp") else "")
+                    for p in engines
+                ]
             self.pods.append(len(engines))
             now = time.monotonic()
             self.gaps.append(now - last)
@@ -229,7 +250,7 @@ class RolloutRun:
         status = self.get().get("status") or {}
         progressing = self.condition("Progressing")
         return (
-            status.get("routablePairs") == "1/1"
+            status.get("routablePairs") == f"{DECODERS}/{DECODERS}"
             and progressing.get("reason") == "RolloutComplete"
             and not status.get("oldRevision")
             and len({p["metadata"]["labels"].get("disagg.io/revision") for p in self.engines()}) == revisions
@@ -258,7 +279,7 @@ class RolloutRun:
             first = (self.get().get("status") or {}).get("revision")
             say(
                 f"  revision {first} (engine {OLD_VERSION}) serving after {up:.1f} s: {base} engine pods, "
-                "1/1 pairs"
+                f"{DECODERS}/{DECODERS} pairs"
             )
             read: Any = self.core.read_namespaced_service(
                 f"{NAME}-router", self.namespace, _preload_content=False
@@ -269,6 +290,7 @@ class RolloutRun:
             load = Load(url, model, expected).start()
             samples = Samples(self.core, self.namespace).start()
             phases: dict[str, float] = {}
+            steps: list[str] = []
             try:
                 self.wait("requests before the change", lambda: load.ok >= 40, loop.check)
                 new = document(self.namespace, NEW_VERSION, self.port)
@@ -278,8 +300,12 @@ class RolloutRun:
                 hook = [self.during_rollout] if self.during_rollout is not None else []
 
                 def done() -> bool:
-                    reason = self.condition("Progressing").get("reason") or ""
+                    progressing = self.condition("Progressing")
+                    reason = progressing.get("reason") or ""
                     phases.setdefault(reason, time.monotonic() - start)
+                    step = (progressing.get("message") or "").split(";")[0]
+                    if step.startswith("step ") and (not steps or steps[-1] != step):
+                        steps.append(step)
                     if hook and reason == "RolloutWaitingForRoutablePairs":
                         hook.pop()()
                     return (self.get().get("status") or {}).get("revision") != first and self.settled()
@@ -299,7 +325,8 @@ class RolloutRun:
                 "samples": len(samples.pairs),
                 "max_sample_gap_s": max(samples.gaps[1:], default=0.0),
                 "max_engine_pods": max(samples.pods),
-                "surge_bound": 2 * base,
+                "surge_bound": surge_bound(new)[0],
+                "steps": steps,
                 "duration_s": duration,
                 "phases": phases,
                 "revisions": (first, second),
@@ -318,9 +345,12 @@ class RolloutRun:
             say(
                 f"  routable pairs over {len(samples.pairs)} samples (max gap "
                 f"{result['version_change']['max_sample_gap_s']:.2f} s): min {min(samples.pairs)}, max "
-                f"{max(samples.pairs)}; engine pods max {max(samples.pods)} (bound {2 * base}: the whole "
-                f"new revision beside the old)"
+                f"{max(samples.pairs)}; engine pods max {max(samples.pods)} (bound {surge_bound(new)[0]}: "
+                f"desired {base} + maxSurge {MAX_SURGE} per role; the whole new revision beside the old "
+                f"would be {surge_bound(new)[1]})"
             )
+            say("  steps Progressing named: " + " | ".join(steps))
+            say("  engine pods at the peak: " + ", ".join(samples.peak))
             result["refused"] = self.refused_before_any_pod(new, loop.check)
             result["stuck"] = self.stuck_then_rolled_back(kubelet, new, url, model, expected, loop.check)
         finally:
@@ -433,14 +463,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
 
         def apply(doc: dict[str, Any]) -> None:
-            subprocess.run(
+            done = subprocess.run(
                 [kubectl, "apply", "-f", "-"],
                 input=yaml.safe_dump(doc),
                 text=True,
-                check=True,
+                check=False,
                 capture_output=True,
                 env=env,
             )
+            if done.returncode != 0:
+                raise RuntimeError(f"kubectl apply exited with {done.returncode}: {done.stderr.strip()}")
 
         workdir = Path(f"/tmp/disagg-bench-rollout-{os.getpid()}")
         operator = Operator(paths, [namespace], workdir.with_suffix(".operator.log"))

@@ -243,7 +243,14 @@ class LocalKubelet:
                 continue
             local = self.pods.get(name)
             if local is None:
-                local = self._start(pod)
+                try:
+                    local = self._start(pod)
+                except client.ApiException as error:
+                    # Deleted since the list: a replacement a ReplicaSet made and removed at once (a
+                    # rollout step deletes a chosen pod, then scales its Deployment down).
+                    if error.status != 404:
+                        raise
+                    continue
             elif failed := local.exited():
                 container, code = failed[0]
                 raise SidecarExited(

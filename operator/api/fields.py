@@ -99,6 +99,25 @@ _QUANTITY_SCHEMA: Final = {
     "pattern": KUBE_QUANTITY_PATTERN,
 }
 Quantity = Annotated[StrictInt | str, AfterValidator(_quantity)]
+
+
+PERCENT_PATTERN: Final = r"^(100|[1-9]?[0-9])%$"
+
+
+def _int_or_percent(value: int | str) -> int | str:
+    if isinstance(value, int) and not 0 <= value <= MAX_REPLICAS:
+        raise ValueError(f"{value} must be between 0 and {MAX_REPLICAS}")
+    if isinstance(value, str) and not re.fullmatch(PERCENT_PATTERN, value):
+        raise ValueError(f"{value[:64]!r} is neither a whole number nor a percentage from 0% to 100%")
+    return value
+
+
+# A count of engines or a percentage of a role's replicas, as a Deployment's maxSurge is spelled.
+IntOrPercent = Annotated[
+    StrictInt | str,
+    AfterValidator(_int_or_percent),
+    WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True}),
+]
 ResourceName = Annotated[str, StringConstraints(max_length=253, pattern=RESOURCE_NAME_PATTERN)]
 # A structural schema cannot constrain map keys (no patternProperties): the names are checked in Python.
 ResourceList = Annotated[

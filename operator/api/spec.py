@@ -10,6 +10,7 @@ from typing import Final, TypeVar, cast
 
 from pydantic import (
     Field,
+    model_validator,
 )
 
 from disagg.operator.api.fields import (
@@ -22,6 +23,7 @@ from disagg.operator.api.fields import (
     ApiModel,
     ExtraArg,
     FreeForm,
+    IntOrPercent,
     ResourceList,
     Role,
 )
@@ -267,15 +269,17 @@ class RouterSpec(ApiModel):
 DEFAULT_DRAIN_SECONDS: Final = 3600
 MAX_DRAIN_SECONDS: Final = 86400
 DEFAULT_PROGRESS_DEADLINE_SECONDS: Final = 600
+DEFAULT_MAX_SURGE: Final = "25%"
+DEFAULT_MAX_UNAVAILABLE: Final = 0
 
 
 class RolloutSpec(ApiModel):
     """How a change that needs new prefill/decode pairs is rolled out (one that changes the compatibility
     hashes or the topology document: the engine version, the model's KV geometry, dtypes, block size,
     parallel sizes, the connector; see the README's table). The new revision's prefill engines and decode
-    pods come up beside the old ones; the router sends them traffic only once they pair with each other;
-    then the old revision's pods are drained and deleted. Any other change (replicas, resources, images
-    of the same release, the router) is applied in place."""
+    pods come up beside the old ones in steps bounded by maxSurge and maxUnavailable; the router sends
+    them traffic only once they pair with each other; old pods are drained before they are deleted. Any
+    other change (replicas, resources, images of the same release, the router) is applied in place."""
 
     drain_seconds: int = Field(
         default=DEFAULT_DRAIN_SECONDS,
@@ -293,6 +297,34 @@ class RolloutSpec(ApiModel):
         "stuck (Progressing False, RolloutStuck); the old revision keeps serving. A hash mismatch within "
         "the new revision, as the sidecars report it, stops the rollout at once.",
     )
+    max_surge: IntOrPercent = Field(
+        default=DEFAULT_MAX_SURGE,
+        description="How many engines of a role may exist above its replicas while rolling out, per role: "
+        "prefill engines (a pipeline-parallel prefill engine is its stage pods together, useless without "
+        "all of them) and decode pods. A number, or a percentage of the role's replicas rounded up "
+        "(default 25%). The new revision grows by a step only once its previous step's engines are in "
+        "routable pairs; 100% brings the whole new revision up at once.",
+    )
+    max_unavailable: IntOrPercent = Field(
+        default=DEFAULT_MAX_UNAVAILABLE,
+        description="How many engines of a role may be out of service below its replicas while rolling "
+        "out, per role, counted like maxSurge (a percentage rounds down; default 0: an old engine is "
+        "drained only once a new one serves in its place). At least one routable pair is kept at every "
+        "moment whatever this says. maxSurge and maxUnavailable may not both be 0.",
+    )
+
+    @model_validator(mode="after")
+    def _steps_move(self) -> RolloutSpec:
+        if _is_zero(self.max_surge) and _is_zero(self.max_unavailable):
+            raise ValueError(
+                "maxSurge and maxUnavailable are both 0: a rollout could neither add a new engine nor "
+                "take an old one out; set maxSurge to at least 1 (or 25%)"
+            )
+        return self
+
+
+def _is_zero(value: int | str) -> bool:
+    return value in (0, "0%")
 
 
 class DisaggDeploymentSpec(ApiModel):

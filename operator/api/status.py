@@ -92,7 +92,13 @@ class RevisionStatus(ApiModel):
     revision: str = Field(max_length=64, description="The revision: a hash of the topology document.")
     slot: str = Field(max_length=8, description="Which set of children holds it: a (the plain names) or b.")
     routable_pairs: int = Field(default=0, ge=0, description="Routable pairs within this revision.")
-    draining: bool = Field(default=False, description="Its pods take no new request and are to go.")
+    draining: bool = Field(default=False, description="Some of its pods take no new request and are to go.")
+    prefill_replicas: int = Field(
+        default=0, ge=0, description="Prefill engines it runs at this step of the rollout."
+    )
+    decode_replicas: int = Field(
+        default=0, ge=0, description="Decode pods it runs at this step of the rollout."
+    )
 
 
 class DisaggDeploymentStatus(ApiModel):

@@ -172,8 +172,9 @@ class Kube:
             if error.status != 404:
                 raise
 
-    def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str]) -> None:
-        """Merge `annotations` into a Pod's (the rollout's drain mark); a pod already gone is fine."""
+    def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str | None]) -> None:
+        """Merge `annotations` into a Pod's (the rollout's drain mark; None removes one); a pod already gone
+        is fine."""
         try:
             self._call(
                 "PATCH",
@@ -186,6 +187,33 @@ class Kube:
         except ApiException as error:
             if error.status != 404:
                 raise
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        """Delete one engine pod a rollout step removes (drained first); already gone is fine."""
+        try:
+            self._call(
+                "DELETE",
+                f"/api/v1/namespaces/{namespace}/pods/{name}",
+                body={},
+                content_type="application/json",
+                read=False,
+            )
+        except ApiException as error:
+            if error.status != 404:
+                raise
+
+    def scale_deployment(self, namespace: str, name: str, replicas: int) -> None:
+        """Set a Deployment's replicas (a rollout step lowering the old revision's decoders, right after
+        deleting the pods that go: the ReplicaSet then removes the replacements it began, not a serving
+        pod)."""
+        self._call(
+            "PATCH",
+            f"/apis/apps/v1/namespaces/{namespace}/deployments/{name}",
+            query={"fieldManager": FIELD_MANAGER},
+            body={"spec": {"replicas": replicas}},
+            content_type=MERGE,
+            read=False,
+        )
 
     def create_deployment(self, namespace: str, body: Mapping[str, Any]) -> dict[str, Any]:
         return self._call("POST", _DEPLOYMENTS.format(namespace=namespace), body=body)

@@ -6,8 +6,10 @@ cluster shows. It never branches on the event that caused it. An incompatible sp
 create nothing exists, and on update the running topology stays as it was.
 
 A spec whose engine revision differs from the running one rolls out beside it (`rollout.assess` decides from
-the children's labels and the pods' pairing): the spec's children go in the other slot, the old slot's stay
-until the new revision serves, then the old pods are marked draining and, `drainSeconds` later, pruned. A
+the children's labels and the pods' pairing): the spec's children go in the other slot, beside the old's,
+in steps bounded by `spec.rollout.maxSurge`/`maxUnavailable` (`rollout_steps`): the spec's slot is built
+at the step's replicas, old pods are marked draining and, `drainSeconds` later, removed (a prefill engine's
+StatefulSet pruned, a decode pod deleted and its Deployment scaled down), the old slot pruned once empty. A
 timer (`handlers.advance_rollout`) calls `reconcile` while `status.oldRevision` says a rollout is under way.
 
 At scale (a thousand deployments, seven thousand children) three things keep the API server's load
@@ -23,7 +25,7 @@ import functools
 import json
 import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -147,7 +149,7 @@ def reconcile(kube: Kube, body: Mapping[str, Any], installation: Installation, o
     now = datetime.now(UTC)
     rollout = _assess(verdict, owner, before, pods, routing_from_pods(pods), now)
     desired = build(
-        verdict.spec,
+        _sized(verdict.spec, rollout.replicas.get(rollout.revision)),
         owner,
         verdict.report.plan,
         verdict.report.hashes,
@@ -164,8 +166,12 @@ def reconcile(kube: Kube, body: Mapping[str, Any], installation: Installation, o
         for child in children
     }
     kept = set(slot_children(children, rollout.old_slot)) if rollout.keep_old and rollout.old_slot else set()
+    kept -= set(rollout.remove)
     for pod in rollout.drain:
         kube.annotate_pod(owner.namespace, pod, {DRAINING_ANNOTATION: cond.rfc3339(now)})
+    for pod in rollout.undrain:
+        kube.annotate_pod(owner.namespace, pod, {DRAINING_ANNOTATION: None})
+    removed = _remove_decoders(kube, owner.namespace, rollout) if rollout.keep_old else []
     changed, applied = [], []
     for obj in desired:
         key = (obj["kind"], obj["metadata"]["name"])
@@ -173,14 +179,40 @@ def reconcile(kube: Kube, body: Mapping[str, Any], installation: Installation, o
         if existing.get(key) != applied[-1]["metadata"].get("resourceVersion"):
             changed.append(f"{key[0]} {key[1]}")
     wanted = {(obj["kind"], obj["metadata"]["name"]) for obj in desired} | kept
-    deleted = []
+    deleted = removed
     for key in sorted(existing.keys() - wanted):
         kube.delete(key[0], owner.namespace, key[1])
         deleted.append(f"{key[0]} {key[1]}")
     workloads = [workload(child) for child in applied if _is_workload(child)]
-    workloads += [w for w in before if (w.kind, w.name) in kept]
+    scaled = dict([rollout.scale]) if rollout.scale is not None else {}
+    workloads += [
+        replace(w, desired=scaled.get(w.name, w.desired)) for w in before if (w.kind, w.name) in kept
+    ]
     _write_status(kube, body, verdict, workloads, observed, endpoint_of(applied))
     return Outcome(tuple(sorted(changed)), tuple(deleted), None, drained=rollout.drain)
+
+
+def _sized(spec: DisaggDeploymentSpec, sizes: tuple[int, int] | None) -> DisaggDeploymentSpec:
+    """The spec with the replicas a rollout step runs its revision's slot at (the spec's own otherwise)."""
+    if sizes is None or sizes == (spec.prefill.replicas, spec.decode.replicas):
+        return spec
+    return spec.model_copy(
+        update={
+            "prefill": spec.prefill.model_copy(update={"replicas": sizes[0]}),
+            "decode": spec.decode.model_copy(update={"replicas": sizes[1]}),
+        }
+    )
+
+
+def _remove_decoders(kube: Kube, namespace: str, rollout: Rollout) -> list[str]:
+    """A step's old decode pods go: delete exactly them, then lower their Deployment's replicas. In this
+    order: a replacement the ReplicaSet starts for a deleted pod is pending, and a scale-down removes a
+    pending pod before a serving one (the reverse order would let the ReplicaSet choose which pods go)."""
+    for pod in rollout.delete_pods:
+        kube.delete_pod(namespace, pod)
+    if rollout.scale is not None:
+        kube.scale_deployment(namespace, *rollout.scale)
+    return [f"Pod {pod}" for pod in rollout.delete_pods]
 
 
 def _assess(

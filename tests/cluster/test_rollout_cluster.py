@@ -2,19 +2,23 @@
 restarted mid-rollout; then a revision the policies refuse, and one only the live hashes tell apart.
 
 The scenario is `disagg bench rollout`'s (`rig.bench_rollout.RolloutRun`): a reference-engine deployment
-(a PP2 prefill engine, one decoder, the router) with every container a local process, a load of
-completions at concurrency 8 through the router's Service, and the pods sampled every quarter second.
+(a PP2 prefill engine, two decoders, the router; `maxSurge: 1`) with every container a local process, a
+load of completions at concurrency 8 through the router's Service, and the pods sampled every quarter
+second. Beside it, the API call a step removes old decoders with: exactly the chosen pods go.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes import client
 from operator_harness import Cluster, OperatorProcess
 
-from disagg.rig.bench_rollout import MIN_REQUESTS, RolloutRun
+from disagg.operator.control.k8s_apply import Kube
+from disagg.rig.bench_rollout import MIN_REQUESTS, NEW_VERSION, RolloutRun, document, surge_bound
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -42,7 +46,13 @@ def test_a_version_change_rolls_out_beside_the_old_revision_with_no_failed_reque
     # The sampler asks every 0.5 s or so; a loaded CI machine can stretch one gap past a second (the bench
     # prints the figure). A gap this wide would let a pairless moment pass unseen, so it still fails.
     assert change["max_sample_gap_s"] <= 5.0
-    assert change["max_engine_pods"] <= change["surge_bound"]
+    assert (
+        change["max_engine_pods"]
+        <= change["surge_bound"]
+        < surge_bound(document(ns, NEW_VERSION, run.port))[1]
+    )
+    # Stepped: the new revision's second decoder came after its first step paired.
+    assert len(change["steps"]) >= 2, change["steps"]
     assert change["revisions"][0] != change["revisions"][1]
     assert {"RolloutWaitingForRoutablePairs", "RolloutDraining"} <= set(change["phases"])
     assert "RolloutStuck" not in change["phases"]
@@ -59,3 +69,50 @@ def test_a_version_change_rolls_out_beside_the_old_revision_with_no_failed_reque
     # Rolled back: one revision's engines are all that is left, in one slot.
     assert len([n for n in names["StatefulSet"] if "prefill" in n]) == 1
     assert len([n for n in names["Deployment"] if "decode" in n]) == 1
+
+
+def test_deleting_chosen_pods_then_scaling_down_leaves_exactly_the_others(cluster: Cluster, ns: str) -> None:
+    """What a rollout step does to the old decode Deployment (`Kube.delete_pod`, then
+    `Kube.scale_deployment`): the ReplicaSet's replacement for the deleted pod is the newest and unready,
+    so the scale-down removes it, and every other pod survives."""
+    apps, core = client.AppsV1Api(cluster.cp.api_client), client.CoreV1Api(cluster.cp.api_client)
+    labels = {"app": "scale-down"}
+    container = client.V1Container(name="c", image="example.invalid/none:1")
+    apps.create_namespaced_deployment(
+        ns,
+        client.V1Deployment(
+            metadata=client.V1ObjectMeta(name="scale-down"),
+            spec=client.V1DeploymentSpec(
+                replicas=3,
+                selector=client.V1LabelSelector(match_labels=labels),
+                template=client.V1PodTemplateSpec(
+                    metadata=client.V1ObjectMeta(labels=labels),
+                    spec=client.V1PodSpec(containers=[container]),
+                ),
+            ),
+        ),
+    )
+
+    def pods() -> list[str]:
+        items = core.list_namespaced_pod(ns, label_selector="app=scale-down").items
+        return sorted(p.metadata.name for p in items if p.metadata.deletion_timestamp is None)
+
+    def settle(count: int) -> list[str]:
+        """The pods once there are `count` and a few seconds more change nothing."""
+        deadline = time.monotonic() + 60
+        while True:
+            found = pods()
+            if len(found) == count:
+                time.sleep(3)
+                if pods() == found:
+                    return found
+            assert time.monotonic() < deadline, found
+            time.sleep(0.5)
+
+    before = settle(3)
+    chosen = before[1]
+    kube = Kube(cluster.cp.api_client)
+    kube.delete_pod(ns, chosen)
+    kube.scale_deployment(ns, "scale-down", 2)
+    after = settle(2)
+    assert after == [name for name in before if name != chosen]

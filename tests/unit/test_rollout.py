@@ -135,7 +135,7 @@ def test_a_new_revision_comes_up_in_the_other_slot_and_the_old_keeps_serving_unt
     found = judge(NEW, [("a", OLD)], pair("a", OLD))
     assert (found.slot, found.old_slot, found.old_revision) == ("b", "a", OLD)
     assert (found.phase, found.keep_old, found.drain) == (WAITING, True, ())
-    assert "0/1 prefill engines and 0/1 decode pods" in found.message
+    assert "step 1 of 1: 0/1 prefill engines and 0/1 decoders" in found.message
 
     both = [("a", OLD), ("b", NEW)]
     found = judge(NEW, both, pair("a", OLD))
@@ -217,3 +217,97 @@ def test_a_handshake_that_failed_while_a_peer_started_is_waited_for_not_stuck() 
     pods[3]["metadata"]["annotations"][PEER_REPORT_ANNOTATION] = encode_peer_report(report)
     found = judge(NEW, both, pods)
     assert (found.phase, found.keep_old) == (WAITING, True)
+
+
+def decoders(slot: str, revision: str, count: int, *, settings: RolloutSpec = SETTINGS) -> Any:
+    """One prefill engine and `count` decoders of `revision` in `slot`, all vouching for each other."""
+    stem = "d" if slot == "a" else "d-b"
+    prefill = f"{stem}-prefill-0-0"
+    names = [f"{stem}-decode-{k}" for k in range(count)]
+    pods = [pod(prefill, "prefill", slot, revision, [(n, True, HASHES[revision]) for n in names])]
+    pods += [pod(n, "decode", slot, revision, [(prefill, True, HASHES[revision])]) for n in names]
+    return pods
+
+
+def test_a_step_drains_one_old_decoder_per_new_one_then_deletes_exactly_it_and_scales_down() -> None:
+    settings = RolloutSpec(drain_seconds=30, max_surge=1)
+    old = [
+        Workload("StatefulSet", "d-prefill-0", "prefill", 1, 1, 1, 1, True, 1, "a", OLD, NOW),
+        Workload("Deployment", "d-decode", "decode", 3, 3, 3, 3, True, 1, "a", OLD, NOW),
+    ]
+    new = [
+        Workload("StatefulSet", "d-b-prefill-0", "prefill", 1, 1, 1, 1, True, 1, "b", NEW, NOW),
+        Workload("Deployment", "d-b-decode", "decode", 1, 1, 1, 1, True, 1, "b", NEW, NOW),
+    ]
+    pods = decoders("a", OLD, 3) + decoders("b", NEW, 1)
+
+    def at(now: datetime) -> Any:
+        return assess(
+            revision=NEW,
+            workloads=old + new,
+            pods=pods,
+            routing=routing_from_pods(pods),
+            now=now,
+            settings=settings,
+            sizes=(1, 3),
+        )
+
+    found = at(NOW)
+    # The new pair serves: one old decoder (the highest) drains; the old prefill engine stays, the old
+    # decoders' pair; the new revision may not grow yet (3 old decoders + 1 new = desired + maxSurge).
+    assert found.drain == ("d-decode-2",)
+    assert found.replicas[NEW] == (1, 1) and found.phase == DRAINING_OLD
+    assert found.message.startswith("step 1 of 3: 1/1 prefill engines and 1/3 decoders")
+    assert (found.delete_pods, found.scale, found.remove) == ((), None, ())
+    marked = (NOW - timedelta(seconds=31)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    for each in pods:
+        if each["metadata"]["name"] in found.drain:
+            each["metadata"]["annotations"][DRAINING_ANNOTATION] = marked
+    found = at(NOW)
+    # Drained: exactly that decoder goes, its Deployment one replica lower.
+    assert found.delete_pods == ("d-decode-2",) and found.scale == ("d-decode", 2)
+    assert found.replicas == {NEW: (1, 1), OLD: (1, 2)} and found.keep_old and not found.remove
+
+
+def test_a_rollback_midway_unmarks_the_spec_slots_draining_pods() -> None:
+    pods = pair("a", OLD) + pair("b", NEW)
+    marked = NOW.strftime("%Y-%m-%dT%H:%M:%SZ")
+    pods[1]["metadata"]["annotations"][DRAINING_ANNOTATION] = marked
+    found = judge(OLD, [("a", OLD), ("b", NEW)], pods)
+    assert found.slot == "a" and found.undrain == ("d-decode-xa",)
+
+
+def test_a_steps_pod_not_routable_past_the_deadline_since_it_was_made_stops_the_rollout() -> None:
+    from disagg.worker.contracts.engine_pods import essentials
+
+    settings = RolloutSpec(progress_deadline_seconds=120, max_surge=1)
+    old = [
+        Workload("StatefulSet", "d-prefill-0", "prefill", 1, 1, 1, 1, True, 1, "a", OLD, NOW),
+        Workload("Deployment", "d-decode", "decode", 1, 1, 1, 1, True, 1, "a", OLD, NOW),
+    ]
+    # The new revision began long ago (an earlier step paired); its second decoder was made later.
+    began = NOW - timedelta(seconds=600)
+    new = [
+        Workload("StatefulSet", "d-b-prefill-0", "prefill", 1, 1, 1, 1, True, 1, "b", NEW, began),
+        Workload("Deployment", "d-b-decode", "decode", 2, 2, 1, 2, True, 1, "b", NEW, began),
+    ]
+    late = pod("d-b-decode-9", "decode", "b", NEW, [])
+    pods = decoders("a", OLD, 1) + decoders("b", NEW, 1) + [late]
+
+    def at(made: datetime) -> Any:
+        late["metadata"]["creationTimestamp"] = made.strftime("%Y-%m-%dT%H:%M:%SZ")
+        seen = [essentials(each) for each in pods]
+        return assess(
+            revision=NEW,
+            workloads=old + new,
+            pods=seen,
+            routing=routing_from_pods(seen),
+            now=NOW,
+            settings=settings,
+            sizes=(1, 2),
+        )
+
+    assert at(NOW - timedelta(seconds=60)).phase == WAITING
+    found = at(NOW - timedelta(seconds=121))
+    assert found.phase == STUCK and "progressDeadlineSeconds 120" in found.message
+    assert found.drain == () and found.replicas[NEW] == (1, 2)

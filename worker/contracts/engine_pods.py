@@ -147,9 +147,10 @@ def essentials(pod: Mapping[str, Any]) -> dict[str, Any]:
     reads; an operator or router holding thousands of them whole holds tens of MiB for nothing."""
     metadata = _mapping(pod.get("metadata"))
     status = _mapping(pod.get("status"))
+    # creationTimestamp: a rollout's progress deadline counts from the making of a step's pods.
     kept_metadata = {
         key: metadata[key]
-        for key in ("name", "namespace", "annotations", "deletionTimestamp")
+        for key in ("name", "namespace", "annotations", "creationTimestamp", "deletionTimestamp")
         if key in metadata
     }
     # Only the project's own labels (role, deployment, revision, slot) are read; the others are for people.
