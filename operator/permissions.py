@@ -71,8 +71,8 @@ def operator_rules(worker_cluster_role: str) -> tuple[Rule, ...]:
         Rule(
             "",
             "pods",
-            ("get", "list", "watch", "patch"),
-            "the engine pods' conditions; a rollout marks the old revision's pods draining",
+            ("get", "list", "watch", "patch", "delete"),
+            "the engine pods' conditions; a rollout marks old pods draining, then deletes the chosen decoders",
         ),
         Rule("", "events", ("create", "patch"), "Events on the deployments it reconciles"),
         Rule("", "serviceaccounts", ALL_OBJECT_VERBS, "the sidecars' and the router's accounts"),
