@@ -13,8 +13,10 @@ where the cluster is.
   100%). The old slot's children are kept, untouched, until the new revision serves.
 - Once every new prefill engine and every new decode pod is in a routable pair (the router's own pairing:
   verified handshakes, equal hashes), the old revision's pods that served are marked draining
-  (`pod_contract.DRAINING_ANNOTATION`): the router sends them nothing new. After `drainSeconds` the old
-  slot's children are no longer kept, and the reconcile prunes them.
+  (`pod_contract.DRAINING_ANNOTATION`): the router sends them nothing new. Once every marked pod's sidecar
+  reports its engine idle (0 requests in flight, measured a grace after the mark: `drain_progress`), or at
+  the latest `drainSeconds` after the mark, the old slot's children are no longer kept, and the reconcile
+  prunes them.
 - A new revision whose own pairs the sidecars refuse (a hash mismatch within it) is stuck at once; one
   without a routable pair after `progressDeadlineSeconds` is stuck too. Stuck, the old revision keeps
   serving at full size and the new one stays, never routed, for inspection. Applying the old spec makes the
@@ -31,7 +33,7 @@ from typing import Any, Final, Protocol
 from disagg.operator.api import RolloutSpec
 from disagg.operator.naming import COMPONENT_LABEL, REVISION_LABEL, SLOT_LABEL, SLOTS
 from disagg.worker.contracts.pairing import HASH_DIFFERS, Routing
-from disagg.worker.contracts.peer_report import PeerReportError, decode_peer_report
+from disagg.worker.contracts.peer_report import InFlight, PeerReportError, decode_peer_report
 from disagg.worker.contracts.pod_contract import DRAINING_ANNOTATION, PEER_REPORT_ANNOTATION
 from disagg.worker.kv.errors import CompatibilityHashMismatch
 
@@ -45,6 +47,9 @@ COMPLETE: Final = "RolloutComplete"
 _MISMATCH: Final = frozenset({CompatibilityHashMismatch.reason, HASH_DIFFERS})
 # The components whose children live in a slot; the worker's access and the router are shared.
 SLOTTED_COMPONENTS: Final = frozenset({"prefill", "decode", "topology"})
+# How long after a drain mark a pod's "0 in flight" counts: the routers see the mark within a watch event's
+# latency, and a request one of them chose just before has reached the engine by then.
+IDLE_GRACE_S: Final = 5
 
 
 class EngineWorkload(Protocol):
@@ -194,11 +199,8 @@ def assess(
     serving = {pair.prefill.head_pod for pair in routing.pairs} | {pair.decode.pod for pair in routing.pairs}
     serving |= {stage for pair in routing.pairs for stage in pair.prefill.stage_pods}
     marks = tuple(sorted(_name(pod) for pod in theirs if _name(pod) in serving and not _marked(pod)))
-    started = [t for t in (parse_time(_annotations(pod).get(DRAINING_ANNOTATION)) for pod in theirs) if t]
-    if marks:
-        started.append(now)
-    ends = max(started, default=now) + timedelta(seconds=settings.drain_seconds)
-    if not started or now >= ends:
+    drained = drain_progress(theirs, marks, now, settings)
+    if drained.done:
         return Rollout(
             revision,
             slot,
@@ -206,12 +208,11 @@ def assess(
             old_slot,
             DRAINING_OLD,
             f"revision {revision} serves ({pairs.get(revision, 0)} routable pairs); revision "
-            f"{old_revision} is drained and its children are deleted",
+            f"{old_revision} is drained ({drained.summary}) and its children are deleted",
             keep_old=False,
             draining=True,
             pairs=pairs,
         )
-    left = int((ends - now).total_seconds() + 0.999)
     return Rollout(
         revision,
         slot,
@@ -219,12 +220,74 @@ def assess(
         old_slot,
         DRAINING_OLD,
         f"revision {revision} serves ({pairs.get(revision, 0)} routable pairs); revision {old_revision} "
-        f"takes no new request and is deleted in {left}s (drainSeconds {settings.drain_seconds})",
+        f"takes no new request, {drained.idle} of {drained.marked} old pods idle; deleted once all are, or "
+        f"in {drained.left_s}s (drainSeconds {settings.drain_seconds})",
         keep_old=True,
         drain=marks,
         draining=True,
         pairs=pairs,
     )
+
+
+@dataclass(frozen=True)
+class DrainProgress:
+    """How far the old revision's drain is: `marked` pods drain, `idle` of them have nothing in flight;
+    `done` once there is nothing to drain, every marked pod is idle, or `drainSeconds` have passed
+    (`bound`); `left_s`: seconds until the bound."""
+
+    marked: int
+    idle: int
+    done: bool
+    bound: bool
+    left_s: int
+
+    @property
+    def summary(self) -> str:
+        if self.marked == 0:
+            return "none of its pods had served"
+        if self.bound and self.idle < self.marked:
+            return f"{self.idle} of {self.marked} old pods idle when drainSeconds passed"
+        return f"{self.idle} of {self.marked} old pods idle"
+
+
+def drain_progress(
+    theirs: Sequence[Mapping[str, Any]], marks: Sequence[str], now: datetime, settings: RolloutSpec
+) -> DrainProgress:
+    """The drain of the old slot's pods `theirs`, of which `marks` are being marked now.
+
+    A marked pod is idle once its sidecar's peer report (`peer_report.InFlight`) says its engine has 0
+    requests in flight, measured at least `IDLE_GRACE_S` after the pod's drain mark: a request the router
+    chose just before it saw the mark has reached the engine by then, and is counted. A pod being marked
+    now has no such report yet. The drain ends when every marked pod is idle, or at the latest
+    `drainSeconds` after the last mark, whatever the pods report."""
+    started: list[datetime] = []
+    idle = 0
+    for pod in theirs:
+        mark = parse_time(_annotations(pod).get(DRAINING_ANNOTATION))
+        if mark is None:
+            continue
+        started.append(mark)
+        idle += _idle_since(pod, mark + timedelta(seconds=IDLE_GRACE_S))
+    marked = len(started) + len(marks)
+    if marks:
+        started.append(now)
+    ends = max(started, default=now) + timedelta(seconds=settings.drain_seconds)
+    bound = bool(started) and now >= ends
+    done = not started or bound or (not marks and idle == marked)
+    left = max(0, int((ends - now).total_seconds() + 0.999))
+    return DrainProgress(marked, idle, done, bound, left)
+
+
+def _idle_since(pod: Mapping[str, Any], after: datetime) -> bool:
+    """The pod's report says 0 requests in flight, measured at or after `after`."""
+    text = _annotations(pod).get(PEER_REPORT_ANNOTATION)
+    if not isinstance(text, str):
+        return False
+    try:
+        in_flight = decode_peer_report(text).in_flight
+    except PeerReportError:
+        return False
+    return isinstance(in_flight, InFlight) and in_flight.requests == 0 and in_flight.at >= after
 
 
 def _not_yet(

@@ -7,8 +7,9 @@ create nothing exists, and on update the running topology stays as it was.
 
 A spec whose engine revision differs from the running one rolls out beside it (`rollout.assess` decides from
 the children's labels and the pods' pairing): the spec's children go in the other slot, the old slot's stay
-until the new revision serves, then the old pods are marked draining and, `drainSeconds` later, pruned. A
-timer (`handlers.advance_rollout`) calls `reconcile` while `status.oldRevision` says a rollout is under way.
+until the new revision serves, then the old pods are marked draining and, once idle (at the latest
+`drainSeconds` later), pruned. A timer (`handlers.advance_rollout`) calls `reconcile` while
+`status.oldRevision` says a rollout is under way.
 
 At scale (a thousand deployments, seven thousand children) three things keep the API server's load
 proportional to what changed: the verdict on a spec is computed once per distinct spec (`judge` is pure, so
