@@ -32,6 +32,7 @@ from typing import Any, Final, Protocol
 
 from disagg.operator.api import RolloutSpec
 from disagg.operator.naming import COMPONENT_LABEL, REVISION_LABEL, SLOT_LABEL, SLOTS
+from disagg.worker.contracts.engine_pods import engine_pod
 from disagg.worker.contracts.pairing import HASH_DIFFERS, Routing
 from disagg.worker.contracts.peer_report import InFlight, PeerReportError, decode_peer_report
 from disagg.worker.contracts.pod_contract import DRAINING_ANNOTATION, PEER_REPORT_ANNOTATION
@@ -258,16 +259,20 @@ def drain_progress(
     A marked pod is idle once its sidecar's peer report (`peer_report.InFlight`) says its engine has 0
     requests in flight, measured at least `IDLE_GRACE_S` after the pod's drain mark: a request the router
     chose just before it saw the mark has reached the engine by then, and is counted. A pod being marked
-    now has no such report yet. The drain ends when every marked pod is idle, or at the latest
+    now has no such report yet. A PP prefill engine's stages past the head hold no request of their own (the
+    head schedules them all), so the head's report speaks for them. The drain ends when every marked pod is
+    idle, or at the latest
     `drainSeconds` after the last mark, whatever the pods report."""
     started: list[datetime] = []
     idle = 0
+    speaker = _speakers(theirs)
     for pod in theirs:
         mark = parse_time(_annotations(pod).get(DRAINING_ANNOTATION))
         if mark is None:
             continue
         started.append(mark)
-        idle += _idle_since(pod, mark + timedelta(seconds=IDLE_GRACE_S))
+        head = speaker.get(_name(pod))
+        idle += head is not None and _idle_since(head, mark + timedelta(seconds=IDLE_GRACE_S))
     marked = len(started) + len(marks)
     if marks:
         started.append(now)
@@ -276,6 +281,26 @@ def drain_progress(
     done = not started or bound or (not marks and idle == marked)
     left = max(0, int((ends - now).total_seconds() + 0.999))
     return DrainProgress(marked, idle, done, bound, left)
+
+
+def _speakers(pods: Sequence[Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
+    """Each pod's name to the pod whose report tells its engine's requests in flight: its own, or for a
+    prefill stage past 0 its engine's head (absent while the head is gone)."""
+    found = {pod_name: (engine_pod(pod), pod) for pod in pods if (pod_name := _name(pod))}
+    heads = {
+        (engine.deployment, engine.engine_id): pod
+        for engine, pod in found.values()
+        if engine is not None and engine.role == "prefill" and engine.stage == 0
+    }
+    out: dict[str, Mapping[str, Any]] = {}
+    for pod_name, (engine, pod) in found.items():
+        if engine is not None and engine.role == "prefill" and engine.stage > 0:
+            head = heads.get((engine.deployment, engine.engine_id))
+            if head is not None:
+                out[pod_name] = head
+        else:
+            out[pod_name] = pod
+    return out
 
 
 def _idle_since(pod: Mapping[str, Any], after: datetime) -> bool:

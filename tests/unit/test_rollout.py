@@ -282,3 +282,19 @@ def test_a_handshake_that_failed_while_a_peer_started_is_waited_for_not_stuck() 
     pods[3]["metadata"]["annotations"][PEER_REPORT_ANNOTATION] = encode_peer_report(report)
     found = judge(NEW, both, pods)
     assert (found.phase, found.keep_old) == (WAITING, True)
+
+
+def test_a_pp_engines_later_stages_are_idle_when_their_head_is() -> None:
+    both = [("a", OLD), ("b", NEW)]
+    pods = pair("a", OLD) + pair("b", NEW)
+    # Stage 1 of the old prefill engine: headless, its engine schedules nothing and reports no count.
+    stage = pod("d-prefill-0-1", "prefill", "a", OLD, [("d-decode-xa", True, HASHES[OLD])])
+    pods.append(stage)
+    mark([pods[0], pods[1], stage], NOW - timedelta(seconds=10))
+    in_flight(pods[1], 0, NOW)
+    in_flight(pods[0], 1, NOW)
+    found = judge(NEW, both, pods)
+    assert found.keep_old and "1 of 3 old pods idle" in found.message
+    in_flight(pods[0], 0, NOW)
+    found = judge(NEW, both, pods)
+    assert not found.keep_old and "3 of 3 old pods idle" in found.message

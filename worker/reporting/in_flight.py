@@ -2,9 +2,11 @@
 
 vLLM and the reference engine both export vLLM's scheduler gauges, `vllm:num_requests_running` and
 `vllm:num_requests_waiting` (a decode request waiting for its prompt's KV is waiting), so one reading serves
-both sidecar modes: a watching sidecar moves no KV and sees none of the engine's requests itself. A PP
-prefill engine's stages ask its head (`SidecarConfig.engine_host`), whose scheduler holds every request of
-the engine; the stages past it run headless and serve no HTTP. What the router has sent but the engine has
+both sidecar modes: a watching sidecar moves no KV and sees none of the engine's requests itself. The
+engine is asked where its side channel is (`SidecarConfig.engine_host`: a vLLM PP engine's head for every
+stage). A PP prefill engine's stages past the head schedule nothing and export no scheduler gauge (a
+reference engine's headless stage), so their count is None; the operator reads the head's report for them
+(`operator.rollout.drain_progress`). What the router has sent but the engine has
 not yet received is not counted: the operator waits a grace after a drain mark for that
 (`operator.rollout.drain_progress`).
 """
