@@ -72,7 +72,7 @@ def operator_rules(worker_cluster_role: str) -> tuple[Rule, ...]:
             "",
             "pods",
             ("get", "list", "watch", "patch", "delete"),
-            "the engine pods' conditions; a rollout marks old pods draining, then deletes the chosen decoders",
+            "the engine pods' conditions; a rollout marks old pods draining, then deletes chosen decoders",
         ),
         Rule("", "events", ("create", "patch"), "Events on the deployments it reconciles"),
         Rule("", "serviceaccounts", ALL_OBJECT_VERBS, "the sidecars' and the router's accounts"),

@@ -13,9 +13,11 @@ where the cluster is.
   per role by `maxSurge` and `maxUnavailable`): each step adds new engines once the previous step's pair
   (the router's own pairing: verified handshakes, equal hashes), and takes as many old ones out of service
   as the new ones replace. An old engine that served is first marked draining
-  (`pod_contract.DRAINING_ANNOTATION`: the router sends it nothing new) and removed `drainSeconds` later:
-  a prefill engine by deleting its StatefulSet (the highest replica first), a decode pod by deleting it
-  and lowering the old Deployment's replicas in the same reconcile. Once no old engine is left, the old
+  (`pod_contract.DRAINING_ANNOTATION`: the router sends it nothing new) and removed once its sidecar
+  reports its engine idle (0 requests in flight, measured `IDLE_GRACE_S` after the mark: `_idle`), or at
+  the latest `drainSeconds` after the mark: a prefill engine by deleting its StatefulSet (the highest
+  replica first), a decode pod by deleting it and lowering the old Deployment's replicas in the same
+  reconcile. Once no old engine is left, the old
   slot's children are pruned. `maxSurge: 100%` brings the whole new revision up at once, as before steps.
 - A new revision whose own pairs the sidecars refuse (a hash mismatch within it) is stuck at once; one
   without a routable pair after `progressDeadlineSeconds` is stuck too. Stuck, the old revision keeps
@@ -42,8 +44,9 @@ from disagg.operator.rollout_steps import (
     progress,
     removal_order,
 )
+from disagg.worker.contracts.engine_pods import engine_pod
 from disagg.worker.contracts.pairing import HASH_DIFFERS, Routing
-from disagg.worker.contracts.peer_report import PeerReportError, decode_peer_report
+from disagg.worker.contracts.peer_report import InFlight, PeerReportError, decode_peer_report
 from disagg.worker.contracts.pod_contract import DRAINING_ANNOTATION, PEER_REPORT_ANNOTATION, ROLE_LABEL
 from disagg.worker.kv.errors import CompatibilityHashMismatch
 
@@ -57,6 +60,9 @@ COMPLETE: Final = "RolloutComplete"
 _MISMATCH: Final = frozenset({CompatibilityHashMismatch.reason, HASH_DIFFERS})
 # The components whose children live in a slot; the worker's access and the router are shared.
 SLOTTED_COMPONENTS: Final = frozenset({"prefill", "decode", "topology"})
+# How long after a drain mark a pod's "0 in flight" counts: the routers see the mark within a watch event's
+# latency, and a request one of them chose just before has reached the engine by then.
+IDLE_GRACE_S: Final = 5
 
 
 class EngineWorkload(Protocol):
@@ -269,17 +275,29 @@ def assess(
 def _drain_note(
     theirs: Sequence[Mapping[str, Any]], rollout: Rollout, now: datetime, settings: RolloutSpec
 ) -> str:
-    marks = [t for t in (parse_time(_annotations(pod).get(DRAINING_ANNOTATION)) for pod in theirs) if t]
-    count = len(marks) + len(rollout.drain)
+    marked = [pod for pod in theirs if _marked(pod)]
+    marks = [t for t in (parse_time(_annotations(pod).get(DRAINING_ANNOTATION)) for pod in marked) if t]
+    count = len(marked) + len(rollout.drain)
     serves = rollout.pairs.get(rollout.old_revision or "", 0)
     if not count:
         return f"revision {rollout.old_revision} serves ({serves} pairs)"
+    heads = {
+        _engine_of(pod): pod for pod in theirs if (engine := engine_pod(pod)) is None or engine.stage == 0
+    }
+    idle = sum(_idle([pod, heads[_engine_of(pod)]] if _engine_of(pod) in heads else [pod]) for pod in marked)
     ends = max(marks, default=now) + timedelta(seconds=settings.drain_seconds)
     wait = max(0, int((ends - now).total_seconds() + 0.999))
     return (
-        f"{count} pods of revision {rollout.old_revision} take no new request and are deleted in {wait}s "
-        f"(drainSeconds {settings.drain_seconds}); it serves {serves} pairs meanwhile"
+        f"{count} pods of revision {rollout.old_revision} take no new request, {idle} of {count} old pods "
+        f"idle; each engine is deleted once idle, at the latest in {wait}s (drainSeconds "
+        f"{settings.drain_seconds}); it serves {serves} pairs meanwhile"
     )
+
+
+def _engine_of(pod: Mapping[str, Any]) -> str:
+    """The engine a pod belongs to: a prefill stage's StatefulSet (its name less the ordinal), else itself."""
+    name = _name(pod)
+    return name.rsplit("-", 1)[0] if _role(pod) == "prefill" else name
 
 
 def _in_slot(workloads: Sequence[EngineWorkload], slot: str) -> list[EngineWorkload]:
@@ -295,6 +313,31 @@ def _serving_pods(routing: Routing) -> set[str]:
 def _drained_at(pods: Sequence[Mapping[str, Any]]) -> datetime | None:
     marks = [t for t in (parse_time(_annotations(pod).get(DRAINING_ANNOTATION)) for pod in pods) if t]
     return min(marks, default=None)
+
+
+def _idle(pods: Sequence[Mapping[str, Any]]) -> bool:
+    """A draining engine's sidecar reports 0 requests in flight, measured at least `IDLE_GRACE_S` after the
+    latest drain mark of its pods (`peer_report.InFlight`): a request a router chose just before it saw the
+    mark has reached the engine by then, and is counted. The engine's head speaks for it: a PP prefill's
+    stages past 0 hold no request of their own (the head schedules them all)."""
+    marks = [t for t in (parse_time(_annotations(pod).get(DRAINING_ANNOTATION)) for pod in pods) if t]
+    if not marks:
+        return False
+    heads = [pod for pod in pods if (engine := engine_pod(pod)) is None or engine.stage == 0]
+    after = max(marks) + timedelta(seconds=IDLE_GRACE_S)
+    return bool(heads) and all(_reports_idle(pod, after) for pod in heads)
+
+
+def _reports_idle(pod: Mapping[str, Any], after: datetime) -> bool:
+    """The pod's report says 0 requests in flight, measured at or after `after`."""
+    text = _annotations(pod).get(PEER_REPORT_ANNOTATION)
+    if not isinstance(text, str):
+        return False
+    try:
+        in_flight = decode_peer_report(text).in_flight
+    except PeerReportError:
+        return False
+    return isinstance(in_flight, InFlight) and in_flight.requests == 0 and in_flight.at >= after
 
 
 def _old_prefills(
@@ -315,6 +358,7 @@ def _old_prefills(
             pods=tuple(sorted(_name(pod) for pod in members)),
             serving=any(_name(pod) in serving for pod in members),
             draining_since=_drained_at(members),
+            idle=_idle(members),
             gone=name not in sets,
         )
         engines.append((_index(name), engine))
@@ -331,6 +375,7 @@ def _old_decoders(
             pods=(_name(pod),),
             serving=_name(pod) in serving,
             draining_since=_drained_at([pod]),
+            idle=_idle([pod]),
             gone=bool((pod.get("metadata") or {}).get("deletionTimestamp")),
         )
         for pod in sorted((pod for pod in pods if _role(pod) == "decode"), key=_name)

@@ -8,7 +8,8 @@ terminating ones included), and an old engine leaves service (is marked draining
 
 Each call is one level-based step from what the cluster shows (`RoleState`): the new revision grows only
 once every engine of its previous step is in a routable pair; old engines are drained before they are
-removed (one that serves nothing is removed at once); a rollout that is stuck grows and drains nothing.
+removed (once idle, or `drainSeconds` after the mark; one that serves nothing is removed at once); a
+rollout that is stuck grows and drains nothing.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class OldEngine:
     serving: bool = False
     """In a routable pair now (a draining engine never is)."""
     draining_since: datetime | None = None
+    idle: bool = False
+    """Draining, and its engine reported nothing in flight since (a grace after) the mark."""
     gone: bool = False
     """Deleted, its pods still terminating: it counts toward the surge and is removed already."""
 
@@ -121,7 +124,9 @@ def _role_step(state: RoleState, settings: RolloutSpec, now: datetime, frozen: b
     bound = bounds(settings, state.desired)
     drain_for = timedelta(seconds=settings.drain_seconds)
     live = [engine for engine in state.old if not engine.gone]
-    done = [e for e in live if e.draining_since is not None and now >= e.draining_since + drain_for]
+    done = [
+        e for e in live if e.draining_since is not None and (e.idle or now >= e.draining_since + drain_for)
+    ]
     active = [engine for engine in live if engine.draining_since is None]
     # Grow only once the previous step's engines pair; count every old engine that still has pods.
     new = min(state.new, state.desired)

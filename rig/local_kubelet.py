@@ -152,7 +152,7 @@ class LocalPod:
     workdir: Path
     processes: dict[str, subprocess.Popen[bytes]]
     """By container name; a stand-in pod has one, named after its log (`STAND_IN_LOG`)."""
-    probes: dict[str, Callable[[], bool]] = field(default_factory=dict)
+    probes: dict[str, Readiness] = field(default_factory=dict)
     fault: Fault | None = None
     role: str = ""
     """Its `disagg.io/role` label, once a vLLM engine of it runs (the decoders' cores are taken in turn)."""
@@ -172,20 +172,48 @@ class LocalPod:
 
     def ready(self, container: str) -> bool:
         probe = self.probes.get(container)
-        return self.running(container) and (probe is None or probe())
+        return self.running(container) and (probe is None or probe.ready())
 
 
-def http_probe(host: str, port: int, path: str) -> Callable[[], bool]:
-    """A kubelet's httpGet probe: any status from 200 to 399 within a second is a success."""
+@dataclass
+class Readiness:
+    """A container's readiness as a kubelet keeps it: Ready after a successful probe, unready again only
+    after `failure_threshold` failures in a row (the probe's `failureThreshold`), so one probe that times
+    out on a loaded machine does not take the pod out of its Services."""
+
+    probe: Callable[[], bool]
+    failure_threshold: int = 3
+    _ready: bool = False
+    _failures: int = 0
+
+    def ready(self) -> bool:
+        if self.probe():
+            self._ready, self._failures = True, 0
+        else:
+            self._failures += 1
+            if self._failures >= self.failure_threshold:
+                self._ready = False
+        return self._ready
+
+
+def http_probe(host: str, port: int, path: str, timeout_s: float = 1.0) -> Callable[[], bool]:
+    """A kubelet's httpGet probe: any status from 200 to 399 within `timeout_s` (the probe's
+    `timeoutSeconds`, 1 by default) is a success."""
 
     def probe() -> bool:
         try:
-            with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=1) as response:
+            with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=timeout_s) as response:
                 return 200 <= int(response.status) < 400
         except (OSError, ValueError):
             return False
 
     return probe
+
+
+def readiness(host: str, port: int, spec: Mapping[str, Any]) -> Readiness:
+    """The kubelet's readiness of a container with readinessProbe `spec` (its httpGet part at `port`)."""
+    probe = http_probe(host, port, spec["httpGet"].get("path", "/"), float(spec.get("timeoutSeconds") or 1))
+    return Readiness(probe, int(spec.get("failureThreshold") or 3))
 
 
 @dataclass
@@ -479,10 +507,10 @@ class LocalKubelet:
             argv[0] = str(Path(sys.executable).with_name("disagg"))
         log = local.workdir / f"{container['name']}.log"
         local.processes[container["name"]] = self._spawn(argv, env, log, local.workdir)
-        probe = (container.get("readinessProbe") or {}).get("httpGet")
-        if probe:
-            port = _port_of(container, probe["port"])
-            local.probes[container["name"]] = http_probe(local.ip, port, probe.get("path", "/"))
+        probe = container.get("readinessProbe") or {}
+        if probe.get("httpGet"):
+            port = _port_of(container, probe["httpGet"]["port"])
+            local.probes[container["name"]] = readiness(local.ip, port, probe)
 
     def _run_vllm(
         self,
@@ -509,13 +537,13 @@ class LocalKubelet:
         log = local.workdir / f"{container['name']}.log"
         local.processes[container["name"]] = self._spawn(argv, env, log, local.workdir, preexec=pinned(core))
         local.sessions.add(container["name"])
-        probe = (container.get("readinessProbe") or {}).get("httpGet")
-        if probe:
-            port = _port_of(container, probe["port"])
-            local.probes[container["name"]] = http_probe(local.ip, port, probe.get("path", "/"))
+        probe = container.get("readinessProbe") or {}
+        if probe.get("httpGet"):
+            port = _port_of(container, probe["httpGet"]["port"])
+            local.probes[container["name"]] = readiness(local.ip, port, probe)
         elif not ("--headless" in argv[2] and pod["metadata"]["name"].rsplit("-", 1)[-1] != "0"):
             # vLLM's own health endpoint, where the pod serves HTTP (a PP stage past 0 runs headless).
-            local.probes[container["name"]] = http_probe(local.ip, 8000, "/health")
+            local.probes[container["name"]] = Readiness(http_probe(local.ip, 8000, "/health"))
 
     def _rendezvous(self, argv: list[str]) -> list[str]:
         """torch's rendezvous store on a PP head listens on every address: in pods each engine has its own

@@ -6,7 +6,8 @@ would: the image (the engine venv's `vllm` first on PATH), the network (the pod'
 host address, `VLLM_HOST_IP`, and as the HTTP bind address, `--host`, since every pod shares this one network
 namespace; UCX on loopback), the node's CPU manager (the whole pod on one core, as a static CPU manager places
 a Guaranteed pod, vLLM's OpenMP threads included through `VLLM_CPU_OMP_THREADS_BIND`) and its accelerator
-(the CPU, `VLLM_CPU_KVCACHE_SPACE` GiB of KV, offline).
+(the CPU, `VLLM_CPU_KVCACHE_SPACE` GiB of KV, offline, and the AMX tile state each engine process must ask
+Linux for before vLLM's bfloat16 CPU attention runs: `hack/vllm/site/sitecustomize.py`).
 
 The core matters. NIXL's UCX progress thread polls without sleeping, a core per engine, idle or not, and
 vLLM's handshake waits a fixed 5 s for the peer's side channel, a thread beside that engine. So the prefill
@@ -24,6 +25,8 @@ from typing import Final
 from disagg.rig.local import LOOPBACK_UCX_ENV, REPO
 
 ENGINE_VENV: Final = Path(os.environ.get("VLLM_ENGINE_VENV", REPO / ".venv-vllm-engine"))
+# On the engine processes' path: its sitecustomize asks for AMX in every one of them (see that file).
+ENGINE_SITE: Final = REPO / "hack" / "vllm" / "site"
 KV_CACHE_GIB: Final = 1
 NODE_ENV: Final[Mapping[str, str]] = {
     "VLLM_TARGET_DEVICE": "cpu",
@@ -61,6 +64,7 @@ def engine_process(
         **NODE_ENV,
         "VLLM_CPU_OMP_THREADS_BIND": str(core),
         "VLLM_HOST_IP": ip,
+        "PYTHONPATH": str(ENGINE_SITE),
     }
     return [*argv, "--host", ip], {**node, **env}
 

@@ -8,9 +8,10 @@ create nothing exists, and on update the running topology stays as it was.
 A spec whose engine revision differs from the running one rolls out beside it (`rollout.assess` decides from
 the children's labels and the pods' pairing): the spec's children go in the other slot, beside the old's,
 in steps bounded by `spec.rollout.maxSurge`/`maxUnavailable` (`rollout_steps`): the spec's slot is built
-at the step's replicas, old pods are marked draining and, `drainSeconds` later, removed (a prefill engine's
-StatefulSet pruned, a decode pod deleted and its Deployment scaled down), the old slot pruned once empty. A
-timer (`handlers.advance_rollout`) calls `reconcile` while `status.oldRevision` says a rollout is under way.
+at the step's replicas, old pods are marked draining and, once idle (at the latest `drainSeconds` later),
+removed (a prefill engine's StatefulSet pruned, a decode pod deleted and its Deployment scaled down), the
+old slot pruned once empty. A timer (`handlers.advance_rollout`) calls `reconcile` while
+`status.oldRevision` says a rollout is under way.
 
 At scale (a thousand deployments, seven thousand children) three things keep the API server's load
 proportional to what changed: the verdict on a spec is computed once per distinct spec (`judge` is pure, so

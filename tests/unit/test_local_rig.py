@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from disagg.rig.local_kubelet import expand, is_project_image
+from disagg.rig.local_kubelet import Readiness, expand, is_project_image
 from disagg.rig.service_proxy import Backend, backends
 
 
@@ -60,3 +60,11 @@ def test_a_service_forwards_only_to_ready_selected_pods_at_their_target_port() -
 def test_a_service_without_selector_has_no_backends() -> None:
     service = {"spec": {"ports": [{"port": 80}]}}
     assert backends(service, [pod("a", "127.1.1.1", True, {})]) == {80: []}
+
+
+def test_a_ready_container_turns_unready_only_after_the_probes_failure_threshold() -> None:
+    answers = iter([False, True, False, False, True, False, False, False])
+    readiness = Readiness(lambda: next(answers), failure_threshold=3)
+    # Not ready until a probe passes; then a failure or two in a row (a slow answer on a loaded machine)
+    # leaves it ready, and the third in a row takes it out, as a kubelet's failureThreshold does.
+    assert [readiness.ready() for _ in range(8)] == [False, True, True, True, True, True, True, False]

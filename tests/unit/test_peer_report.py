@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 
 import pytest
 from hypothesis import given
@@ -12,6 +13,7 @@ from disagg.worker.contracts.peer_report import (
     MAX_PEER_REPORT_BYTES,
     MAX_PEERS,
     PEER_REPORT_VERSION,
+    InFlight,
     PeerReport,
     PeerReportError,
     PeerVerdict,
@@ -58,6 +60,21 @@ def test_a_report_is_camel_case_json_with_its_version_and_round_trips() -> None:
     }
     assert decode_peer_report(text) == original
     assert decode_peer_report(text).verdict("d-2") == original.peers[1]
+
+
+def test_a_draining_pods_in_flight_count_round_trips_and_is_absent_from_other_reports() -> None:
+    assert "inFlight" not in json.loads(encode_peer_report(report(verdict("d-1"))))
+    at = datetime(2026, 12, 2, 9, 0, 1, 250000, tzinfo=UTC)
+    draining = PeerReport(
+        version=PEER_REPORT_VERSION, engine_id="e", kv_hash=HASH, in_flight=InFlight(requests=0, at=at)
+    )
+    text = encode_peer_report(draining)
+    assert json.loads(text)["inFlight"] == {"requests": 0, "at": "2026-12-02T09:00:01.250000Z"}
+    assert decode_peer_report(text) == draining
+    # A count below 0, or a time without its zone (whose clock?), is no report.
+    for bad in ({"requests": -1, "at": "2026-12-02T09:00:01Z"}, {"requests": 0, "at": "2026-12-02T09:00:01"}):
+        with pytest.raises(PeerReportError):
+            decode_peer_report(json.dumps({**json.loads(text), "inFlight": bad}))
     assert decode_peer_report(text).verdict("d-3") is None
 
 

@@ -6,13 +6,15 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from disagg.operator.api import RolloutSpec
-from disagg.operator.rollout import COMPLETE, DRAINING_OLD, STUCK, WAITING, assess
+from disagg.operator.rollout import COMPLETE, DRAINING_OLD, IDLE_GRACE_S, STUCK, WAITING, assess
 from disagg.operator.status import Workload
 from disagg.worker.contracts.pairing import routing_from_pods
 from disagg.worker.contracts.peer_report import (
     PEER_REPORT_VERSION,
+    InFlight,
     PeerReport,
     PeerVerdict,
+    decode_peer_report,
     encode_peer_report,
 )
 from disagg.worker.contracts.pod_contract import (
@@ -156,9 +158,72 @@ def test_once_the_new_revision_pairs_the_old_pods_that_served_are_drained_then_l
         each["metadata"]["annotations"][DRAINING_ANNOTATION] = marked
     found = judge(NEW, both, pods)
     assert (found.phase, found.keep_old, found.drain) == (DRAINING_OLD, True, ())
-    assert "deleted in 20s" in found.message
+    assert "0 of 2 old pods idle" in found.message and "in 20s (drainSeconds 30)" in found.message
+    # Without a word from the pods' sidecars, drainSeconds bounds the drain.
     found = judge(NEW, both, pods, now=NOW + timedelta(seconds=25))
     assert (found.phase, found.keep_old) == (DRAINING_OLD, False)
+    assert f"revision {OLD} is drained" in found.message and not found.keep_old
+
+
+def mark(pods: list[dict[str, Any]], at: datetime) -> None:
+    for each in pods:
+        each["metadata"]["annotations"][DRAINING_ANNOTATION] = at.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def in_flight(each: dict[str, Any], requests: int, at: datetime) -> None:
+    """What a draining pod's sidecar adds to its report: its engine's requests in flight, measured `at`."""
+    annotations = each["metadata"]["annotations"]
+    report = decode_peer_report(annotations[PEER_REPORT_ANNOTATION])
+    report = PeerReport(
+        version=report.version,
+        engine_id=report.engine_id,
+        kv_hash=report.kv_hash,
+        peers=report.peers,
+        in_flight=InFlight(requests=requests, at=at),
+    )
+    annotations[PEER_REPORT_ANNOTATION] = encode_peer_report(report)
+
+
+def test_a_drain_ends_once_every_drained_pod_reports_nothing_in_flight_a_grace_after_its_mark() -> None:
+    both = [("a", OLD), ("b", NEW)]
+    pods = pair("a", OLD) + pair("b", NEW)
+    marked = NOW - timedelta(seconds=10)
+    mark(pods[:2], marked)
+    # One old pod idle, the other still finishing a request: the old slot stays.
+    in_flight(pods[0], 0, NOW)
+    in_flight(pods[1], 1, NOW)
+    found = judge(NEW, both, pods)
+    assert (found.phase, found.keep_old) == (DRAINING_OLD, True)
+    assert "1 of 2 old pods idle" in found.message
+    # Both idle: the old slot goes long before drainSeconds (30 s) would have let it.
+    in_flight(pods[1], 0, NOW)
+    found = judge(NEW, both, pods)
+    assert (found.phase, found.keep_old) == (DRAINING_OLD, False)
+    assert f"revision {OLD} is drained" in found.message and not found.keep_old
+
+
+def test_an_idle_report_counts_only_when_measured_a_grace_after_the_mark() -> None:
+    both = [("a", OLD), ("b", NEW)]
+    pods = pair("a", OLD) + pair("b", NEW)
+    mark(pods[:2], NOW - timedelta(seconds=10))
+    # Measured before the mark, or within the grace a router may still send a request in: not idle yet.
+    in_flight(pods[0], 0, NOW - timedelta(seconds=11))
+    in_flight(pods[1], 0, NOW - timedelta(seconds=10 - IDLE_GRACE_S + 1))
+    found = judge(NEW, both, pods)
+    assert found.keep_old and "0 of 2 old pods idle" in found.message
+    in_flight(pods[0], 0, NOW - timedelta(seconds=10 - IDLE_GRACE_S))
+    found = judge(NEW, both, pods)
+    assert found.keep_old and "1 of 2 old pods idle" in found.message
+
+
+def test_pods_being_marked_now_are_not_idle_whatever_they_reported_before() -> None:
+    both = [("a", OLD), ("b", NEW)]
+    pods = pair("a", OLD) + pair("b", NEW)
+    for each in pods[:2]:
+        in_flight(each, 0, NOW)
+    found = judge(NEW, both, pods)
+    assert found.keep_old and found.drain == ("d-decode-xa", "d-prefill-0-0")
+    assert "0 of 2 old pods idle" in found.message
 
 
 def test_a_new_revision_that_cannot_pair_with_itself_is_stuck_at_once_and_the_old_keeps_serving() -> None:
@@ -311,3 +376,19 @@ def test_a_steps_pod_not_routable_past_the_deadline_since_it_was_made_stops_the_
     found = at(NOW - timedelta(seconds=121))
     assert found.phase == STUCK and "progressDeadlineSeconds 120" in found.message
     assert found.drain == () and found.replicas[NEW] == (1, 2)
+
+
+def test_a_pp_engines_later_stages_are_idle_when_their_head_is() -> None:
+    both = [("a", OLD), ("b", NEW)]
+    pods = pair("a", OLD) + pair("b", NEW)
+    # Stage 1 of the old prefill engine: headless, its engine schedules nothing and reports no count.
+    stage = pod("d-prefill-0-1", "prefill", "a", OLD, [("d-decode-xa", True, HASHES[OLD])])
+    pods.append(stage)
+    mark([pods[0], pods[1], stage], NOW - timedelta(seconds=10))
+    in_flight(pods[1], 0, NOW)
+    in_flight(pods[0], 1, NOW)
+    found = judge(NEW, both, pods)
+    assert found.keep_old and "1 of 3 old pods idle" in found.message
+    in_flight(pods[0], 0, NOW)
+    found = judge(NEW, both, pods)
+    assert not found.keep_old and f"revision {OLD} is drained" in found.message

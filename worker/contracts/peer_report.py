@@ -11,10 +11,16 @@ decoded only below a size bound (checked before any parsing), with a bounded num
 typed fields; anything else is a `PeerReportError`, never another exception. Unknown fields are ignored, so
 a newer sidecar may add some; a change that would make an older reader misread the report bumps `version`,
 which an older reader refuses.
+
+A draining pod's report (`pod_contract.DRAINING_ANNOTATION`) also says how many requests its engine has in
+flight and when the sidecar measured that (`InFlight`): the operator ends a drain once every drained pod
+reports 0 after its mark (`operator.rollout.drain_progress`). Other pods' reports leave it out, so a busy
+pod's count does not turn every round into an annotation write.
 """
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Annotated, Final
 
 import msgspec
@@ -34,6 +40,7 @@ MAX_REASON_CHARS: Final = 128
 # What a refusal found different, for the router's and the status's exclusion messages: its start.
 MAX_DIFFERS_CHARS: Final = 160
 REASON_PATTERN: Final = "^[A-Z][A-Za-z0-9]*$"
+MAX_IN_FLIGHT: Final = 1_000_000
 OK_REASON: Final = "HandshakesSucceeded"
 
 PodName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS)]
@@ -65,6 +72,14 @@ class PeerVerdict(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omi
     reports written before it read ""."""
 
 
+class InFlight(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """The requests this pod's engine had in flight (running or waiting, by the engine's own scheduler
+    gauges; a PP engine's head answers for its stages) when the sidecar measured them, by its clock."""
+
+    requests: Annotated[int, msgspec.Meta(ge=0, le=MAX_IN_FLIGHT)]
+    at: Annotated[datetime, msgspec.Meta(tz=True)]
+
+
 class PeerReport(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     """One engine pod's latest peer checks; `version` is `PEER_REPORT_VERSION`."""
 
@@ -74,6 +89,8 @@ class PeerReport(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     kv_hash: KVHash
     """The compatibility hash this pod's engine advertises ("" if it advertises none)."""
     peers: Annotated[tuple[PeerVerdict, ...], msgspec.Meta(max_length=MAX_PEERS)] = ()
+    in_flight: InFlight | msgspec.UnsetType = msgspec.UNSET
+    """Only while the pod is draining (see the module docstring); unset otherwise, and then not written."""
 
     def verdict(self, pod: str) -> PeerVerdict | None:
         return next((verdict for verdict in self.peers if verdict.pod == pod), None)

@@ -40,7 +40,8 @@ PEER_REPORT_ANNOTATION: Final = "disagg.io/kv-peers"
 
 # The operator marks an engine pod of a revision being replaced with this annotation (its value: when the
 # drain began, RFC 3339): routers send it no new request (pairing's `Draining`), its in-flight ones finish,
-# and the operator deletes it once the rollout's `drainSeconds` have passed.
+# and the operator deletes it once its sidecar reports nothing in flight (`peer_report.InFlight`), or at the
+# latest once the rollout's `drainSeconds` have passed.
 DRAINING_ANNOTATION: Final = "disagg.io/draining"
 
 # The pod's identity, from the downward API.

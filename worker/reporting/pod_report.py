@@ -13,6 +13,9 @@ message, so even a restarted sidecar finds and bumps the Event it posted before.
 The round's peer report (`peer_report.PeerReport`: this engine's live id and hash, a verdict per peer) is
 written as the annotation in the same `pods/status` patch, only when its text changed, so routers and the
 operator, which pair pods by it (`pairing`), see a write only when a verdict, a hash or an engine id changes.
+While the Pod is draining (`disagg.io/draining`, the operator's mark), each round's report also carries the
+engine's requests in flight and when they were measured (`peer_report.InFlight`, read by the `in_flight`
+probe the reporter is given): the operator ends the drain once a report made after the mark says 0.
 
 The pure parts (`condition_patch`, `annotation_patch`, `event_name`, `event_body`) are separate from the
 client calls.
@@ -27,10 +30,11 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Final
 
+import msgspec
 from kubernetes import client, config
 
-from disagg.worker.contracts.peer_report import PeerReport, PeerReportError, encode_peer_report
-from disagg.worker.contracts.pod_contract import PEER_REPORT_ANNOTATION, POD_CONDITION
+from disagg.worker.contracts.peer_report import InFlight, PeerReport, PeerReportError, encode_peer_report
+from disagg.worker.contracts.pod_contract import DRAINING_ANNOTATION, PEER_REPORT_ANNOTATION, POD_CONDITION
 from disagg.worker.reporting.peer_check import Outcome, refusal_message
 
 COMPONENT: Final = "disagg-kv-worker"
@@ -38,6 +42,8 @@ FIELD_MANAGER: Final = "disagg-kv-worker"
 
 log = logging.getLogger(__name__)
 Clock = Callable[[], datetime]
+InFlightProbe = Callable[[], int | None]
+"""The engine's requests in flight now, or None when it cannot tell."""
 
 
 def rfc3339(moment: datetime) -> str:
@@ -88,6 +94,23 @@ def annotation_patch(
     if (annotations or {}).get(PEER_REPORT_ANNOTATION) == text:
         return None
     return {"metadata": {"annotations": {PEER_REPORT_ANNOTATION: text}}}
+
+
+def with_in_flight(
+    report: PeerReport | None,
+    annotations: Mapping[str, str] | None,
+    probe: InFlightProbe | None,
+    clock: Clock,
+) -> PeerReport | None:
+    """`report` with the engine's requests in flight when the Pod is draining and `probe` can tell; else
+    `report` as it is. Stamped before the probe runs: whatever was in flight at the stamp is counted."""
+    if report is None or probe is None or DRAINING_ANNOTATION not in (annotations or {}):
+        return report
+    at = clock()
+    requests = probe()
+    if requests is None:
+        return report
+    return msgspec.structs.replace(report, in_flight=InFlight(requests=requests, at=at))
 
 
 def event_name(pod: str, reason: str, message: str) -> str:
@@ -152,11 +175,13 @@ class PodReporter:
         pod: str,
         *,
         clock: Clock = lambda: datetime.now(UTC),
+        in_flight: InFlightProbe | None = None,
     ) -> None:
         self.core = client.CoreV1Api(api)
         self.namespace = namespace
         self.pod = pod
         self._clock = clock
+        self._in_flight = in_flight
         self._counts: dict[str, int] = {}
 
     def list_pods(self, label_selector: str) -> list[dict[str, Any]]:
@@ -177,7 +202,9 @@ class PodReporter:
         pod = self.read_pod()
         previous = find_condition((pod.get("status") or {}).get("conditions"))
         patch = condition_patch((pod.get("status") or {}).get("conditions"), outcome, now)
-        annotation = annotation_patch((pod.get("metadata") or {}).get("annotations"), outcome.report)
+        annotations = (pod.get("metadata") or {}).get("annotations")
+        report = with_in_flight(outcome.report, annotations, self._in_flight, self._clock)
+        annotation = annotation_patch(annotations, report)
         if patch is not None or annotation is not None:
             # One write through pods/status, which keeps metadata changes (the API server's pod status
             # strategy resets only the spec, deletion timestamp and owner references): the worker's Role
@@ -189,15 +216,18 @@ class PodReporter:
             log.info(
                 "%s: %s=%s (%s) %s", self.pod, POD_CONDITION, outcome.status, outcome.reason, outcome.message
             )
-        if annotation is not None and outcome.report is not None:
-            vouched = sum(verdict.ok for verdict in outcome.report.peers)
+        if annotation is not None and report is not None:
+            vouched = sum(verdict.ok for verdict in report.peers)
             log.info(
-                "%s: %s: engine %s vouches for %d of %d peers",
+                "%s: %s: engine %s vouches for %d of %d peers%s",
                 self.pod,
                 PEER_REPORT_ANNOTATION,
-                outcome.report.engine_id,
+                report.engine_id,
                 vouched,
-                len(outcome.report.peers),
+                len(report.peers),
+                f", {report.in_flight.requests} requests in flight (draining)"
+                if isinstance(report.in_flight, InFlight)
+                else "",
             )
         for refusal in outcome.refusals:
             assert refusal.error is not None

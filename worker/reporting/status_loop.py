@@ -31,6 +31,7 @@ from disagg.worker.contracts.pod_contract import (
     ROLE_LABEL,
 )
 from disagg.worker.kv.errors import WorkerConfigError
+from disagg.worker.reporting.in_flight import engine_in_flight, metrics_url
 from disagg.worker.reporting.peer_check import Outcome, check_round, peer_role
 from disagg.worker.reporting.pod_report import PodReporter
 from disagg.worker.reporting.startup import StartupGrace
@@ -109,7 +110,14 @@ class PeerReporter:
         check: Check | None = None,
     ) -> PeerReporter:
         """The reporter of the pod `env` names (`POD_NAMESPACE`, `POD_NAME`, `DISAGG_DEPLOYMENT`)."""
-        reporter = PodReporter(api, _required(env, POD_NAMESPACE_ENV), _required(env, POD_NAME_ENV))
+        # While the pod drains, its reports say what its engine still has in flight.
+        url = metrics_url(config)
+        reporter = PodReporter(
+            api,
+            _required(env, POD_NAMESPACE_ENV),
+            _required(env, POD_NAME_ENV),
+            in_flight=lambda: engine_in_flight(url),
+        )
         deployment = _required(env, DEPLOYMENT_ENV)
         return cls(config, local, reporter, deployment, interval_s=interval_s, check=check)
 

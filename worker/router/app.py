@@ -57,6 +57,8 @@ from disagg.worker.router.protocol import (
 from disagg.worker.router.server import ConnectionGate, Serving, serve
 from disagg.worker.router.upstream import SseEvents, describe, read_bounded, unreachable_or, url_host
 
+# Below vLLM's default keep-alive (5 s) with room for a loaded machine's delays.
+ENGINE_KEEPALIVE_S: Final = 3.0
 log = logging.getLogger("disagg.worker.router")
 
 # Request body failures after which the connection cannot carry another request.
@@ -165,8 +167,10 @@ class Router:
 
     async def _client_session(self, app: web.Application) -> AsyncIterator[None]:
         # One pool for every engine; no per-host cap (an engine's admission control is its own), and no total
-        # timeout: each leg bounds itself.
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
+        # timeout: each leg bounds itself. An idle connection is closed before the engine would close it:
+        # vLLM's server drops one idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), and a leg sent on it as it
+        # does fails with ServerDisconnectedError, a failed request the engine never saw.
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=ENGINE_KEEPALIVE_S)
         self._session = aiohttp.ClientSession(
             connector=connector, timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False
         )
