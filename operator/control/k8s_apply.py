@@ -162,8 +162,8 @@ class Kube:
             if error.status != 404:
                 raise
 
-    def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str]) -> None:
-        """Merge `annotations` into a Pod's (the rollout's drain mark); a pod already gone is fine."""
+    def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str | None]) -> None:
+        """Merge `annotations` into a Pod's (the drain mark; None removes one); a pod already gone is fine."""
         try:
             self._call(
                 "PATCH",
@@ -176,6 +176,29 @@ class Kube:
         except ApiException as error:
             if error.status != 404:
                 raise
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        """Delete an engine pod a scale-down has drained; already gone is fine."""
+        try:
+            self._call(
+                "DELETE",
+                f"/api/v1/namespaces/{namespace}/pods/{name}",
+                body={"propagationPolicy": "Background"},
+                content_type="application/json",
+                read=False,
+            )
+        except ApiException as error:
+            if error.status != 404:
+                raise
+
+    def read_endpoints(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """A Service's Endpoints (the router pods the planner scrapes), or None while there are none."""
+        try:
+            return self._call("GET", f"/api/v1/namespaces/{namespace}/endpoints/{name}")
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
 
     def create_deployment(self, namespace: str, body: Mapping[str, Any]) -> dict[str, Any]:
         return self._call("POST", _DEPLOYMENTS.format(namespace=namespace), body=body)
