@@ -134,7 +134,8 @@ class DecodeTarget(ApiModel):
     running_requests: float | None = Field(
         default=None,
         gt=0,
-        description="Requests in flight per decoder (the router's disagg_router_in_flight_requests).",
+        description="Requests per decoder: the router's decode legs in flight and the requests it queues "
+        "for a decoder with room (disagg_router_in_flight_requests, disagg_router_queued_requests).",
     )
 
 

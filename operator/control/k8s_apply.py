@@ -191,14 +191,14 @@ class Kube:
             if error.status != 404:
                 raise
 
-    def read_endpoints(self, namespace: str, name: str) -> dict[str, Any] | None:
-        """A Service's Endpoints (the router pods the planner scrapes), or None while there are none."""
-        try:
-            return self._call("GET", f"/api/v1/namespaces/{namespace}/endpoints/{name}")
-        except ApiException as error:
-            if error.status == 404:
-                return None
-            raise
+    def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        """The pods a label selector matches (the router pods the planner scrapes), from the watch cache."""
+        found = self._call(
+            "GET",
+            f"/api/v1/namespaces/{namespace}/pods",
+            query={"labelSelector": selector, "resourceVersion": "0"},
+        )
+        return list(found.get("items") or ())
 
     def create_deployment(self, namespace: str, body: Mapping[str, Any]) -> dict[str, Any]:
         return self._call("POST", _DEPLOYMENTS.format(namespace=namespace), body=body)

@@ -2,10 +2,10 @@
 samples, ask the planner (`scaling.planner`, pure), write each planned role's target and the `Scaling`
 condition to the status, and reconcile so the children follow (`reconcile.reconcile`, the one apply path).
 
-The routers are scraped pod by pod, at the addresses their Service's Endpoints list (an address the
-operator reaches in a cluster and on the local rig alike; a Service's one address would answer from one
-router at a time, and their counters cannot be subtracted from each other). An engine is scraped at its
-pod IP on the engine's `http` port.
+The routers are scraped pod by pod, at their ready pods' IPs on the router's port (what the operator reaches
+in a cluster and on the local rig alike, whose loopback pod IPs no Endpoints object may hold; the Service's
+one address would answer from one router at a time, and two routers' counters cannot be subtracted from
+each other). An engine is scraped at its pod IP on the engine's `http` port.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from disagg.operator.api import ROLES, DisaggDeploymentSpec, Role
 from disagg.operator.builders.router import ROUTER_PORT_NAME
 from disagg.operator.control.k8s_apply import Kube
 from disagg.operator.control.reconcile import Observed, Outcome, judge, reconcile
-from disagg.operator.naming import Installation, router_name
+from disagg.operator.naming import Installation, router_selector
 from disagg.operator.scaling import planner, targets
 from disagg.operator.scaling.retire import Busy
 from disagg.operator.scaling.signals import EngineSample, RouterSample, Sample, parse_engine, parse_router
@@ -81,14 +81,27 @@ def _get(url: str) -> str | None:
         return None
 
 
-def router_addresses(endpoints: Mapping[str, Any] | None) -> list[str]:
-    """`ip:port` of every ready router pod an Endpoints object names."""
+def router_addresses(pods: Sequence[Mapping[str, Any]]) -> list[str]:
+    """`ip:port` of every ready router pod."""
     found = []
-    for subset in (endpoints or {}).get("subsets") or ():
-        ports = [p.get("port") for p in subset.get("ports") or () if p.get("name") == ROUTER_PORT_NAME]
-        for address in subset.get("addresses") or ():
-            if ports and address.get("ip"):
-                found.append(f"{address['ip']}:{ports[0]}")
+    for pod in pods:
+        status = pod.get("status") or {}
+        ready = any(
+            c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ()
+        )
+        ports = [
+            p["containerPort"]
+            for c in (pod.get("spec") or {}).get("containers") or ()
+            for p in c.get("ports") or ()
+            if p.get("name") == ROUTER_PORT_NAME and isinstance(p.get("containerPort"), int)
+        ]
+        if (
+            ready
+            and ports
+            and status.get("podIP")
+            and not (pod.get("metadata") or {}).get("deletionTimestamp")
+        ):
+            found.append(f"{status['podIP']}:{ports[0]}")
     return sorted(found)
 
 
@@ -112,7 +125,8 @@ def scrape(
     at: float,
 ) -> Sample:
     routers: dict[str, RouterSample] = {}
-    for address in router_addresses(kube.read_endpoints(namespace, router_name(name))):
+    selector = ",".join(f"{key}={value}" for key, value in router_selector(name).items())
+    for address in router_addresses(kube.list_pods(namespace, selector)):
         text = _get(f"http://{address}/metrics")
         if text is not None:
             routers[address] = parse_router(text)

@@ -20,6 +20,7 @@ TTFT: Final = "disagg_router_time_to_first_token_seconds"
 ITL: Final = "disagg_router_inter_token_latency_seconds"
 IN_FLIGHT: Final = "disagg_router_in_flight_requests"
 OUTSTANDING: Final = "disagg_router_outstanding_legs"
+QUEUED: Final = "disagg_router_queued_requests"
 KV_USAGE: Final = "vllm:kv_cache_usage_perc"
 PROMPT_TOKENS: Final = "vllm:prompt_tokens"
 
@@ -37,6 +38,8 @@ class RouterSample:
     """Legs in flight per role."""
     legs: Mapping[tuple[str, str], float] = field(default_factory=dict)
     """Legs in flight per (role, engine): a prefill engine id or a decode pod."""
+    queued: float = 0.0
+    """Requests waiting for a decoder with room: demand the decoders do not hold yet."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,8 @@ def parse_router(text: str) -> RouterSample:
         for name, labels, v in flat
         if name == OUTSTANDING and "role" in labels and "engine" in labels
     }
-    return RouterSample(_buckets(flat, TTFT), _buckets(flat, ITL), in_flight, legs)
+    queued = sum(v for name, _, v in flat if name == QUEUED)
+    return RouterSample(_buckets(flat, TTFT), _buckets(flat, ITL), in_flight, legs, queued)
 
 
 def parse_engine(text: str) -> EngineSample:
@@ -152,8 +156,13 @@ def window_quantile(q: float, samples: Sequence[Sample], histogram: str) -> tupl
 
 
 def mean_in_flight(samples: Sequence[Sample], role: str) -> float | None:
-    """Legs in flight on `role`, summed over the routers, averaged over the samples."""
-    values = [sum(r.in_flight.get(role, 0.0) for r in s.routers.values()) for s in samples if s.routers]
+    """Legs in flight on `role`, summed over the routers, averaged over the samples; for decode, with the
+    requests queued for a decoder with room (the router holds them back at a decoder's capacity)."""
+    values = [
+        sum(r.in_flight.get(role, 0.0) + (r.queued if role == "decode" else 0.0) for r in s.routers.values())
+        for s in samples
+        if s.routers
+    ]
     return sum(values) / len(values) if values else None
 
 

@@ -138,8 +138,6 @@ WORKLOAD_GRANTS = {
     # patch: a rollout annotates the old revision's engine pods as draining; delete: a planner's
     # scale-down deletes the decode pods it drained.
     ("", "pods"): {"get", "list", "watch", "patch", "delete"},
-    # get: the planner scrapes the router pods its Service's Endpoints name.
-    ("", "endpoints"): {"get"},
     ("", "events"): {"create", "patch"},
     ("", "serviceaccounts"): {"get", "list", "watch", "create", "patch", "delete"},
     ("rbac.authorization.k8s.io", "rolebindings"): {"get", "list", "watch", "create", "patch", "delete"},

@@ -177,6 +177,8 @@ def test_the_router_text_parses_to_what_the_planner_reads() -> None:
             "# TYPE disagg_router_in_flight_requests gauge",
             'disagg_router_in_flight_requests{role="prefill"} 1.0',
             'disagg_router_in_flight_requests{role="decode"} 3.0',
+            "# TYPE disagg_router_queued_requests gauge",
+            "disagg_router_queued_requests 2.0",
             "# TYPE disagg_router_outstanding_legs gauge",
             'disagg_router_outstanding_legs{engine="x-decode-abc",role="decode"} 3.0',
             "# TYPE disagg_router_time_to_first_token_seconds histogram",
@@ -192,6 +194,7 @@ def test_the_router_text_parses_to_what_the_planner_reads() -> None:
     sample = signals.parse_router(text)
     assert sample.in_flight == {"prefill": 1.0, "decode": 3.0}
     assert sample.legs == {("decode", "x-decode-abc"): 3.0}
+    assert signals.mean_in_flight([Sample(0.0, {ROUTER: sample})], "decode") == 5.0
     assert sample.ttft == ((0.1, 3.0), (float("inf"), 4.0))
     assert Sample(0.0, {ROUTER: sample}).busy() == frozenset({"x-decode-abc"})
     engine = signals.parse_engine(
