@@ -14,7 +14,9 @@ from operator_harness import Cluster, OperatorProcess
 
 from disagg.rig.bench_autoscale import DOWN_WINDOW_S, MAX_DECODERS, AutoscaleRun
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+# Engine pods start in seconds on an idle machine and in minutes on a CI runner whose cores every process
+# shares: the step waits for each one, so it may take longer than the suite's default timeout.
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def test_a_load_step_scales_decode_up_and_back_down_with_no_failed_request(
