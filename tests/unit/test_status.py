@@ -238,9 +238,7 @@ def test_a_rollout_says_where_it_is_and_readiness_follows_the_revision_that_serv
     assert to_json(draining)["oldRevision"] == "r1"
 
 
-def test_each_role_shows_its_target_and_selector_and_a_scaling_condition_outlives_autoscaling_only_so_long() -> (
-    None
-):
+def test_each_role_shows_its_target_and_selector_and_scaling_goes_with_autoscaling() -> None:
     scaling = cond.desired(cond.SCALING, ConditionStatus.TRUE, "ScaledUp", "decode: 1 -> 2", T0)
     previous = DisaggDeploymentStatus(conditions=[scaling])
 
