@@ -17,8 +17,9 @@ AVAILABLE: Final = "Available"
 PROGRESSING: Final = "Progressing"
 KV_TRANSFER_READY: Final = "KVTransferReady"
 ROUTABLE: Final = "Routable"
+SCALING: Final = "Scaling"
 # The order in which conditions are listed, so the stored list (and `kubectl describe`) never reshuffles.
-CONDITION_TYPES: Final = (COMPATIBLE, AVAILABLE, PROGRESSING, KV_TRANSFER_READY, ROUTABLE)
+CONDITION_TYPES: Final = (COMPATIBLE, AVAILABLE, PROGRESSING, KV_TRANSFER_READY, ROUTABLE, SCALING)
 
 
 def find(conditions: Iterable[Condition], type_: str) -> Condition | None:

@@ -239,6 +239,10 @@ def _structural(node: Any) -> Any:
             out[key] = value
     if out.get("type") == "integer":
         out.setdefault("format", "int32")
+    # JSON Schema's numeric exclusive bounds are OpenAPI v3's bound plus a boolean.
+    for exclusive, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if isinstance(out.get(exclusive), int | float) and not isinstance(out[exclusive], bool):
+            out[bound], out[exclusive] = out[exclusive], True
     # type and description first, so the YAML reads like kubectl explain
     leading = {key: out.pop(key) for key in ("type", "format", "description") if key in out}
     return {**leading, **out}
@@ -261,7 +265,9 @@ def open_api_schema(*, with_cel: bool) -> dict[str, Any]:
         "type": "object",
         "description": (
             "DisaggDeployment serves one model with disaggregated prefill and decode: prefill pods (one per "
-            "pipeline stage) push KV blocks to decode pods over NIXL, routed by layer name."
+            "pipeline stage) push KV blocks to decode pods over NIXL, routed by layer name. Its scale "
+            "subresource is decode's: `kubectl scale disagg/<name> --replicas N` (or an autoscaler aimed "
+            "at it) sets spec.decode.replicas."
         ),
         "properties": {
             "apiVersion": {
@@ -340,6 +346,16 @@ PRINTER_COLUMNS: Final[tuple[dict[str, Any], ...]] = (
         "description": "Ready decode pods.",
         "priority": 1,
     },
+    {
+        "name": "Want",
+        "type": "integer",
+        "jsonPath": ".status.decode.desiredReplicas",
+        "description": "Decode pods the role is to have (the spec's, or the planner's).",
+        "priority": 1,
+    },
+    _condition_column(
+        "Scaling", "Scaling", "Why the planner last changed a count.", field="reason", priority=1
+    ),
     _condition_column("Reason", "Compatible", "Why the pair is (in)compatible.", field="reason", priority=1),
     {
         "name": "Endpoint",
@@ -350,6 +366,15 @@ PRINTER_COLUMNS: Final[tuple[dict[str, Any], ...]] = (
     },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 )
+
+
+# The scale subresource is decode's: its pods are one Deployment, so a count maps to pods one to one (a
+# prefill replica is a StatefulSet of pipeline stages, which no autoscaler's pod metrics describe).
+SCALE_SUBRESOURCE: Final = {
+    "specReplicasPath": ".spec.decode.replicas",
+    "statusReplicasPath": ".status.decode.replicas",
+    "labelSelectorPath": ".status.decode.selector",
+}
 
 
 def build_crd(*, with_cel: bool) -> dict[str, Any]:
@@ -376,7 +401,7 @@ def build_crd(*, with_cel: bool) -> dict[str, Any]:
                     "name": api.VERSION,
                     "served": True,
                     "storage": True,
-                    "subresources": {"status": {}},
+                    "subresources": {"status": {}, "scale": SCALE_SUBRESOURCE},
                     "additionalPrinterColumns": copy.deepcopy(list(PRINTER_COLUMNS)),
                     "schema": {"openAPIV3Schema": open_api_schema(with_cel=with_cel)},
                 }

@@ -18,6 +18,7 @@ from disagg.operator.api import (
     ConditionStatus,
     DisaggDeploymentStatus,
     RevisionStatus,
+    Role,
     RoleHashes,
     RoleStatus,
 )
@@ -100,11 +101,16 @@ def compute(
     now: datetime,
     endpoint: str | None = None,
     rollout: Rollout | None = None,
+    desired: Mapping[Role, int | None] | None = None,
+    selectors: Mapping[Role, str] | None = None,
+    scaling: bool = False,
 ) -> DisaggDeploymentStatus:
     """The whole status; `violations` are every refusal (pre-flight rules and engine-argument conflicts);
     `routing` is `pairing.routing_from_pods` of the pods, `reported` whether any pod has a peer report;
     `endpoint` is the router Service's URL, when one exists; `rollout` what `rollout.assess` makes of the
-    workloads and pods (None for a refused spec)."""
+    workloads and pods (None for a refused spec); `desired` each role's replica target and `selectors` its
+    pods' label selector (`scaling.targets`); `scaling` whether a role is autoscaled (else a `Scaling`
+    condition left from when one was goes)."""
     updates: list[Condition] = []
     applied = sorted({w.generation for w in workloads if w.generation is not None})
     if violations:
@@ -167,11 +173,12 @@ def compute(
     updates.append(cond.desired(cond.KV_TRANSFER_READY, verdict.status, verdict.reason, verdict.message, now))
     pairs = routable(routing, reported)
     updates.append(cond.desired(cond.ROUTABLE, pairs.status, pairs.reason, pairs.message, now))
+    carried = previous if scaling else [c for c in previous if c.type != cond.SCALING]
     return DisaggDeploymentStatus(
         observed_generation=generation,
-        conditions=cond.merge(previous, updates, generation=generation, now=now),
-        prefill=_role_status(workloads, "prefill"),
-        decode=_role_status(workloads, "decode"),
+        conditions=cond.merge(carried, updates, generation=generation, now=now),
+        prefill=_role_status(workloads, "prefill", desired, selectors),
+        decode=_role_status(workloads, "decode", desired, selectors),
         topology=report.plan.to_status() if report.plan is not None else None,
         compatibility_hashes=RoleHashes(prefill=report.hashes["prefill"], decode=report.hashes["decode"]),
         routable_pairs=routable_pairs(routing),
@@ -239,9 +246,19 @@ def _available(every: Sequence[Workload], violations: Sequence[Violation], now: 
     )
 
 
-def _role_status(workloads: Sequence[Workload], role: str) -> RoleStatus:
+def _role_status(
+    workloads: Sequence[Workload],
+    role: Role,
+    desired: Mapping[Role, int | None] | None,
+    selectors: Mapping[Role, str] | None,
+) -> RoleStatus:
     mine = [w for w in workloads if w.role == role]
-    return RoleStatus(replicas=sum(w.replicas for w in mine), ready_replicas=sum(w.ready for w in mine))
+    return RoleStatus(
+        replicas=sum(w.replicas for w in mine),
+        ready_replicas=sum(w.ready for w in mine),
+        desired_replicas=(desired or {}).get(role),
+        selector=(selectors or {}).get(role),
+    )
 
 
 def to_json(status: DisaggDeploymentStatus) -> dict[str, Any]:

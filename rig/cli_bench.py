@@ -23,6 +23,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "disagg.rig.bench_rollout",
         "engine 0.32.0 -> 0.33.0 under load through the router: failures, pairs, surge, duration",
     ),
+    "autoscale": (
+        "disagg.rig.bench_autoscale",
+        "load 1 -> 16 -> 1 on an autoscaled deployment: time to scale, SLO attainment, failed requests",
+    ),
     "vllm": ("disagg.rig.bench_vllm", "real vLLM engines: P/D TTFT against monolithic, the router's share"),
 }
 

@@ -7,11 +7,18 @@ Optional fields are omitted, never null, so the generated schema stays structura
 
 This package's face is the whole API: every importer names `disagg.operator.api`. Behind it, `fields` holds
 the group, kind and bounds and the base model, `model` the model and engine sections, `spec` the rest of the
-spec, `status` the status and the whole object.
+spec, `autoscaling` each role's autoscaling, `status` the status and the whole object.
 """
 
 from __future__ import annotations
 
+from disagg.operator.api.autoscaling import (
+    DecodeAutoscaling,
+    DecodeTarget,
+    PrefillAutoscaling,
+    PrefillTarget,
+    ScalingMode,
+)
 from disagg.operator.api.fields import (
     API_VERSION,
     GROUP,
@@ -57,10 +64,12 @@ from disagg.operator.api.model import (
 from disagg.operator.api.spec import (
     MAX_ROUTER_REPLICAS,
     MIN_ROUTER_PORT,
+    DecodeSpec,
     DisaggDeploymentSpec,
     KVPoolMedium,
     KVPoolSpec,
     KVTransferSpec,
+    PrefillSpec,
     RDMASpec,
     Resources,
     RoleOverrides,
@@ -113,6 +122,9 @@ __all__ = [
     "Condition",
     "ConditionStatus",
     "Connector",
+    "DecodeAutoscaling",
+    "DecodeSpec",
+    "DecodeTarget",
     "DisaggDeployment",
     "DisaggDeploymentSpec",
     "DisaggDeploymentStatus",
@@ -130,6 +142,9 @@ __all__ = [
     "ModelSpec",
     "NixlBackend",
     "ObjectMeta",
+    "PrefillAutoscaling",
+    "PrefillSpec",
+    "PrefillTarget",
     "Quantity",
     "RDMASpec",
     "ResourceList",
@@ -144,6 +159,7 @@ __all__ = [
     "RolloutSpec",
     "RouterSpec",
     "RoutingMode",
+    "ScalingMode",
     "SchedulingSpec",
     "StageStatus",
     "TopologyStatus",

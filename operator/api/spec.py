@@ -13,6 +13,7 @@ from pydantic import (
     model_validator,
 )
 
+from disagg.operator.api.autoscaling import DecodeAutoscaling, PrefillAutoscaling, ScalingMode
 from disagg.operator.api.fields import (
     MAX_BLOCK_SIZE,
     MAX_EXTRA_ARGS,
@@ -214,6 +215,27 @@ class RoleSpec(ApiModel):
     scheduling: SchedulingSpec | None = Field(default=None, description="Node selection for this role.")
 
 
+class PrefillSpec(RoleSpec):
+    """The prefill role: `replicas` engines, each a StatefulSet of one pod per pipeline stage."""
+
+    autoscaling: PrefillAutoscaling | None = Field(
+        default=None,
+        description="Let the operator's planner set replicas within bounds from a TTFT or prompt-throughput "
+        "target; omitted: replicas is fixed.",
+    )
+
+
+class DecodeSpec(RoleSpec):
+    """The decode role: `replicas` pods of one Deployment (the DisaggDeployment's scale subresource)."""
+
+    autoscaling: DecodeAutoscaling | None = Field(
+        default=None,
+        description="Let the operator's planner set replicas within bounds from an inter-token latency, "
+        "KV-cache usage or running-requests target, or (mode external) leave the decode Deployment's "
+        "replicas to your own autoscaler; omitted: replicas is fixed.",
+    )
+
+
 class WorkerSpec(ApiModel):
     """The KV-transfer worker sidecar injected into every engine pod."""
 
@@ -337,8 +359,8 @@ class DisaggDeploymentSpec(ApiModel):
         json_schema_extra={"default": {}},
         description="KV transfer settings.",
     )
-    prefill: RoleSpec = Field(description="Prefill role: computes KV; may be pipeline-parallel.")
-    decode: RoleSpec = Field(description="Decode role: receives KV and generates tokens; PP must be 1.")
+    prefill: PrefillSpec = Field(description="Prefill role: computes KV; may be pipeline-parallel.")
+    decode: DecodeSpec = Field(description="Decode role: receives KV and generates tokens; PP must be 1.")
     worker: WorkerSpec = Field(
         default_factory=lambda: WorkerSpec(),
         json_schema_extra={"default": {}},
@@ -358,6 +380,19 @@ class DisaggDeploymentSpec(ApiModel):
 
     def role(self, role: Role) -> RoleSpec:
         return self.prefill if role == "prefill" else self.decode
+
+    def autoscaling(self, role: Role) -> PrefillAutoscaling | DecodeAutoscaling | None:
+        return self.prefill.autoscaling if role == "prefill" else self.decode.autoscaling
+
+    def planned(self, role: Role) -> bool:
+        """Whether the operator's planner sets this role's replica count."""
+        scaling = self.autoscaling(role)
+        return scaling is not None and scaling.mode == ScalingMode.PLANNER
+
+    def external(self, role: Role) -> bool:
+        """Whether the user's own autoscaler owns this role's workload replicas."""
+        scaling = self.autoscaling(role)
+        return scaling is not None and scaling.mode == ScalingMode.EXTERNAL
 
     def effective(self, role: Role, name: str, shared: _T) -> _T:
         """A role's override (`spec.<role>.overrides.<name>`) of a shared setting, or the shared value."""

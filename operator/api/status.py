@@ -48,11 +48,27 @@ class Condition(ApiModel):
 
 
 class RoleStatus(ApiModel):
-    """Observed pods of one role."""
+    """Observed pods of one role, and the replica count the operator applies to it."""
 
-    replicas: int = Field(default=0, ge=0, description="Engine pods that exist.")
+    replicas: int = Field(
+        default=0,
+        ge=0,
+        description="Engine pods that exist (decode: the scale subresource's status replicas).",
+    )
     ready_replicas: int = Field(
         default=0, ge=0, description="Engine pods that are ready (readiness gate included)."
+    )
+    desired_replicas: int | None = Field(
+        default=None,
+        ge=0,
+        description="Replicas (prefill engines, decode pods) the role is to have: spec.<role>.replicas, or "
+        "the planner's count under autoscaling (the Scaling condition says why it last changed); absent "
+        "when an external autoscaler owns it.",
+    )
+    selector: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="Label selector of the role's pods (the scale subresource's, for an autoscaler).",
     )
 
 
@@ -113,7 +129,8 @@ class DisaggDeploymentStatus(ApiModel):
     conditions: list[Condition] | None = Field(
         default=None,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
-        description="Compatible, Available, Progressing, KVTransferReady and Routable.",
+        description="Compatible, Available, Progressing, KVTransferReady, Routable and (under "
+        "autoscaling) Scaling.",
     )
     prefill: RoleStatus | None = Field(default=None, description="Observed prefill pods.")
     decode: RoleStatus | None = Field(default=None, description="Observed decode pods.")

@@ -1,4 +1,7 @@
-"""The decode Deployment: `spec.decode.replicas` engine pods, each an engine of its own. Pure."""
+"""The decode Deployment: `spec.decode.replicas` engine pods, each an engine of its own. Pure.
+
+Under `spec.decode.autoscaling.mode: external` its replicas are left out: a server-side apply that never
+names the field never takes it back from the HorizontalPodAutoscaler (or KEDA) that writes it."""
 
 from __future__ import annotations
 
@@ -36,5 +39,7 @@ def decode_deployment(
             ),
         },
     )
+    if spec.external("decode"):
+        del deployment["spec"]["replicas"]
     deployment["metadata"]["labels"].update(revision_labels(revision(checksum), slot))
     return deployment

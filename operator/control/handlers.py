@@ -25,6 +25,7 @@ from disagg.operator.control.backoffs import API_BACKOFFS
 from disagg.operator.control.k8s_apply import Kube, api_client
 from disagg.operator.control.reconcile import Observed, reconcile, refresh_status
 from disagg.operator.control.refresh_queue import RefreshQueue
+from disagg.operator.control.scaling import Planners, plan_tick, tick_seconds
 from disagg.operator.naming import DEPLOYMENT_ANNOTATION, FIELD_MANAGER, MANAGED_BY_LABEL, Installation
 from disagg.operator.status import Workload, workload
 from disagg.worker.contracts.engine_pods import essentials
@@ -119,6 +120,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **indices: Any) 
     memo.installation = installation
     memo.observed = observed
     memo.refresh = RefreshQueue(lambda key: refresh_status(kube, *key, installation, observed))
+    memo.planners = Planners()
 
 
 @kopf.on.cleanup()
@@ -166,6 +168,36 @@ def advance_rollout(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: 
     logger.debug(
         "%s/%s: rollout step, %d pods drained", metadata["namespace"], metadata["name"], len(outcome.drained)
     )
+
+
+def _planned(spec: kopf.Spec, **_: Any) -> bool:
+    roles = (spec.get("prefill") or {}, spec.get("decode") or {})
+    return any(
+        (role.get("autoscaling") or {}).get("mode", "planner") == "planner"
+        for role in roles
+        if role.get("autoscaling")
+    )
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=tick_seconds(), when=_planned)
+def plan_replicas(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    """Under `spec.<role>.autoscaling` (mode planner): scrape the routers, let the planner set each role's
+    target in the status, and reconcile when a count moved or a scale-down's drain is under way."""
+    metadata = body["metadata"]
+    key = (metadata["namespace"], metadata["name"])
+    with memo.refresh.holding(key):
+        outcome = plan_tick(memo.kube, body, memo.installation, memo.observed, memo.planners.of(key))
+    if outcome is None:
+        return
+    if outcome.drained:
+        kopf.event(body, type="Normal", reason="Draining", message="Draining " + ", ".join(outcome.drained))
+    if outcome.retired:
+        kopf.event(body, type="Normal", reason="ScaledDown", message="Deleted " + ", ".join(outcome.retired))
+    if outcome.deleted:
+        kopf.event(body, type="Normal", reason="Pruned", message="Deleted " + ", ".join(outcome.deleted))
+    if outcome.changed:
+        kopf.event(body, type="Normal", reason="Applied", message="Applied " + ", ".join(outcome.changed))
+    logger.debug("%s/%s: planner tick, %d children changed", *key, len(outcome.changed))
 
 
 @kopf.on.event("apps", "v1", "statefulsets", labels=CHILD_LABELS)

@@ -173,8 +173,7 @@ class Kube:
                 raise
 
     def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str | None]) -> None:
-        """Merge `annotations` into a Pod's (the rollout's drain mark; None removes one); a pod already gone
-        is fine."""
+        """Merge `annotations` into a Pod's (the drain mark; None removes one); a pod already gone is fine."""
         try:
             self._call(
                 "PATCH",
@@ -189,12 +188,12 @@ class Kube:
                 raise
 
     def delete_pod(self, namespace: str, name: str) -> None:
-        """Delete one engine pod a rollout step removes (drained first); already gone is fine."""
+        """Delete an engine pod a rollout step or a scale-down has drained; already gone is fine."""
         try:
             self._call(
                 "DELETE",
                 f"/api/v1/namespaces/{namespace}/pods/{name}",
-                body={},
+                body={"propagationPolicy": "Background"},
                 content_type="application/json",
                 read=False,
             )
@@ -214,6 +213,15 @@ class Kube:
             content_type=MERGE,
             read=False,
         )
+
+    def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        """The pods a label selector matches (the router pods the planner scrapes), from the watch cache."""
+        found = self._call(
+            "GET",
+            f"/api/v1/namespaces/{namespace}/pods",
+            query={"labelSelector": selector, "resourceVersion": "0"},
+        )
+        return list(found.get("items") or ())
 
     def create_deployment(self, namespace: str, body: Mapping[str, Any]) -> dict[str, Any]:
         return self._call("POST", _DEPLOYMENTS.format(namespace=namespace), body=body)

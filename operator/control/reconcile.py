@@ -33,7 +33,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from disagg.operator import conditions as cond
-from disagg.operator.api import ConditionStatus, DisaggDeploymentSpec
+from disagg.operator.api import ROLES, ConditionStatus, DisaggDeploymentSpec
 from disagg.operator.builders.children import build, revision_of
 from disagg.operator.builders.router import endpoint_of
 from disagg.operator.control.k8s_apply import Kube
@@ -42,6 +42,9 @@ from disagg.operator.naming import COMPONENT_LABEL, SINCE_ANNOTATION, Installati
 from disagg.operator.policies.chain import REFUSAL_CHAIN
 from disagg.operator.policies.compat import CompatReport, evaluate
 from disagg.operator.rollout import Rollout, assess, since_of, slot_children
+from disagg.operator.scaling import targets as scaling_targets
+from disagg.operator.scaling.retire import UNKNOWN, Busy
+from disagg.operator.scaling.steps import ScaleSteps, scale_steps
 from disagg.operator.status import Workload, compute, incompatibility_message, to_json, workload
 from disagg.worker.contracts.pairing import Routing, routing_from_pods
 from disagg.worker.contracts.pod_contract import DRAINING_ANNOTATION
@@ -70,6 +73,8 @@ class Outcome:
     refused_now: bool = False
     drained: tuple[str, ...] = ()
     """Pods this call marked draining."""
+    retired: tuple[str, ...] = ()
+    """Pods this call deleted to lower a count the planner set (after their drain)."""
 
 
 @dataclass(frozen=True)
@@ -128,8 +133,15 @@ def _owner(body: Mapping[str, Any]) -> Owner:
     )
 
 
-def reconcile(kube: Kube, body: Mapping[str, Any], installation: Installation, observed: Observed) -> Outcome:
-    """Converge the children on the spec (or refuse it), then write the status.
+def reconcile(
+    kube: Kube,
+    body: Mapping[str, Any],
+    installation: Installation,
+    observed: Observed,
+    busy: Busy = UNKNOWN,
+) -> Outcome:
+    """Converge the children on the spec (or refuse it), then write the status. `busy`: what the routers
+    last said of the engines' legs in flight (the planner's scrape), which ends a scale-down's drain.
 
     The children are listed before the apply: their resourceVersions tell which applies wrote something (a
     server-side apply that changes nothing leaves the object, and its resourceVersion, as it was), and the
@@ -148,9 +160,12 @@ def reconcile(kube: Kube, body: Mapping[str, Any], installation: Installation, o
     before = [workload(child) for child in children if _is_workload(child)]
     pods = list(observed.pods(owner.namespace, owner.name))
     now = datetime.now(UTC)
-    rollout = _assess(verdict, owner, before, pods, routing_from_pods(pods), now)
+    rollout = _assess(verdict, owner, before, pods, routing_from_pods(pods), now, body)
+    steps = scale_steps(
+        _effective(verdict, body), owner, before, pods, rollout.slot, rollout.old_slot is not None, busy, now
+    )
     desired = build(
-        _sized(verdict.spec, rollout.replicas.get(rollout.revision)),
+        _sized(steps.spec, rollout.replicas.get(rollout.revision)),
         owner,
         verdict.report.plan,
         verdict.report.hashes,
@@ -168,10 +183,11 @@ def reconcile(kube: Kube, body: Mapping[str, Any], installation: Installation, o
     }
     kept = set(slot_children(children, rollout.old_slot)) if rollout.keep_old and rollout.old_slot else set()
     kept -= set(rollout.remove)
-    for pod in rollout.drain:
+    for pod in rollout.drain + steps.drain:
         kube.annotate_pod(owner.namespace, pod, {DRAINING_ANNOTATION: cond.rfc3339(now)})
     for pod in rollout.undrain:
         kube.annotate_pod(owner.namespace, pod, {DRAINING_ANNOTATION: None})
+    _retire(kube, owner.namespace, steps)
     removed = _remove_decoders(kube, owner.namespace, rollout) if rollout.keep_old else []
     changed, applied = [], []
     for obj in desired:
@@ -190,7 +206,32 @@ def reconcile(kube: Kube, body: Mapping[str, Any], installation: Installation, o
         replace(w, desired=scaled.get(w.name, w.desired)) for w in before if (w.kind, w.name) in kept
     ]
     _write_status(kube, body, verdict, workloads, observed, endpoint_of(applied))
-    return Outcome(tuple(sorted(changed)), tuple(deleted), None, drained=rollout.drain)
+    return Outcome(
+        tuple(sorted(changed)),
+        tuple(deleted),
+        None,
+        drained=rollout.drain + steps.drain,
+        retired=steps.delete,
+    )
+
+
+def _retire(kube: Kube, namespace: str, steps: ScaleSteps) -> None:
+    """A scale-down's pod writes, before the apply that lowers the count: a mark taken back, then the
+    drained pods deleted (the ReplicaSet's replacement of each is what the lower count removes)."""
+    for pod in steps.undrain:
+        kube.annotate_pod(namespace, pod, {DRAINING_ANNOTATION: None})
+    for pod in steps.delete:
+        kube.delete_pod(namespace, pod)
+
+
+def _effective(verdict: Verdict, body: Mapping[str, Any]) -> DisaggDeploymentSpec:
+    """The spec with each role's replicas at its target (`scaling.targets`: the planner's count where it
+    sets one, kept in the status)."""
+    assert verdict.spec is not None
+    counts = scaling_targets.targets(verdict.spec, body.get("status"))
+    return scaling_targets.with_replicas(
+        verdict.spec, {role: n for role, n in counts.items() if n is not None}
+    )
 
 
 def _sized(spec: DisaggDeploymentSpec, sizes: tuple[int, int] | None) -> DisaggDeploymentSpec:
@@ -223,10 +264,11 @@ def _assess(
     pods: list[Mapping[str, Any]],
     routing: Routing,
     now: datetime,
+    body: Mapping[str, Any],
 ) -> Rollout:
     """`rollout.assess` for a compatible verdict: its revision against what the cluster runs."""
     assert verdict.spec is not None and verdict.report is not None and verdict.report.plan is not None
-    spec, report = verdict.spec, verdict.report
+    spec, report = _effective(verdict, body), verdict.report
     assert report.plan is not None
     return assess(
         revision=revision_of(spec, owner, report.plan, report.hashes, report.factors),
@@ -284,7 +326,10 @@ def _write_status(
     pods = list(observed.pods(metadata["namespace"], metadata["name"]))
     routing = routing_from_pods(pods)
     now = datetime.now(UTC)
-    rollout = None if verdict.violations else _assess(verdict, _owner(body), workloads, pods, routing, now)
+    rollout = (
+        None if verdict.violations else _assess(verdict, _owner(body), workloads, pods, routing, now, body)
+    )
+    spec = verdict.spec
     status = compute(
         generation=int(metadata.get("generation") or 1),
         previous=cond.parse(current.get("conditions")),
@@ -297,6 +342,9 @@ def _write_status(
         now=now,
         endpoint=endpoint,
         rollout=rollout,
+        desired=None if spec is None else scaling_targets.targets(spec, current),
+        selectors={role: scaling_targets.selector(metadata["name"], role) for role in ROLES},
+        scaling=spec is not None and any(spec.autoscaling(role) for role in ROLES),
     )
     rendered = to_json(status)
     if rendered == current:

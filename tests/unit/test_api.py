@@ -12,12 +12,13 @@ from disagg.operator.api import (
     AttentionKind,
     Condition,
     Connector,
+    DecodeSpec,
     DisaggDeployment,
     DisaggDeploymentSpec,
     EngineSpec,
     KVTransferSpec,
     ModelSpec,
-    RoleSpec,
+    PrefillSpec,
     WorkerSpec,
 )
 from disagg.operator.plan import model_geometry
@@ -46,8 +47,8 @@ def test_models_can_be_built_with_python_names() -> None:
     spec = DisaggDeploymentSpec(
         model=ModelSpec(name="m", num_layers=4, num_kv_heads=2, head_size=64),
         engine=EngineSpec(image="img", version="1.0"),
-        prefill=RoleSpec(pipeline_parallel_size=2),
-        decode=RoleSpec(),
+        prefill=PrefillSpec(pipeline_parallel_size=2),
+        decode=DecodeSpec(),
         worker=WorkerSpec(image="worker"),
     )
     assert spec.kv_transfer == KVTransferSpec()

@@ -14,3 +14,12 @@ class TestDeployment:
         assert deployment["apiVersion"] == "apps/v1"
         assert deployment["spec"]["replicas"] == replicas
         assert deployment["spec"]["selector"]["matchLabels"]["disagg.io/role"] == "decode"
+
+    def test_an_external_autoscaler_owns_the_replicas(self) -> None:
+        # Never named in the apply, the field stays with the HPA that writes it.
+        external = spec({"decode": {"replicas": 2, "autoscaling": {"mode": "external"}}})
+        assert "replicas" not in objects(external)["Deployment", "gemma-pp2-decode"]["spec"]
+        planned = spec(
+            {"decode": {"replicas": 2, "autoscaling": {"maxReplicas": 4, "target": {"runningRequests": 2}}}}
+        )
+        assert objects(planned)["Deployment", "gemma-pp2-decode"]["spec"]["replicas"] == 2

@@ -66,7 +66,15 @@ def test_names_scope_and_version() -> None:
     assert spec["names"]["kind"] == "DisaggDeployment" and spec["names"]["shortNames"] == ["disagg"]
     (version,) = spec["versions"]
     assert version["name"] == "v1alpha1" and version["served"] and version["storage"]
-    assert version["subresources"] == {"status": {}}
+    # The scale subresource is decode's (`kubectl scale disagg/x --replicas N` sets spec.decode.replicas).
+    assert version["subresources"] == {
+        "status": {},
+        "scale": {
+            "specReplicasPath": ".spec.decode.replicas",
+            "statusReplicasPath": ".status.decode.replicas",
+            "labelSelectorPath": ".status.decode.selector",
+        },
+    }
     columns = {column["name"]: column for column in version["additionalPrinterColumns"]}
     assert list(columns)[:3] == ["Compatible", "KV", "Ready"] and "Age" in columns
     assert columns["Compatible"]["jsonPath"] == '.status.conditions[?(@.type=="Compatible")].status'

@@ -248,3 +248,29 @@ def test_a_rollout_says_where_it_is_and_readiness_follows_the_revision_that_serv
     # them, and the new revision's that are up are what serves; a new one still starting is its step's.
     assert by_type(draining)["Available"] == ("True", "AllReplicasReady")
     assert to_json(draining)["oldRevision"] == "r1"
+
+
+def test_each_role_shows_its_target_and_selector_and_scaling_goes_with_autoscaling() -> None:
+    scaling = cond.desired(cond.SCALING, ConditionStatus.TRUE, "ScaledUp", "decode: 1 -> 2", T0)
+    previous = DisaggDeploymentStatus(conditions=[scaling])
+
+    def with_scaling(autoscaled: bool) -> DisaggDeploymentStatus:
+        return compute(
+            generation=1,
+            previous=previous.conditions or [],
+            violations=(),
+            report=evaluate(spec()),
+            workloads=[sts(2), deploy(2)],
+            pods=[],
+            routing=routing_from_pods(()),
+            reported=False,
+            now=T0,
+            desired={"prefill": 1, "decode": 2},
+            selectors={"prefill": "p", "decode": "d"},
+            scaling=autoscaled,
+        )
+
+    kept = with_scaling(True)
+    assert kept.decode is not None and (kept.decode.desired_replicas, kept.decode.selector) == (2, "d")
+    assert by_type(kept)["Scaling"] == ("True", "ScaledUp")
+    assert "Scaling" not in by_type(with_scaling(False))

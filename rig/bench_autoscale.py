@@ -1,0 +1,397 @@
+"""`disagg bench autoscale`: a load step (concurrency 1 -> 16 -> 1) on an autoscaled deployment, on the real
+API server.
+
+The operator (a real `disagg operator run`) builds a reference-engine deployment (a PP2 prefill engine, one
+decoder, the router); `LocalKubelet` runs every container as a process and `ServiceProxy` stands in for
+kube-proxy. Both roles are autoscaled by the operator's planner, with windows of seconds set in the spec:
+decode on running requests per decoder (the load step's signal), prefill on a TTFT p90 the step does not
+break. Streamed completions run through the router's Service at concurrency 1, then 16 until the decoders
+have scaled up and served a while, then 1 until they are back down. Measured: the time from each step to
+the planner's decision and to the pods (ready, or gone), the SLO attainment of the requests before and after
+the scale-up, and failed requests (must be 0: a scale-down drains its decoders first).
+
+`AutoscaleRun` is the scenario; the cluster test (`tests/cluster/test_autoscale_cluster.py`) runs it too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kubernetes import client
+
+from disagg.operator.api import GROUP, PLURAL, VERSION
+from disagg.rig.bench_rollout import CRD, EXAMPLE
+from disagg.worker.contracts.pod_contract import DEPLOYMENT_LABEL
+
+NAME = "scale"
+LOW, HIGH = 1, 16
+MAX_DECODERS = 2
+TARGET_RUNNING = 6
+UP_WINDOW_S, DOWN_WINDOW_S, METRIC_WINDOW_S = 0, 20, 10
+DRAIN_S = 120
+MAX_TOKENS = 12
+# Prefill's target: far above what the step does to TTFT even on a machine whose cores every engine process
+# shares (a loaded CI runner saw a TTFT p90 of 76 s at concurrency 16), so only decode's target breaks.
+PREFILL_TTFT_S = 600
+# The SLO a request meets: its first token within TTFT_SLO_S and its tokens on average ITL_SLO_S apart.
+TTFT_SLO_S, ITL_SLO_S = 2.0, 0.25
+BASELINE_S = 15.0
+SERVE_AFTER_UP_S = 20.0
+TIMEOUT_S = 420.0
+PROMPTS = tuple(f"Autoscale request {k}: decode scales with its running requests." for k in range(16))
+
+
+def document(namespace: str, side_channel_port: int) -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    doc["metadata"] = {"name": NAME, "namespace": namespace}
+    spec = doc["spec"]
+    spec["decode"]["replicas"] = 1
+    windows = {
+        "scaleUpStabilizationWindowSeconds": UP_WINDOW_S,
+        "scaleDownStabilizationWindowSeconds": DOWN_WINDOW_S,
+        "metricWindowSeconds": METRIC_WINDOW_S,
+    }
+    spec["decode"]["autoscaling"] = {
+        "minReplicas": 1,
+        "maxReplicas": MAX_DECODERS,
+        "target": {"runningRequests": TARGET_RUNNING},
+        **windows,
+    }
+    spec["prefill"]["autoscaling"] = {
+        "maxReplicas": 2,
+        "target": {"ttftP90Seconds": PREFILL_TTFT_S},
+        **windows,
+    }
+    spec["kvTransfer"]["sideChannelPort"] = side_channel_port
+    spec["rollout"] = {"drainSeconds": DRAIN_S}
+    return doc
+
+
+@dataclass
+class Outcome:
+    at: float
+    ok: bool
+    ttft: float | None = None
+    itl: float | None = None
+    error: str = ""
+
+    @property
+    def met(self) -> bool:
+        return (
+            self.ok
+            and self.ttft is not None
+            and self.ttft <= TTFT_SLO_S
+            and (self.itl is None or self.itl <= ITL_SLO_S)
+        )
+
+
+@dataclass
+class StepLoad:
+    """Streamed completions through `url` at a concurrency that can be changed while it runs."""
+
+    url: str
+    model: str
+    concurrency: int = LOW
+    outcomes: list[Outcome] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> StepLoad:
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+        self._thread.start()
+        return self
+
+    async def _run(self) -> None:
+        import aiohttp
+
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+
+            async def one(index: int) -> None:
+                body = {
+                    "model": self.model,
+                    "prompt": PROMPTS[index % len(PROMPTS)],
+                    "max_tokens": MAX_TOKENS,
+                    "stream": True,
+                }
+                start = time.monotonic()
+                tokens: list[float] = []
+                try:
+                    async with session.post(f"{self.url}/v1/completions", json=body) as response:
+                        if response.status != 200:
+                            raw = await response.read()
+                            self.outcomes.append(
+                                Outcome(start, False, error=f"{response.status} {raw[:200]!r}")
+                            )
+                            return
+                        async for line in response.content:
+                            text = line.decode().strip()
+                            if text.startswith("data: ") and text != "data: [DONE]":
+                                event = json.loads(text[6:])
+                                if event.get("choices"):
+                                    tokens.append(time.monotonic())
+                except Exception as exc:  # every failure is counted and reported
+                    self.outcomes.append(Outcome(start, False, error=f"{type(exc).__name__}: {exc}"))
+                    return
+                if not tokens:
+                    self.outcomes.append(Outcome(start, False, error="no token"))
+                    return
+                itl = (tokens[-1] - tokens[0]) / (len(tokens) - 1) if len(tokens) > 1 else None
+                self.outcomes.append(Outcome(start, True, tokens[0] - start, itl))
+
+            async def worker(slot: int) -> None:
+                index = slot
+                while not self._stop.is_set():
+                    if slot >= self.concurrency:
+                        await asyncio.sleep(0.1)
+                        continue
+                    await one(index)
+                    index += HIGH
+
+            await asyncio.gather(*(worker(k) for k in range(HIGH)))
+
+    def stop(self) -> None:
+        self._stop.set()
+        assert self._thread is not None
+        self._thread.join(timeout=180)
+
+    def between(self, start: float, end: float) -> list[Outcome]:
+        return [o for o in self.outcomes if start <= o.at < end]
+
+
+def attainment(outcomes: Sequence[Outcome]) -> float:
+    return sum(o.met for o in outcomes) / len(outcomes) if outcomes else 0.0
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+@dataclass
+class AutoscaleRun:
+    """The scenario on a namespace an operator watches; `apply` is `kubectl apply` of a document."""
+
+    api: client.ApiClient
+    kubeconfig: Path
+    namespace: str
+    apply: Callable[[dict[str, Any]], None]
+    workdir: Path
+    say: Callable[[str], None] = print
+    port: int = field(default_factory=lambda: 20000 + secrets.randbelow(20000))
+    counts: list[tuple[float, int, int, int]] = field(default_factory=list)
+    """(when, desired decoders, decode pods, prefill engines) at every wait step."""
+
+    def __post_init__(self) -> None:
+        self.core = client.CoreV1Api(self.api)
+        self.custom = client.CustomObjectsApi(self.api)
+
+    def status(self) -> dict[str, Any]:
+        response: Any = self.custom.get_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, PLURAL, NAME, _preload_content=False
+        )
+        found: dict[str, Any] = json.loads(response.data).get("status") or {}
+        return found
+
+    def pods(self, role: str) -> list[dict[str, Any]]:
+        response: Any = self.core.list_namespaced_pod(
+            self.namespace, label_selector=f"{DEPLOYMENT_LABEL}={NAME}", _preload_content=False
+        )
+        items: list[dict[str, Any]] = json.loads(response.data)["items"]
+        return [p for p in items if (p["metadata"].get("labels") or {}).get("disagg.io/role") == role]
+
+    def ready(self, role: str) -> int:
+        return sum(
+            1
+            for p in self.pods(role)
+            if not p["metadata"].get("deletionTimestamp")
+            and any(
+                c.get("type") == "Ready" and c.get("status") == "True"
+                for c in (p.get("status") or {}).get("conditions") or ()
+            )
+        )
+
+    def wait(self, what: str, probe: Callable[[], bool], check: Callable[[], None]) -> float:
+        start = time.monotonic()
+        while not probe():
+            check()
+            status = self.status()
+            self.counts.append(
+                (
+                    time.monotonic(),
+                    int((status.get("decode") or {}).get("desiredReplicas") or 0),
+                    len(self.pods("decode")),
+                    int((status.get("prefill") or {}).get("desiredReplicas") or 0),
+                )
+            )
+            if time.monotonic() - start > TIMEOUT_S:
+                raise AssertionError(f"timed out waiting for {what}; status: {json.dumps(status)[:3000]}")
+            time.sleep(0.5)
+        return time.monotonic() - start
+
+    def desired(self, role: str) -> int:
+        return int((self.status().get(role) or {}).get("desiredReplicas") or 0)
+
+    def scaling(self) -> dict[str, Any]:
+        return next((c for c in self.status().get("conditions") or () if c["type"] == "Scaling"), {})
+
+    def run(self) -> dict[str, Any]:
+        from disagg.rig.local_kubelet import KubeletLoop, LocalKubelet
+        from disagg.rig.service_proxy import ServiceProxy
+
+        say = self.say
+        doc = document(self.namespace, self.port)
+        self.apply(doc)
+        kubelet = LocalKubelet(self.api, self.kubeconfig, self.namespace, NAME, self.workdir / "pods")
+        proxy = ServiceProxy(self.api, self.namespace)
+        loop = KubeletLoop([kubelet.sync, proxy.sync]).start()
+        try:
+            up = self.wait(
+                "the deployment to serve",
+                lambda: self.status().get("routablePairs") == "1/1" and self.ready("decode") == 1,
+                loop.check,
+            )
+            say(f"  serving after {up:.1f} s: 1 prefill engine (PP2), 1 decoder, 1/1 pairs")
+            read: Any = self.core.read_namespaced_service(
+                f"{NAME}-router", self.namespace, _preload_content=False
+            )
+            service = json.loads(read.data)
+            url = f"http://{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}"
+            load = StepLoad(url, doc["spec"]["model"]["name"]).start()
+            try:
+                time.sleep(BASELINE_S)
+                loop.check()
+                step_up = time.monotonic()
+                load.concurrency = HIGH
+                decided_up = self.wait(
+                    "the planner to scale decode up", lambda: self.desired("decode") > 1, loop.check
+                )
+                reason_up = self.scaling().get("reason")
+                scaled_up = self.wait(
+                    "the new decoders to serve",
+                    lambda: (
+                        self.ready("decode") >= self.desired("decode") > 1
+                        and self.status().get("routablePairs")
+                        == f"{self.desired('decode')}/{self.desired('decode')}"
+                    ),
+                    loop.check,
+                )
+                served_up = time.monotonic()
+                peak = self.desired("decode")
+                time.sleep(SERVE_AFTER_UP_S)
+                loop.check()
+                step_down = time.monotonic()
+                load.concurrency = LOW
+                decided_down = self.wait(
+                    "the planner to scale decode down", lambda: self.desired("decode") == 1, loop.check
+                )
+                reason_down = self.scaling().get("reason")
+                scaled_down = self.wait(
+                    "the drained decoders to go", lambda: len(self.pods("decode")) == 1, loop.check
+                )
+                time.sleep(3)
+                loop.check()
+            finally:
+                load.stop()
+            end = time.monotonic()
+        finally:
+            try:
+                loop.stop()
+            finally:
+                proxy.close()
+                kubelet.stop_all()
+        before = load.between(step_up, served_up)
+        after = load.between(served_up, step_down)
+        failures = [o.error for o in load.outcomes if not o.ok]
+        result = {
+            "requests": len(load.outcomes),
+            "failed": len(failures),
+            "failures": failures[:5],
+            "peak_decoders": peak,
+            "max_decoders_seen": max((c[1] for c in self.counts), default=0),
+            "max_prefill_seen": max((c[3] for c in self.counts), default=0),
+            "decide_up_s": decided_up,
+            "scale_up_s": decided_up + scaled_up,
+            "decide_down_s": decided_down,
+            "scale_down_s": decided_down + scaled_down,
+            "reasons": (reason_up, reason_down),
+            "attainment_low": attainment(load.between(0.0, step_up)),
+            "attainment_before": attainment(before),
+            "attainment_after": attainment(after),
+            "requests_before": len(before),
+            "requests_after": len(after),
+            "ttft_p90_before": percentile([o.ttft for o in before if o.ttft is not None], 0.9),
+            "ttft_p90_after": percentile([o.ttft for o in after if o.ttft is not None], 0.9),
+            "duration_s": end - step_up,
+        }
+        say(
+            f"  load 1 -> {HIGH}: decode scaled 1 -> {peak} (decided after {decided_up:.1f} s, {reason_up}; "
+            f"serving after {result['scale_up_s']:.1f} s); prefill stayed at {result['max_prefill_seen']}"
+        )
+        say(
+            f"  load {HIGH} -> 1: decode 1 decided after {decided_down:.1f} s ({reason_down}; scale-down "
+            f"window {DOWN_WINDOW_S} s), drained decoders gone after {result['scale_down_s']:.1f} s"
+        )
+        say(
+            f"  SLO (TTFT <= {TTFT_SLO_S} s, mean ITL <= {ITL_SLO_S} s): {result['attainment_low']:.0%} at "
+            f"concurrency 1; at {HIGH} before the new decoders served {result['attainment_before']:.0%} of "
+            f"{len(before)} (TTFT p90 {result['ttft_p90_before']:.2f} s), after "
+            f"{result['attainment_after']:.0%} of {len(after)} (TTFT p90 {result['ttft_p90_after']:.2f} s)"
+        )
+        say(f"  requests: {len(load.outcomes)}, failed {len(failures)}")
+        return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from kubernetes import config
+
+    from disagg.rig import control_plane
+    from disagg.rig.bench_operator import Operator
+
+    with control_plane.shared() as (paths, _):
+        env = {**os.environ, "KUBECONFIG": str(paths.kubeconfig)}
+        kubectl = str(paths.bin_dir / "kubectl")
+        subprocess.run([kubectl, "apply", "-f", str(CRD)], check=True, capture_output=True, env=env)
+        api = config.new_client_from_config(config_file=str(paths.kubeconfig))  # type: ignore[no-untyped-call]
+        core = client.CoreV1Api(api)
+        namespace = f"bench-autoscale-{secrets.token_hex(3)}"
+        core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
+
+        def apply(doc: dict[str, Any]) -> None:
+            subprocess.run(
+                [kubectl, "apply", "-f", "-"],
+                input=yaml.safe_dump(doc),
+                text=True,
+                check=True,
+                capture_output=True,
+                env=env,
+            )
+
+        workdir = Path(f"/tmp/disagg-bench-autoscale-{os.getpid()}")
+        operator = Operator(paths, [namespace], workdir.with_suffix(".operator.log"))
+        print("autoscale bench: kube-apiserver v1.20.2, the operator, every container a local process")
+        try:
+            result = AutoscaleRun(api, paths.kubeconfig, namespace, apply, workdir).run()
+        finally:
+            operator.stop()
+            core.delete_namespace(namespace)
+    good = result["failed"] == 0 and result["peak_decoders"] > 1 and result["max_prefill_seen"] == 1
+    for line in result["failures"]:
+        print(f"    {line}")
+    print("  verdict: " + ("scaled up and back down, no request failed" if good else "A BOUND WAS BROKEN"))
+    return 0 if good else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

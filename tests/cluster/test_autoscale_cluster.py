@@ -1,0 +1,38 @@
+"""A load step (concurrency 1 -> 16 -> 1) on the real API server with the reference engine as processes: the
+planner scales decode (the role whose target the step breaks) up within its bounds and back down after its
+scale-down window, prefill stays, and no request fails (the decoders going away are drained first).
+
+The scenario is `disagg bench autoscale`'s (`rig.bench_autoscale.AutoscaleRun`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from operator_harness import Cluster, OperatorProcess
+
+from disagg.rig.bench_autoscale import DOWN_WINDOW_S, MAX_DECODERS, AutoscaleRun
+
+# Engine pods start in seconds on an idle machine and in minutes on a CI runner whose cores every process
+# shares: the step waits for each one, so it may take longer than the suite's default timeout.
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(1800)]
+
+
+def test_a_load_step_scales_decode_up_and_back_down_with_no_failed_request(
+    cluster: Cluster, ns: str, operator: OperatorProcess, tmp_path: Path
+) -> None:
+    def apply(document: dict[str, Any]) -> None:
+        result = cluster.kubectl_apply(document)
+        assert result.returncode == 0, result.stderr
+
+    result = AutoscaleRun(cluster.cp.api_client, cluster.cp.kubeconfig, ns, apply, tmp_path).run()
+
+    assert result["failed"] == 0, result["failures"]
+    assert 1 < result["peak_decoders"] <= MAX_DECODERS
+    assert result["max_decoders_seen"] <= MAX_DECODERS
+    assert result["max_prefill_seen"] == 1, "prefill's target held: it must not scale"
+    assert result["reasons"][0] in ("ScaledUp", "AtMaxReplicas")
+    assert result["reasons"][1] == "ScaledDown"
+    # Down only after the window: the load fell, and the count held at least that long.
+    assert result["decide_down_s"] >= DOWN_WINDOW_S - 1

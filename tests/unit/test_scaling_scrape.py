@@ -1,0 +1,36 @@
+"""What the planner's tick reads before it scrapes: the ready router pods' addresses, and its interval."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from disagg.operator.control.scaling import DEFAULT_TICK_S, TICK_ENV, router_addresses, tick_seconds
+
+
+def router_pod(ip: str, ready: bool, deleting: bool = False) -> dict[str, Any]:
+    metadata: dict[str, Any] = {"name": f"x-router-{ip}"}
+    if deleting:
+        metadata["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return {
+        "metadata": metadata,
+        "spec": {"containers": [{"name": "router", "ports": [{"name": "http", "containerPort": 8000}]}]},
+        "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": str(ready)}]},
+    }
+
+
+def test_only_ready_live_router_pods_are_scraped() -> None:
+    pods = [
+        router_pod("10.0.0.2", True),
+        router_pod("10.0.0.1", True),
+        router_pod("10.0.0.3", False),
+        router_pod("10.0.0.4", True, deleting=True),
+        {"metadata": {"name": "pending"}, "spec": {}, "status": {}},
+    ]
+    assert router_addresses(pods) == ["10.0.0.1:8000", "10.0.0.2:8000"]
+
+
+def test_the_interval_comes_from_the_environment() -> None:
+    assert tick_seconds({}) == DEFAULT_TICK_S
+    assert tick_seconds({TICK_ENV: "1.5"}) == 1.5
+    assert tick_seconds({TICK_ENV: "soon"}) == DEFAULT_TICK_S
+    assert tick_seconds({TICK_ENV: "0"}) == DEFAULT_TICK_S
