@@ -3,7 +3,8 @@
 The DisaggDeployment's spec handlers converge its children. Events of its StatefulSets, Deployments and Pods
 (watched with a server-side label selector) update kopf indices of what the status reads of them (a
 `Workload`, a Pod's `engine_pods.essentials`) and queue a recompute of the owner's status (`RefreshQueue`), so
-`Available` follows the workloads and `KVTransferReady` the sidecars' Pod conditions without listing anything.
+`Available` follows the workloads and `KVTransferReady` the sidecars' Pod conditions without listing anything;
+an index of the DisaggDeployments themselves (`owners`) spares that recompute a GET of its deployment.
 Every handler of a child's event is async: it does no I/O, and a sync one would queue for kopf's executor
 behind the spec handlers, holding its event's whole body meanwhile. kopf holds every other handler back until
 the indices have seen the initial listing, so a restarted operator never judges a deployment from half of its
@@ -22,7 +23,7 @@ import kopf
 
 from disagg.operator.api import GROUP, PLURAL, VERSION
 from disagg.operator.control.backoffs import API_BACKOFFS
-from disagg.operator.control.k8s_apply import Kube, api_client
+from disagg.operator.control.k8s_apply import PARALLEL_REQUESTS, Kube, api_client
 from disagg.operator.control.reconcile import Observed, reconcile, refresh_status
 from disagg.operator.control.refresh_queue import RefreshQueue
 from disagg.operator.control.scaling import Planners, plan_tick, tick_seconds
@@ -35,6 +36,7 @@ CHILD_LABELS = {MANAGED_BY_LABEL: FIELD_MANAGER}
 # kopf's executor for the sync spec handlers; the status refreshes have their own threads (RefreshQueue).
 # Each thread is another malloc arena and stack, and the API server, not Python, bounds the throughput.
 SPEC_WORKERS = 4
+REFRESH_WORKERS = 4
 LIST_PAGE = 500
 # How often a rollout under way is reconciled again: how soon a new revision's first routable pairs start
 # the old one's drain, and how close to `drainSeconds` its children are pruned.
@@ -72,7 +74,27 @@ async def pods(
     return {} if key is None else {key: essentials(body)}
 
 
+@kopf.index(GROUP, VERSION, PLURAL)
+async def owners(
+    body: kopf.Body, namespace: str | None, name: str | None, **_: Any
+) -> dict[tuple[str, str], dict[str, Any]]:
+    # What a status refresh reads of the deployment, so it needs no GET: the parts of the event's own body
+    # (shared with it, not copied), without the managedFields and annotations nobody reads.
+    if namespace is None or name is None:
+        return {}
+    metadata = body["metadata"]
+    kept = ("name", "namespace", "uid", "generation", "resourceVersion", "deletionTimestamp")
+    return {
+        (namespace, name): {
+            "metadata": {key: metadata[key] for key in kept if key in metadata},
+            "spec": body.get("spec") or {},
+            "status": body.get("status") or {},
+        }
+    }
+
+
 def _observed(
+    owners: kopf.Index[tuple[str, str], dict[str, Any]],
     statefulsets: kopf.Index[tuple[str, str], Workload],
     deployments: kopf.Index[tuple[str, str], Workload],
     pods: kopf.Index[tuple[str, str], dict[str, Any]],
@@ -86,7 +108,11 @@ def _observed(
     def pods_of(namespace: str, name: str) -> list[dict[str, Any]]:
         return list(pods.get((namespace, name), ()))
 
-    return Observed(workloads=workloads, pods=pods_of)
+    def deployment(namespace: str, name: str) -> dict[str, Any] | None:
+        found = list(owners.get((namespace, name), ()))
+        return found[0] if found else None
+
+    return Observed(workloads=workloads, pods=pods_of, deployment=deployment)
 
 
 @kopf.on.startup()
@@ -112,14 +138,18 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **indices: Any) 
     if webhook is not None:
         settings.admission.server = webhook.server
         settings.admission.managed = webhook.managed
-    kube = Kube(api_client())
+    # One connection per thread that may be in a request at once (the spec workers wait on the request
+    # threads); urllib3's default, five per core, would drop and re-handshake the rest.
+    kube = Kube(api_client(connections=SPEC_WORKERS + REFRESH_WORKERS + PARALLEL_REQUESTS))
     installation = Installation.from_environ(os.environ)
     # kopf passes every index to every handler by its function's name.
-    observed = _observed(indices["statefulsets"], indices["deployments"], indices["pods"])
+    observed = _observed(indices["owners"], indices["statefulsets"], indices["deployments"], indices["pods"])
     memo.kube = kube
     memo.installation = installation
     memo.observed = observed
-    memo.refresh = RefreshQueue(lambda key: refresh_status(kube, *key, installation, observed))
+    memo.refresh = RefreshQueue(
+        lambda key: refresh_status(kube, *key, installation, observed), workers=REFRESH_WORKERS
+    )
     memo.planners = Planners()
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -38,6 +39,11 @@ CHILD_APIS: Final = {
 }
 
 
+# How many requests one `Kube` sends at a time for `apply_all` and `children` (every reconcile shares them):
+# a reconcile's requests are independent within a wave, and sent one after another each waited a round trip
+# on the API server. `disagg bench operator` measured apply → Compatible at 0.63 s sequential.
+PARALLEL_REQUESTS: Final = 8
+
 # The URL prefix of each client API named in CHILD_APIS.
 _API_PATHS: Final = {"core": "/api/v1", "apps": "/apis/apps/v1", "rbac": "/apis/rbac.authorization.k8s.io/v1"}
 _DEPLOYMENTS: Final = f"/apis/{GROUP}/{VERSION}/namespaces/{{namespace}}/{PLURAL}"
@@ -49,13 +55,17 @@ def _collection(kind: str) -> str:
     return f"{_API_PATHS[api]}/namespaces/{{namespace}}/{noun.replace('_', '')}s"
 
 
-def api_client() -> client.ApiClient:
-    """A client for the pod's ServiceAccount in a cluster, else for the kubeconfig ($KUBECONFIG)."""
+def api_client(connections: int | None = None) -> client.ApiClient:
+    """A client for the pod's ServiceAccount in a cluster, else for the kubeconfig ($KUBECONFIG), pooling
+    `connections` connections (urllib3's default otherwise)."""
     try:
         config.load_incluster_config()  # type: ignore[no-untyped-call]
     except config.ConfigException:
         config.load_kube_config()  # type: ignore[no-untyped-call]
-    return client.ApiClient()
+    configuration = client.Configuration.get_default_copy()
+    if connections is not None:
+        configuration.connection_pool_maxsize = connections
+    return client.ApiClient(configuration)
 
 
 @dataclass
@@ -63,7 +73,14 @@ class Kube:
     api: client.ApiClient
     # Per kind, the newest resourceVersion this process has written (`children` lists no older than it).
     _written: dict[str, int] = field(default_factory=dict, repr=False)
+    # Per deployment, the status this process last wrote, until a newer body shows it (`latest_status`).
+    _statuses: dict[tuple[str, str], _WrittenStatus] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # Threads start on first use, so a Kube that only reads (the bench, the tests) starts none.
+    _pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(PARALLEL_REQUESTS, thread_name_prefix="disagg-request"),
+        repr=False,
+    )
 
     def _call(
         self,
@@ -139,6 +156,13 @@ class Kube:
                 self._written[obj["kind"]] = max(self._written.get(obj["kind"], 0), int(version))
         return stored
 
+    def apply_all(self, objects: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """`apply` every object at once (at most `PARALLEL_REQUESTS` in flight); the stored objects, in the
+        order given. The first failure is raised once every apply has ended (each is idempotent: a retry
+        applies them all again)."""
+        futures = [self._pool.submit(self.apply, obj) for obj in objects]
+        return [future.result() for future in futures]
+
     def _not_older_than(self, kind: str) -> str:
         """The resourceVersion a list of `kind` asks for: served from the API server's watch cache, no older
         than this process's own last write of the kind ("0", any, before the first).
@@ -156,10 +180,12 @@ class Kube:
     def children(self, namespace: str, owner: str, owner_uid: str) -> list[dict[str, Any]]:
         """Every object of the kinds the operator applies that this owner controls (by label, then uid)."""
         selector = _owned_by(owner)
+        listings = {
+            kind: self._pool.submit(self._method("list", kind), namespace, selector) for kind in CHILD_APIS
+        }
         found: list[dict[str, Any]] = []
-        for kind in CHILD_APIS:
-            items = self._method("list", kind)(namespace, selector).get("items") or []
-            for item in items:
+        for kind, listing in listings.items():
+            for item in listing.result().get("items") or []:
                 if any(ref.get("uid") == owner_uid for ref in item["metadata"].get("ownerReferences") or ()):
                     found.append({**item, "kind": kind})
         return found
@@ -236,15 +262,44 @@ class Kube:
             raise
 
     def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
-        """Merge-patch the status subresource; lists (conditions) are written whole."""
-        self._call(
+        """Merge-patch the status subresource; lists (conditions) are written whole. The status as stored
+        is remembered for `latest_status` until the operator's watch shows it."""
+        stored = self._call(
             "PATCH",
             f"{_DEPLOYMENTS.format(namespace=namespace)}/{name}/status",
             query={"fieldManager": FIELD_MANAGER},
             body={"status": dict(status)},
             content_type=MERGE,
-            read=False,
         )
+        metadata = stored.get("metadata") or {}
+        version = _version(metadata)
+        if version is not None:
+            written = _WrittenStatus(str(metadata.get("uid")), version, dict(stored.get("status") or {}))
+            with self._lock:
+                self._statuses[(namespace, name)] = written
+
+    def latest_status(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """The deployment's status as it is now: `body`'s (from the watch, or a handler's event), or the one
+        this process wrote after it. A status is judged against its predecessor (a condition keeps its
+        lastTransitionTime unless it flips), and a watch event can trail the operator's own last write."""
+        metadata = body["metadata"]
+        key = (metadata["namespace"], metadata["name"])
+        version = _version(metadata)
+        with self._lock:
+            written = self._statuses.get(key)
+            if written is None:
+                pass
+            elif written.uid != metadata.get("uid") or version is None or version >= written.version:
+                # The body shows the write (or a newer state, or another object of the name): forget it.
+                del self._statuses[key]
+            else:
+                return dict(written.status)
+        return dict(body.get("status") or {})
+
+    def forget_status(self, namespace: str, name: str) -> None:
+        """The deployment is gone: drop what `latest_status` remembers of it."""
+        with self._lock:
+            self._statuses.pop((namespace, name), None)
 
     def allowed(self, verb: str, group: str, resource: str, *, namespace: str = "", name: str = "") -> bool:
         """Whether the API server's authorizer lets this process's account do `verb` on `resource`
@@ -270,6 +325,20 @@ class Kube:
         """Every namespace's name (to resolve `--namespace` globs as kopf does)."""
         listed = self._call("GET", "/api/v1/namespaces").get("items") or []
         return [item["metadata"]["name"] for item in listed]
+
+
+@dataclass(frozen=True)
+class _WrittenStatus:
+    uid: str
+    version: int
+    status: dict[str, Any]
+
+
+def _version(metadata: Mapping[str, Any]) -> int | None:
+    """An object's resourceVersion as a number: the API server's are etcd revisions (opaque by contract, but
+    the operator already relies on their order to read its own writes, `Kube._not_older_than`)."""
+    version = str(metadata.get("resourceVersion") or "")
+    return int(version) if version.isdigit() else None
 
 
 def _owned_by(owner: str) -> str:

@@ -15,9 +15,9 @@ old slot pruned once empty. A timer (`handlers.advance_rollout`) calls `reconcil
 
 At scale (a thousand deployments, seven thousand children) three things keep the API server's load
 proportional to what changed: the verdict on a spec is computed once per distinct spec (`judge` is pure, so
-its cache is exact); a status refresh reads the workloads and pods from the operator's watch indices
-(`Observed`), not by listing them; and a write (a status patch, an Event) happens only when it changes
-something, so a resume or a pod event that changes nothing issues no write.
+its cache is exact); a status refresh reads the deployment, its workloads and its pods from the operator's
+watch indices (`Observed`), not by getting or listing them; and a write (a status patch, an Event) happens
+only when it changes something, so a resume or a pod event that changes nothing issues no write.
 """
 
 from __future__ import annotations
@@ -79,12 +79,14 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Observed:
-    """What the operator's watch indices show of one deployment: its StatefulSets and Deployments, its pods.
+    """What the operator's watch indices show of one deployment: the deployment itself (None once it is
+    gone), its StatefulSets and Deployments, its pods.
 
-    Both are callables so a caller reads the index when the status is computed, not when it was queued."""
+    All are callables so a caller reads the index when the status is computed, not when it was queued."""
 
     workloads: Callable[[str, str], Iterable[Workload]]
     pods: Callable[[str, str], Iterable[Mapping[str, Any]]]
+    deployment: Callable[[str, str], Mapping[str, Any] | None]
 
 
 # A verdict is about 17 KiB and costs ~10-20 ms; deployments stamped from one template share one entry.
@@ -189,12 +191,17 @@ def reconcile(
         kube.annotate_pod(owner.namespace, pod, {DRAINING_ANNOTATION: None})
     _retire(kube, owner.namespace, steps)
     removed = _remove_decoders(kube, owner.namespace, rollout) if rollout.keep_old else []
+    # Two waves, each applied at once: what the pods mount or run as (the ConfigMap, ServiceAccounts, RBAC,
+    # Services), then the workloads, so no pod is created before its ServiceAccount exists (the API server
+    # would refuse it and its controller retry with a backoff).
+    waves = [[obj for obj in desired if not _is_workload(obj)], [obj for obj in desired if _is_workload(obj)]]
     changed, applied = [], []
-    for obj in desired:
-        key = (obj["kind"], obj["metadata"]["name"])
-        applied.append({**kube.apply(obj), "kind": key[0]})
-        if existing.get(key) != applied[-1]["metadata"].get("resourceVersion"):
-            changed.append(f"{key[0]} {key[1]}")
+    for wave in waves:
+        for obj, stored in zip(wave, kube.apply_all(wave), strict=True):
+            key = (obj["kind"], obj["metadata"]["name"])
+            applied.append({**stored, "kind": key[0]})
+            if existing.get(key) != stored["metadata"].get("resourceVersion"):
+                changed.append(f"{key[0]} {key[1]}")
     wanted = {(obj["kind"], obj["metadata"]["name"]) for obj in desired} | kept
     deleted = removed
     for key in sorted(existing.keys() - wanted):
@@ -284,17 +291,22 @@ def _assess(
 def refresh_status(
     kube: Kube, namespace: str, name: str, installation: Installation, observed: Observed
 ) -> bool:
-    """Recompute the status from the spec and the indexed workloads and pods; write it only if it changed.
+    """Recompute the status from the spec and the indexed deployment, workloads and pods; write it only if it
+    changed.
 
-    One GET: the stored conditions must be the latest (our own last write included), or a flip would be
+    No request but the write: the deployment comes from the watch, and the stored conditions it is judged
+    against from `Kube.latest_status` (the watch's, or this process's own newer write), or a flip would be
     judged against a stale one and move a lastTransitionTime that should stay."""
-    body = kube.read_deployment(namespace, name)
-    if body is None or body["metadata"].get("deletionTimestamp"):
+    body = observed.deployment(namespace, name)
+    if body is None:
+        kube.forget_status(namespace, name)
+        return False
+    if body["metadata"].get("deletionTimestamp"):
         return False
     verdict = judge(body.get("spec") or {}, installation)
     workloads = list(observed.workloads(namespace, name)) if verdict.report is not None else []
     # Only a reconcile applies or deletes the router's Service, and it writes the endpoint it saw.
-    endpoint = (body.get("status") or {}).get("endpoint")
+    endpoint = kube.latest_status(body).get("endpoint")
     return _write_status(
         kube, body, verdict, workloads, observed, endpoint if isinstance(endpoint, str) else None
     )
@@ -322,7 +334,7 @@ def _write_status(
     if verdict.report is None:
         # The stored object breaks the schema (possible only without the CRD's validation): say so and stop.
         return _write_invalid(kube, body, verdict)
-    current = dict(body.get("status") or {})
+    current = kube.latest_status(body)
     pods = list(observed.pods(metadata["namespace"], metadata["name"]))
     routing = routing_from_pods(pods)
     now = datetime.now(UTC)
@@ -359,7 +371,7 @@ def _write_status(
 def _write_invalid(kube: Kube, body: Mapping[str, Any], verdict: Verdict) -> bool:
     metadata = body["metadata"]
     generation = int(metadata.get("generation") or 1)
-    current = body.get("status") or {}
+    current = kube.latest_status(body)
     conditions = cond.set_condition(
         cond.parse(current.get("conditions")),
         cond.COMPATIBLE,

@@ -8,12 +8,19 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 # The logger the status refresh has always logged its failures under.
 _LOG = logging.getLogger("disagg.operator.status")
+# How long a requested key waits before its refresh: a new child's events (its pods created, its status
+# updated two or three times by its controller) come within about a second when the API server keeps up,
+# and one refresh after them writes the status once, not once per event (measured: a lone deployment's
+# status is written twice, by its reconcile and one refresh). Under a loaded API server the pods come
+# seconds apart and each still changes, and is written to, the status.
+SETTLE_S = 1.0
 
 
 class RefreshQueue:
@@ -25,7 +32,8 @@ class RefreshQueue:
     its key (`holding`): it writes the status itself, so no refresh runs meanwhile and the events of the
     children it applies cost one refresh after it, not one each during it. A failed refresh is logged with
     its traceback and retried after `retry_delay`, so a transient API error cannot leave a stale status
-    behind.
+    behind. A key is refreshed `settle` seconds after the request that queued it (what controller-runtime's
+    `AddAfter` does), so the requests of one burst of events share its refresh.
     """
 
     def __init__(
@@ -34,11 +42,14 @@ class RefreshQueue:
         *,
         workers: int = 4,
         retry_delay: float = 1.0,
+        settle: float = SETTLE_S,
     ) -> None:
         self._refresh = refresh
         self._retry_delay = retry_delay
+        self._settle = settle
         self._ready = threading.Condition()
-        self._order: deque[tuple[str, str]] = deque()
+        # Keys with the monotonic time each is due (all wait the same `settle`, so they stay in due order).
+        self._order: deque[tuple[tuple[str, str], float]] = deque()
         self._queued: set[tuple[str, str]] = set()
         self._busy: set[tuple[str, str]] = set()
         self._again: set[tuple[str, str]] = set()
@@ -56,7 +67,7 @@ class RefreshQueue:
                 self._again.add(key)
             elif key not in self._queued:
                 self._queued.add(key)
-                self._order.append(key)
+                self._order.append((key, time.monotonic() + self._settle))
                 # All: a reconcile waiting in `holding` shares the condition, and a single wake-up that
                 # reached it instead of an idle worker would leave this key queued until some refresh ends.
                 self._ready.notify_all()
@@ -71,7 +82,7 @@ class RefreshQueue:
             self._busy.add(key)
             if key in self._queued:
                 self._queued.discard(key)
-                self._order.remove(key)
+                self._order = deque(item for item in self._order if item[0] != key)
                 self._again.add(key)
         try:
             yield
@@ -94,11 +105,14 @@ class RefreshQueue:
 
     def _take(self) -> tuple[str, str] | None:
         with self._ready:
-            while not self._order and not self._stopping:
-                self._ready.wait()
+            while not self._stopping:
+                wait = self._order[0][1] - time.monotonic() if self._order else None
+                if wait is not None and wait <= 0:
+                    break
+                self._ready.wait(wait)
             if self._stopping:
                 return None
-            key = self._order.popleft()
+            key, _ = self._order.popleft()
             self._queued.discard(key)
             self._busy.add(key)
             return key

@@ -47,7 +47,9 @@ def test_killed_mid_reconcile_converges_without_duplicates(
     try:
         result = cluster.kubectl_apply(example("pp2-hma.yaml", ns, NAME, {"prefill": {"replicas": REPLICAS}}))
         assert result.returncode == 0, result.stderr
-        wait_for("the first StatefulSet", lambda: cluster.names(ns, NAME)["StatefulSet"], interval=0.005)
+        # The first wave (ConfigMap, accounts, RBAC, Services; eight at a time) precedes the workloads, so a
+        # kill as its first Service shows lands before the StatefulSets.
+        wait_for("the first Service", lambda: cluster.names(ns, NAME)["Service"], interval=0.005)
         operator.kill()
         at_kill = cluster.names(ns, NAME)
         assert at_kill != expected, (

@@ -50,7 +50,7 @@ class Recorder:
 
 def test_a_burst_during_a_refresh_costs_one_more_refresh() -> None:
     recorder = Recorder(block_first=True)
-    queue = RefreshQueue(recorder, workers=3)
+    queue = RefreshQueue(recorder, workers=3, settle=0.0)
     try:
         queue.request(("ns", "a"))
         assert recorder.started.wait(10)
@@ -68,7 +68,7 @@ def test_a_burst_during_a_refresh_costs_one_more_refresh() -> None:
 
 def test_a_failed_refresh_is_retried() -> None:
     recorder = Recorder(fail_first=2)
-    queue = RefreshQueue(recorder, workers=1, retry_delay=0.01)
+    queue = RefreshQueue(recorder, workers=1, retry_delay=0.01, settle=0.0)
     try:
         queue.request(("ns", "a"))
         assert recorder.wait_calls(3) == [("ns", "a")] * 3
@@ -78,7 +78,7 @@ def test_a_failed_refresh_is_retried() -> None:
 
 def test_no_refresh_runs_while_a_reconcile_holds_its_key_and_requests_meanwhile_cost_one_after() -> None:
     recorder = Recorder()
-    queue = RefreshQueue(recorder, workers=3)
+    queue = RefreshQueue(recorder, workers=3, settle=0.0)
     try:
         with queue.holding(("ns", "a")):
             for _ in range(20):
@@ -104,7 +104,7 @@ def test_holding_a_key_waits_for_its_running_refresh_and_none_runs_while_held() 
             during.append(key)
         recorder(key)
 
-    queue = RefreshQueue(refresh, workers=2)
+    queue = RefreshQueue(refresh, workers=2, settle=0.0)
     results: list[bool] = []
 
     def reconcile() -> None:
@@ -128,5 +128,21 @@ def test_holding_a_key_waits_for_its_running_refresh_and_none_runs_while_held() 
         # The request made while held ran after the reconcile.
         calls = recorder.wait_calls(2)
         assert calls[-1] == ("ns", "a") and not recorder.overlap
+    finally:
+        queue.stop()
+
+
+def test_requests_within_the_settle_window_share_one_refresh_after_it() -> None:
+    recorder = Recorder()
+    queue = RefreshQueue(recorder, workers=2, settle=0.3)
+    try:
+        start = time.monotonic()
+        for _ in range(10):
+            queue.request(("ns", "a"))
+            time.sleep(0.01)
+        assert recorder.wait_calls(1) == [("ns", "a")]
+        assert time.monotonic() - start >= 0.3
+        time.sleep(0.4)  # room for a wrongly scheduled second refresh
+        assert recorder.calls == [("ns", "a")]
     finally:
         queue.stop()
