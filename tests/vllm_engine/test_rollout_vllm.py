@@ -391,6 +391,6 @@ def test_a_dtype_change_rolls_out_over_real_vllm_engines_with_no_failed_request(
     assert {"RolloutWaitingForRoutablePairs", "RolloutDraining"} <= set(result["phases"])
     assert "RolloutStuck" not in result["phases"]
     # Drained by the pods' idleness, not the hour's bound; then pruned: nothing of the old revision is left.
-    assert result["drain_s"] < 120
+    assert result["drain_s"] < 600
     assert result["old_pods"] == []
     assert len(result["workloads"]) == 3, result["workloads"]  # the new prefill, decode and the router
