@@ -307,9 +307,10 @@ class RolloutSpec(ApiModel):
         default=DEFAULT_DRAIN_SECONDS,
         ge=0,
         le=MAX_DRAIN_SECONDS,
-        description="How long an old revision's pods take no new request before they are deleted, so "
-        "their in-flight requests finish (default 3600: the router's bound on one request). Pods that "
-        "never served are deleted without waiting.",
+        description="The longest an old engine drains: it takes no new request and is deleted once its "
+        "sidecar reports nothing in flight (measured a few seconds after the drain began), or this many "
+        "seconds after the drain began, whichever is first (default 3600: the router's bound on one "
+        "request). Engines that never served are deleted without waiting.",
     )
     progress_deadline_seconds: int = Field(
         default=DEFAULT_PROGRESS_DEADLINE_SECONDS,
