@@ -98,6 +98,8 @@ def test_printer_columns_and_short_name(installed_crd: ControlPlane, namespace: 
         "STAGES",
         "PREFILL",
         "DECODE",
+        "WANT",
+        "SCALING",
         "REASON",
         "ENDPOINT",
         "AGE",

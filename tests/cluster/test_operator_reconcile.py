@@ -200,7 +200,7 @@ def test_scaling_and_spec_changes_converge(cluster: Cluster, ns: str) -> None:
     )
     assert (block_size("gemma-b-prefill-0"), block_size("gemma-prefill-0")) == ("64", "32")
     progressing = cluster.wait_condition(ns, NAME, "Progressing", "True", "RolloutWaitingForRoutablePairs")
-    assert "0/1 prefill engines and 0/3 decode pods" in progressing["message"]
+    assert "0/1 prefill engines and 0/3 decoders" in progressing["message"]
     status = (cluster.get(ns, NAME) or {})["status"]
     assert status["oldRevision"] != status["revision"]
     wait_for(
