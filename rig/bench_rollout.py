@@ -148,7 +148,11 @@ class Samples:
 
     core: client.CoreV1Api
     namespace: str
+    old_revision: str = ""
+    """The revision being replaced: it never grows, so a Pending pod of it is a ReplicaSet's replacement for
+    a decoder a step deleted, which the step's scale-down removes (counted apart from the engine pods)."""
     pairs: list[int] = field(default_factory=list)
+    replacements: list[int] = field(default_factory=list)
     pods: list[int] = field(default_factory=list)
     gaps: list[float] = field(default_factory=list)
     peak: list[str] = field(default_factory=list)
@@ -167,6 +171,15 @@ class Samples:
             items = live_pods(self.core, self.namespace)
             engines = [p for p in items if "disagg.io/role" in (p["metadata"].get("labels") or {})]
             self.pairs.append(len(routing_from_pods(items).pairs))
+            replacing = [
+                p
+                for p in engines
+                if self.old_revision
+                and p["metadata"]["labels"].get("disagg.io/revision") == self.old_revision
+                and (p.get("status") or {}).get("phase") == "Pending"
+            ]
+            self.replacements.append(len(replacing))
+            engines = [p for p in engines if p not in replacing]
             if len(engines) > max(self.pods, default=0):
                 self.peak = [
                     f"{p['metadata']['name']} {(p.get('status') or {}).get('phase')}"
@@ -290,7 +303,7 @@ class RolloutRun:
             url = f"http://{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}"
             expected = {prompt: monolithic(prompt) for prompt in PROMPTS}
             load = Load(url, model, expected).start()
-            samples = Samples(self.core, self.namespace).start()
+            samples = Samples(self.core, self.namespace, old_revision=first or "").start()
             phases: dict[str, float] = {}
             steps: list[str] = []
             try:
@@ -328,6 +341,7 @@ class RolloutRun:
                 "samples": len(samples.pairs),
                 "max_sample_gap_s": max(samples.gaps[1:], default=0.0),
                 "max_engine_pods": max(samples.pods),
+                "replacement_samples": sum(1 for n in samples.replacements if n),
                 "surge_bound": surge_bound(new)[0],
                 "steps": steps,
                 "duration_s": duration,
@@ -356,6 +370,11 @@ class RolloutRun:
             )
             say("  steps Progressing named: " + " | ".join(steps))
             say("  engine pods at the peak: " + ", ".join(samples.peak))
+            say(
+                f"  samples with a Pending replacement of the old revision (a ReplicaSet's, for a decoder a "
+                f"step deleted; its scale-down removes it; not counted above): "
+                f"{sum(1 for n in samples.replacements if n)}, at most {max(samples.replacements)} at once"
+            )
             result["refused"] = self.refused_before_any_pod(new, loop.check)
             result["stuck"] = self.stuck_then_rolled_back(kubelet, new, url, model, expected, loop.check)
         finally:
