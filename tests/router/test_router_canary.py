@@ -14,8 +14,9 @@ from aiohttp import web
 from engine_fakes import pair_of, routing_of
 from router_rig import rig, run, until
 
+from disagg.worker.contracts.pairing import Pair
 from disagg.worker.router.app import CANARY_PROMPT, RouterConfig
-from disagg.worker.router.canary import FAILED_REASON
+from disagg.worker.router.canary import FAILED_REASON, KvCanary
 
 COMPLETION = {"model": "tiny", "prompt": "hello there", "max_tokens": 4}
 FAST_RETRY = RouterConfig(canary_retry_s=0.05)
@@ -111,5 +112,50 @@ def test_a_request_arriving_while_the_first_canary_runs_waits_for_it() -> None:
             release.set()
             status, _, raw = await client
             assert status == 200, raw
+
+    run(go())
+
+
+def test_a_verified_pair_that_leaves_the_routing_for_a_moment_comes_back_without_a_new_canary() -> None:
+    """The scale-up that failed 4 requests: as a decoder joined, the serving pair left the routing for a
+    moment and was canaried again, leaving no routable pair. Within `remember_s` it comes back verified;
+    after it, or with a restarted engine's new id, it is canaried again."""
+
+    async def go() -> None:
+        async with rig(routed=False, canary=True) as r:
+            pair = pair_of(r.prefill, r.decode)
+            r.router.set_routing(routing_of(pair))
+            await until(lambda: bool(r.router.routing and r.router.routing.pairs))
+            r.router.set_routing(routing_of())
+            assert r.router.routing is not None and r.router.routing.pairs == ()
+            r.router.set_routing(routing_of(pair))
+            assert r.router.routing is not None and r.router.routing.pairs == (pair,)
+            assert [rec.body["prompt"] for rec in r.decode.received] == [CANARY_PROMPT]
+
+    run(go())
+
+
+def test_a_pair_gone_longer_than_remember_s_is_canaried_again() -> None:
+    async def go() -> None:
+        async with rig(routed=False, canary=True) as r:
+            pair = pair_of(r.prefill, r.decode)
+            probes: list[Pair] = []
+            now = [0.0]
+
+            async def probe(p: Pair) -> None:
+                probes.append(p)
+
+            canary = KvCanary(probe, lambda: None, remember_s=60.0, clock=lambda: now[0])
+            canary.admit(routing_of(pair))
+            await until(lambda: canary.verified(pair))
+            canary.admit(routing_of())
+            now[0] = 59.0
+            assert canary.admit(routing_of(pair)).pairs == (pair,) and len(probes) == 1
+            canary.admit(routing_of())
+            now[0] = 120.0
+            assert canary.admit(routing_of(pair)).pairs == ()
+            await until(lambda: canary.verified(pair))
+            assert len(probes) == 2
+            await canary.close()
 
     run(go())

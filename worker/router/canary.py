@@ -8,6 +8,12 @@ traffic the router sends one request of its own through it, both legs, as a clie
 a one-token answer; only its success makes the pair routable. A pair is known by both engines' live ids and
 addresses: an engine that restarts draws a new id (the operator's launcher), so its pairs are probed again.
 A failed canary is retried every `retry_s`, and the pair is excluded with the reason meanwhile.
+
+A verified pair that leaves the routing for a moment (a peer report rewritten while a decoder joins, a
+readiness flap on a loaded node) and comes back with the same live ids is the same engines' proven path: it
+is admitted again without a new canary if it returns within `remember_s`. Forgetting it at once had left a
+deployment with no routable pair while its only serving pair was canaried again (503 `NoRoutablePair` for
+the requests of those seconds, seen during a scale-up).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
@@ -34,7 +41,7 @@ def pair_key(pair: Pair) -> PairKey:
 
 @dataclass
 class _State:
-    task: asyncio.Task[None]
+    task: asyncio.Task[None] | None
     verified: bool = False
     failure: str = ""
 
@@ -48,22 +55,37 @@ class KvCanary:
         on_change: Callable[[], None],
         *,
         retry_s: float = 5.0,
+        remember_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._probe = probe
         self._on_change = on_change
         self._retry_s = retry_s
+        self._remember_s = remember_s
+        self._clock = clock
         self._pairs: dict[PairKey, _State] = {}
+        # Verified pairs that left the routing, and when: admitted again without a canary within remember_s.
+        self._left: dict[PairKey, float] = {}
 
     def admit(self, routing: Routing) -> Routing:
         """`routing` with only its canaried pairs; the others become exclusions saying why, and get a canary
         if they have none running. Pairs no longer in `routing` are forgotten (and their canary stopped)."""
         wanted = {pair_key(pair): pair for pair in routing.pairs}
+        now = self._clock()
         for key in [key for key in self._pairs if key not in wanted]:
-            self._pairs.pop(key).task.cancel()
+            gone = self._pairs.pop(key)
+            if gone.task is not None:
+                gone.task.cancel()
+            if gone.verified:
+                self._left[key] = now
+        for key in [key for key, left in self._left.items() if now - left > self._remember_s]:
+            del self._left[key]
         admitted: list[Pair] = []
         waiting: list[Exclusion] = []
         for key, pair in wanted.items():
             state = self._pairs.get(key)
+            if state is None and self._left.pop(key, None) is not None:
+                state = self._pairs[key] = _State(None, verified=True)
             if state is None:
                 state = self._pairs[key] = _State(
                     asyncio.get_running_loop().create_task(self._run(key, pair))
@@ -124,7 +146,7 @@ class KvCanary:
             return
 
     async def close(self) -> None:
-        tasks = [state.task for state in self._pairs.values()]
+        tasks = [state.task for state in self._pairs.values() if state.task is not None]
         self._pairs.clear()
         for task in tasks:
             task.cancel()
