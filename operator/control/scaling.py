@@ -35,6 +35,8 @@ from disagg.worker.contracts.pod_contract import DRAINING_ANNOTATION, ENGINE_HTT
 TICK_ENV: Final = "DISAGG_PLANNER_INTERVAL_S"
 DEFAULT_TICK_S: Final = 5.0
 SCRAPE_TIMEOUT_S: Final = 2.0
+# A router's or engine's page is tens of KiB; one far larger is not a metrics page.
+MAX_SCRAPE_BYTES: Final = 4 << 20
 # Samples older than the longest window any spec may name are never read.
 KEEP_S: Final = 3600.0
 
@@ -72,13 +74,23 @@ class Planners:
             self._memory.pop(key, None)
 
 
-def _get(url: str) -> str | None:
+def fetch_page(url: str) -> str | None:
+    """The page at `url`, or None when it cannot be had whole within `SCRAPE_TIMEOUT_S` and
+    `MAX_SCRAPE_BYTES`: a pod's answer is not trusted with the operator's memory or its executor's time
+    (a socket timeout bounds each read, not a peer that trickles)."""
+    deadline = time.monotonic() + SCRAPE_TIMEOUT_S
+    chunks: list[bytes] = []
+    size = 0
     try:
         with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as response:
-            text: str = response.read().decode("utf-8", errors="replace")
-            return text
+            while chunk := response.read(64 << 10):
+                size += len(chunk)
+                if size > MAX_SCRAPE_BYTES or time.monotonic() > deadline:
+                    return None
+                chunks.append(chunk)
     except (OSError, ValueError):
         return None
+    return b"".join(chunks).decode("utf-8", errors="replace")
 
 
 def router_addresses(pods: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -127,7 +139,7 @@ def scrape(
     routers: dict[str, RouterSample] = {}
     selector = ",".join(f"{key}={value}" for key, value in router_selector(name).items())
     for address in router_addresses(kube.list_pods(namespace, selector)):
-        text = _get(f"http://{address}/metrics")
+        text = fetch_page(f"http://{address}/metrics")
         if text is not None:
             routers[address] = parse_router(text)
     engines: dict[tuple[str, str], EngineSample] = {}
@@ -137,7 +149,7 @@ def scrape(
         if engine is None or engine.role not in wanted or engine.stage != 0 or engine.host is None:
             continue
         port = _http_port(pod)
-        text = None if port is None else _get(f"http://{engine.host}:{port}/metrics")
+        text = None if port is None else fetch_page(f"http://{engine.host}:{port}/metrics")
         if text is not None:
             engines[(engine.role, engine.engine_id)] = parse_engine(text)
     return Sample(at, routers, engines)
