@@ -117,3 +117,9 @@ def test_only_a_draining_pods_report_carries_the_count_stamped_before_it_was_mea
     # An engine that cannot tell leaves the report as it was: the operator's bound ends that drain.
     assert with_in_flight(report(), draining, lambda: None, lambda: T0) == report()
     assert with_in_flight(None, draining, probe, lambda: T0) is None
+
+
+@pytest.mark.parametrize("value", ["NaN", "+Inf", "-Inf", "-1", "1e400"])
+def test_a_gauge_that_is_no_count_makes_the_engine_unknown_not_idle(value: str) -> None:
+    text = f'vllm:num_requests_running{{engine="0"}} 0\nvllm:num_requests_waiting{{engine="0"}} {value}\n'
+    assert parse_in_flight(text) is None

@@ -6,14 +6,14 @@ both sidecar modes: a watching sidecar moves no KV and sees none of the engine's
 engine is asked where its side channel is (`SidecarConfig.engine_host`: a vLLM PP engine's head for every
 stage). A PP prefill engine's stages past the head schedule nothing and export no scheduler gauge (a
 reference engine's headless stage), so their count is None; the operator reads the head's report for them
-(`operator.rollout.drain_progress`). What the router has sent but the engine has
-not yet received is not counted: the operator waits a grace after a drain mark for that
-(`operator.rollout.drain_progress`).
+(`operator.rollout`'s drain rule). What the router has sent but the engine has not yet received is not
+counted: the operator waits a grace after a drain mark for that.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import urllib.error
 import urllib.request
 from typing import Final
@@ -40,6 +40,8 @@ def parse_in_flight(text: str) -> int | None:
             value = float(line.rsplit(" ", 1)[1])
         except (IndexError, ValueError):
             continue
+        if not math.isfinite(value) or value < 0:
+            return None  # not a count: the engine's word is unknown, not idle
         total, seen = total + value, True
     return round(total) if seen else None
 
@@ -52,8 +54,10 @@ def engine_in_flight(url: str, timeout_s: float = TIMEOUT_S) -> int | None:
     """The engine's requests in flight now, or None when its metrics cannot be read (not idle: unknown)."""
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            text = response.read(MAX_METRICS_BYTES).decode("utf-8", errors="replace")
+            body = response.read(MAX_METRICS_BYTES + 1)
     except (urllib.error.URLError, OSError, ValueError) as exc:
         log.debug("the engine's metrics at %s could not be read: %s", url, exc)
         return None
-    return parse_in_flight(text)
+    if len(body) > MAX_METRICS_BYTES:
+        return None  # not an engine's page; a cut one could miss a gauge and read as idle
+    return parse_in_flight(body.decode("utf-8", errors="replace"))
