@@ -10,15 +10,16 @@ each other). An engine is scraped at its pod IP on the engine's `http` port.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 import urllib.request
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from disagg.operator import conditions as cond
 from disagg.operator.api import ROLES, DisaggDeploymentSpec, Role
@@ -31,6 +32,9 @@ from disagg.operator.scaling.retire import Busy
 from disagg.operator.scaling.signals import EngineSample, RouterSample, Sample, parse_engine, parse_router
 from disagg.worker.contracts.engine_pods import engine_pod
 from disagg.worker.contracts.pod_contract import DRAINING_ANNOTATION, ENGINE_HTTP_PORT_NAME
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 TICK_ENV: Final = "DISAGG_PLANNER_INTERVAL_S"
 DEFAULT_TICK_S: Final = 5.0
@@ -140,8 +144,9 @@ def scrape(
     selector = ",".join(f"{key}={value}" for key, value in router_selector(name).items())
     for address in router_addresses(kube.list_pods(namespace, selector)):
         text = fetch_page(f"http://{address}/metrics")
-        if text is not None:
-            routers[address] = parse_router(text)
+        router = _parsed(parse_router, text, address)
+        if router is not None:
+            routers[address] = router
     engines: dict[tuple[str, str], EngineSample] = {}
     wanted = _engine_roles(spec)
     for pod in pods:
@@ -150,9 +155,21 @@ def scrape(
             continue
         port = _http_port(pod)
         text = None if port is None else fetch_page(f"http://{engine.host}:{port}/metrics")
-        if text is not None:
-            engines[(engine.role, engine.engine_id)] = parse_engine(text)
+        sample = _parsed(parse_engine, text, engine.engine_id)
+        if sample is not None:
+            engines[(engine.role, engine.engine_id)] = sample
     return Sample(at, routers, engines)
+
+
+def _parsed(parse: Callable[[str], T], text: str | None, source: str) -> T | None:
+    """`parse(text)`, or None (the pod did not answer) when the page is missing or not Prometheus text."""
+    if text is None:
+        return None
+    try:
+        return parse(text)
+    except ValueError as error:
+        log.warning("the metrics of %s are not Prometheus text (%s): counted as not answering", source, error)
+        return None
 
 
 def _http_port(pod: Mapping[str, Any]) -> int | None:

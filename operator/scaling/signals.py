@@ -1,6 +1,7 @@
 """What the planner reads of the router's and the engines' Prometheus metrics: one `Sample` per scrape, and
 the figures over a window of samples (a histogram's quantile from its bucket increases, a gauge's mean, a
-counter's rate). Pure: the text comes from `control/`.
+counter's rate). Pure: the text comes from `control/`. A page that is not Prometheus text raises `ValueError`
+(the caller counts that pod as not answering); a NaN or infinite value is no reading and is skipped.
 
 Counters and histograms are cumulative and per process: a window's figure is the difference between its
 last and first sample, bucket by bucket; a value that went down is a restarted process, whose new count is
@@ -70,16 +71,17 @@ def _buckets(samples: Iterable[tuple[str, Mapping[str, str], float]], name: str)
     summed: dict[float, float] = {}
     for sample_name, labels, value in samples:
         if sample_name == f"{name}_bucket" and "le" in labels:
-            bound = float(labels["le"])
+            try:
+                bound = float(labels["le"])
+            except ValueError:
+                raise ValueError(f"{name}: bucket bound {labels['le']!r} is not a number") from None
             summed[bound] = summed.get(bound, 0.0) + value
     return tuple(sorted(summed.items()))
 
 
 def parse_router(text: str) -> RouterSample:
     """The router's `/metrics` (Prometheus text) as what the planner reads of it."""
-    flat: list[tuple[str, Mapping[str, str], float]] = []
-    for family in text_string_to_metric_families(text):
-        flat.extend((s.name, s.labels, float(s.value)) for s in family.samples)
+    flat = [(name, labels, value) for name, labels, value in _samples(text) if math.isfinite(value)]
     in_flight = {labels["role"]: v for name, labels, v in flat if name == IN_FLIGHT and "role" in labels}
     legs = {
         (labels["role"], labels["engine"]): v
@@ -94,13 +96,23 @@ def parse_engine(text: str) -> EngineSample:
     """An engine's `/metrics` (the reference engine's or vLLM's `vllm:*` names)."""
     usage: float | None = None
     prompt: float | None = None
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == KV_USAGE:
-                usage = max(usage or 0.0, float(s.value))
-            elif s.name == f"{PROMPT_TOKENS}_total":
-                prompt = (prompt or 0.0) + float(s.value)
+    for name, _, value in _samples(text):
+        if not math.isfinite(value):
+            continue  # NaN or Inf is no reading; the window's other samples speak
+        if name == KV_USAGE:
+            usage = max(usage or 0.0, value)
+        elif name == f"{PROMPT_TOKENS}_total":
+            prompt = (prompt or 0.0) + value
     return EngineSample(usage, prompt)
+
+
+def _samples(text: str) -> list[tuple[str, Mapping[str, str], float]]:
+    """Every sample of a Prometheus text page; a page that is not one raises `ValueError`."""
+    return [
+        (s.name, s.labels, float(s.value))
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    ]
 
 
 def within(samples: Sequence[Sample], window_s: float, now: float) -> list[Sample]:

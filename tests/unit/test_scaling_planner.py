@@ -232,3 +232,24 @@ def test_external_mode_is_for_decode_only_and_defaults_are_an_hpas() -> None:
     assert scaling.scale_down_stabilization_window_seconds == 300
     assert scaling.tolerance == 0.1 and scaling.metric_window_seconds == 30
     assert DecodeAutoscaling.model_validate({"mode": "external"}).mode == "external"
+
+
+@pytest.mark.parametrize(
+    "page",
+    [
+        "this is not prometheus text {{{",
+        'disagg_router_time_to_first_token_seconds_bucket{le="soon"} 3\n',
+    ],
+)
+def test_a_page_that_is_not_prometheus_text_is_refused_with_value_error(page: str) -> None:
+    with pytest.raises(ValueError):
+        signals.parse_router(page)
+
+
+def test_nan_and_infinite_readings_are_skipped() -> None:
+    router = signals.parse_router(
+        'disagg_router_queued_requests NaN\ndisagg_router_in_flight_requests{role="decode"} +Inf\n'
+    )
+    assert router.queued == 0.0 and router.in_flight == {}
+    engine = signals.parse_engine('vllm:kv_cache_usage_perc{engine="0"} NaN\nvllm:prompt_tokens_total 7\n')
+    assert engine.kv_usage is None and engine.prompt_tokens == 7.0
