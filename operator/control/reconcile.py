@@ -162,9 +162,19 @@ def reconcile(
     before = [workload(child) for child in children if _is_workload(child)]
     pods = list(observed.pods(owner.namespace, owner.name))
     now = datetime.now(UTC)
-    rollout = _assess(verdict, owner, before, pods, routing_from_pods(pods), now, body)
+    # The planner's counts live in the status: read the newest (a handler's event can trail the planner's
+    # own write, and applying an older, lower count would let the ReplicaSet cut a decoder undrained).
+    status = kube.latest_status(body)
+    rollout = _assess(verdict, owner, before, pods, routing_from_pods(pods), now, status)
     steps = scale_steps(
-        _effective(verdict, body), owner, before, pods, rollout.slot, rollout.old_slot is not None, busy, now
+        _effective(verdict, status),
+        owner,
+        before,
+        pods,
+        rollout.slot,
+        rollout.old_slot is not None,
+        busy,
+        now,
     )
     desired = build(
         _sized(steps.spec, rollout.replicas.get(rollout.revision)),
@@ -231,11 +241,11 @@ def _retire(kube: Kube, namespace: str, steps: ScaleSteps) -> None:
         kube.delete_pod(namespace, pod)
 
 
-def _effective(verdict: Verdict, body: Mapping[str, Any]) -> DisaggDeploymentSpec:
+def _effective(verdict: Verdict, status: Mapping[str, Any]) -> DisaggDeploymentSpec:
     """The spec with each role's replicas at its target (`scaling.targets`: the planner's count where it
     sets one, kept in the status)."""
     assert verdict.spec is not None
-    counts = scaling_targets.targets(verdict.spec, body.get("status"))
+    counts = scaling_targets.targets(verdict.spec, status)
     return scaling_targets.with_replicas(
         verdict.spec, {role: n for role, n in counts.items() if n is not None}
     )
@@ -271,11 +281,11 @@ def _assess(
     pods: list[Mapping[str, Any]],
     routing: Routing,
     now: datetime,
-    body: Mapping[str, Any],
+    status: Mapping[str, Any],
 ) -> Rollout:
     """`rollout.assess` for a compatible verdict: its revision against what the cluster runs."""
     assert verdict.spec is not None and verdict.report is not None and verdict.report.plan is not None
-    spec, report = _effective(verdict, body), verdict.report
+    spec, report = _effective(verdict, status), verdict.report
     assert report.plan is not None
     return assess(
         revision=revision_of(spec, owner, report.plan, report.hashes, report.factors),

@@ -223,7 +223,7 @@ def plan_tick(
     memory.samples.append(sample)
     while memory.samples and at - memory.samples[0].at > KEEP_S:
         memory.samples.popleft()
-    status = dict(body.get("status") or {})
+    status = kube.latest_status(body)
     decisions = []
     for role in ROLES:
         scaling = spec.autoscaling(role)
