@@ -201,10 +201,16 @@ def reconcile(
         kube.annotate_pod(owner.namespace, pod, {DRAINING_ANNOTATION: None})
     _retire(kube, owner.namespace, steps)
     removed = _remove_decoders(kube, owner.namespace, rollout) if rollout.keep_old else []
-    # Two waves, each applied at once: what the pods mount or run as (the ConfigMap, ServiceAccounts, RBAC,
-    # Services), then the workloads, so no pod is created before its ServiceAccount exists (the API server
-    # would refuse it and its controller retry with a backoff).
-    waves = [[obj for obj in desired if not _is_workload(obj)], [obj for obj in desired if _is_workload(obj)]]
+    # Three waves, each applied at once: what the pods mount or run as (the ConfigMap, ServiceAccounts, Roles,
+    # Services), the RoleBindings, then the workloads. A binding after its Role: the API server resolves the
+    # Role to check that a binder without `escalate` holds its permissions, and answers 404 while it is not
+    # there (an admin skips that check, so only a least-privilege operator failed, and waited a retry). No
+    # pod before its ServiceAccount: the API server would refuse it and its controller back off.
+    waves = [
+        [obj for obj in desired if not _is_workload(obj) and obj["kind"] != "RoleBinding"],
+        [obj for obj in desired if obj["kind"] == "RoleBinding"],
+        [obj for obj in desired if _is_workload(obj)],
+    ]
     changed, applied = [], []
     for wave in waves:
         for obj, stored in zip(wave, kube.apply_all(wave), strict=True):
