@@ -15,25 +15,23 @@ the scale-up, and failed requests (must be 0: a scale-down drains its decoders f
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
 import secrets
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import yaml
 from kubernetes import client
 
 from disagg.operator.api import GROUP, PLURAL, VERSION
-from disagg.rig.bench_rollout import CRD, EXAMPLE
-from disagg.worker.contracts.pod_contract import DEPLOYMENT_LABEL
+from disagg.rig.bench_rollout import EXAMPLE
+from disagg.rig.local_serving import live_pods, local_serving, service_url
+from disagg.rig.serving_load import LoadThread
 
 NAME = "scale"
 LOW, HIGH = 1, 16
@@ -103,68 +101,56 @@ class StepLoad:
 
     url: str
     model: str
-    concurrency: int = LOW
     outcomes: list[Outcome] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
+
+    def __post_init__(self) -> None:
+        self._load = LoadThread(self._one, HIGH)
+        self._load.concurrency = LOW
+
+    @property
+    def concurrency(self) -> int:
+        return self._load.concurrency
+
+    @concurrency.setter
+    def concurrency(self, value: int) -> None:
+        self._load.concurrency = value
 
     def start(self) -> StepLoad:
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
-        self._thread.start()
+        self._load.start()
         return self
 
-    async def _run(self) -> None:
-        import aiohttp
-
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-
-            async def one(index: int) -> None:
-                body = {
-                    "model": self.model,
-                    "prompt": PROMPTS[index % len(PROMPTS)],
-                    "max_tokens": MAX_TOKENS,
-                    "stream": True,
-                }
-                start = time.monotonic()
-                tokens: list[float] = []
-                try:
-                    async with session.post(f"{self.url}/v1/completions", json=body) as response:
-                        if response.status != 200:
-                            raw = await response.read()
-                            self.outcomes.append(
-                                Outcome(start, False, error=f"{response.status} {raw[:200]!r}")
-                            )
-                            return
-                        async for line in response.content:
-                            text = line.decode().strip()
-                            if text.startswith("data: ") and text != "data: [DONE]":
-                                event = json.loads(text[6:])
-                                if event.get("choices"):
-                                    tokens.append(time.monotonic())
-                except Exception as exc:  # every failure is counted and reported
-                    self.outcomes.append(Outcome(start, False, error=f"{type(exc).__name__}: {exc}"))
+    async def _one(self, session: aiohttp.ClientSession, index: int) -> None:
+        body = {
+            "model": self.model,
+            "prompt": PROMPTS[index % len(PROMPTS)],
+            "max_tokens": MAX_TOKENS,
+            "stream": True,
+        }
+        start = time.monotonic()
+        tokens: list[float] = []
+        try:
+            async with session.post(f"{self.url}/v1/completions", json=body) as response:
+                if response.status != 200:
+                    raw = await response.read()
+                    self.outcomes.append(Outcome(start, False, error=f"{response.status} {raw[:200]!r}"))
                     return
-                if not tokens:
-                    self.outcomes.append(Outcome(start, False, error="no token"))
-                    return
-                itl = (tokens[-1] - tokens[0]) / (len(tokens) - 1) if len(tokens) > 1 else None
-                self.outcomes.append(Outcome(start, True, tokens[0] - start, itl))
-
-            async def worker(slot: int) -> None:
-                index = slot
-                while not self._stop.is_set():
-                    if slot >= self.concurrency:
-                        await asyncio.sleep(0.1)
-                        continue
-                    await one(index)
-                    index += HIGH
-
-            await asyncio.gather(*(worker(k) for k in range(HIGH)))
+                async for line in response.content:
+                    text = line.decode().strip()
+                    if text.startswith("data: ") and text != "data: [DONE]":
+                        event = json.loads(text[6:])
+                        if event.get("choices"):
+                            tokens.append(time.monotonic())
+        except Exception as exc:  # every failure is counted and reported
+            self.outcomes.append(Outcome(start, False, error=f"{type(exc).__name__}: {exc}"))
+            return
+        if not tokens:
+            self.outcomes.append(Outcome(start, False, error="no token"))
+            return
+        itl = (tokens[-1] - tokens[0]) / (len(tokens) - 1) if len(tokens) > 1 else None
+        self.outcomes.append(Outcome(start, True, tokens[0] - start, itl))
 
     def stop(self) -> None:
-        self._stop.set()
-        assert self._thread is not None
-        self._thread.join(timeout=180)
+        self._load.stop()
 
     def between(self, start: float, end: float) -> list[Outcome]:
         return [o for o in self.outcomes if start <= o.at < end]
@@ -205,10 +191,7 @@ class AutoscaleRun:
         return found
 
     def pods(self, role: str) -> list[dict[str, Any]]:
-        response: Any = self.core.list_namespaced_pod(
-            self.namespace, label_selector=f"{DEPLOYMENT_LABEL}={NAME}", _preload_content=False
-        )
-        items: list[dict[str, Any]] = json.loads(response.data)["items"]
+        items = live_pods(self.core, self.namespace, NAME)
         return [p for p in items if (p["metadata"].get("labels") or {}).get("disagg.io/role") == role]
 
     def ready(self, role: str) -> int:
@@ -247,27 +230,18 @@ class AutoscaleRun:
         return next((c for c in self.status().get("conditions") or () if c["type"] == "Scaling"), {})
 
     def run(self) -> dict[str, Any]:
-        from disagg.rig.local_kubelet import KubeletLoop, LocalKubelet
-        from disagg.rig.service_proxy import ServiceProxy
-
         say = self.say
         doc = document(self.namespace, self.port)
         self.apply(doc)
-        kubelet = LocalKubelet(self.api, self.kubeconfig, self.namespace, NAME, self.workdir / "pods")
-        proxy = ServiceProxy(self.api, self.namespace)
-        loop = KubeletLoop([kubelet.sync, proxy.sync]).start()
-        try:
+        pods = self.workdir / "pods"
+        with local_serving(self.api, self.kubeconfig, self.namespace, NAME, pods) as (_, loop):
             up = self.wait(
                 "the deployment to serve",
                 lambda: self.status().get("routablePairs") == "1/1" and self.ready("decode") == 1,
                 loop.check,
             )
             say(f"  serving after {up:.1f} s: 1 prefill engine (PP2), 1 decoder, 1/1 pairs")
-            read: Any = self.core.read_namespaced_service(
-                f"{NAME}-router", self.namespace, _preload_content=False
-            )
-            service = json.loads(read.data)
-            url = f"http://{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}"
+            url = service_url(self.core, self.namespace, NAME)
             load = StepLoad(url, doc["spec"]["model"]["name"]).start()
             try:
                 time.sleep(BASELINE_S)
@@ -305,12 +279,6 @@ class AutoscaleRun:
             finally:
                 load.stop()
             end = time.monotonic()
-        finally:
-            try:
-                loop.stop()
-            finally:
-                proxy.close()
-                kubelet.stop_all()
         before = load.between(step_up, served_up)
         after = load.between(served_up, step_down)
         failures = [o.error for o in load.outcomes if not o.ok]
@@ -354,38 +322,12 @@ class AutoscaleRun:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from kubernetes import config
+    from disagg.rig.bench_cluster import bench_cluster
 
-    from disagg.rig import control_plane
-    from disagg.rig.bench_operator import Operator
-
-    with control_plane.shared() as (paths, _):
-        env = {**os.environ, "KUBECONFIG": str(paths.kubeconfig)}
-        kubectl = str(paths.bin_dir / "kubectl")
-        subprocess.run([kubectl, "apply", "-f", str(CRD)], check=True, capture_output=True, env=env)
-        api = config.new_client_from_config(config_file=str(paths.kubeconfig))  # type: ignore[no-untyped-call]
-        core = client.CoreV1Api(api)
-        namespace = f"bench-autoscale-{secrets.token_hex(3)}"
-        core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
-
-        def apply(doc: dict[str, Any]) -> None:
-            subprocess.run(
-                [kubectl, "apply", "-f", "-"],
-                input=yaml.safe_dump(doc),
-                text=True,
-                check=True,
-                capture_output=True,
-                env=env,
-            )
-
-        workdir = Path(f"/tmp/disagg-bench-autoscale-{os.getpid()}")
-        operator = Operator(paths, [namespace], workdir.with_suffix(".operator.log"))
+    with bench_cluster("autoscale") as cluster:
         print("autoscale bench: kube-apiserver v1.20.2, the operator, every container a local process")
-        try:
-            result = AutoscaleRun(api, paths.kubeconfig, namespace, apply, workdir).run()
-        finally:
-            operator.stop()
-            core.delete_namespace(namespace)
+        run = AutoscaleRun(cluster.api, cluster.kubeconfig, cluster.namespace, cluster.apply, cluster.workdir)
+        result = run.run()
     good = result["failed"] == 0 and result["peak_decoders"] > 1 and result["max_prefill_seen"] == 1
     for line in result["failures"]:
         print(f"    {line}")

@@ -20,21 +20,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import statistics
-import subprocess
 import sys
 import threading
 import time
-import urllib.request
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
-from kubernetes import client, config, watch
+from kubernetes import client, watch
 from urllib3.exceptions import ProtocolError
 
 from disagg.operator.api import GROUP, PLURAL, VERSION
@@ -43,11 +39,11 @@ from disagg.operator.control.k8s_apply import Kube
 from disagg.operator.control.reconcile import judge
 from disagg.operator.naming import FIELD_MANAGER, Owner
 from disagg.rig import control_plane
+from disagg.rig.bench_cluster import Operator, api_client, apply_crd, fresh_namespace, kubectl_apply
 from disagg.rig.control_plane import Paths
-from disagg.rig.local import REPO, free_port
+from disagg.rig.local import REPO
 
 EXAMPLE = REPO / "examples" / "pp2-hma.yaml"
-CRD = REPO / "crds" / "disagg.io_disaggdeployments.yaml"
 # What a deployment of the example settles on when no kubelet runs its pods.
 FINAL = {
     "Compatible": ("True", "Compatible"),
@@ -133,17 +129,6 @@ def _document(namespace: str, name: str) -> dict[str, Any]:
     return document
 
 
-def _kubectl_apply(paths: Paths, document: dict[str, Any]) -> None:
-    subprocess.run(
-        [str(paths.bin_dir / "kubectl"), "apply", "-f", "-"],
-        input=yaml.safe_dump(document),
-        capture_output=True,
-        text=True,
-        check=True,
-        env={**os.environ, "KUBECONFIG": str(paths.kubeconfig)},
-    )
-
-
 def _floor_status(kube: Kube, namespace: str, name: str) -> None:
     """The one status write any operator makes after reading the object."""
     body = kube.read_deployment(namespace, name)
@@ -168,7 +153,7 @@ def _apply_latency(
         for index in range(count):
             name = f"latency-{index}"
             start = time.perf_counter()
-            _kubectl_apply(paths, _document(namespace, name))
+            kubectl_apply(paths, _document(namespace, name))
             if floor:
                 _floor_status(kube, namespace, name)
             observer.wait([name], timeout=60)
@@ -260,79 +245,6 @@ def _wait_children(kube: Kube, namespace: str, count: int, timeout: float) -> No
             time.sleep(0.2)
 
 
-class Operator:
-    def __init__(self, paths: Paths, namespaces: Sequence[str], log: Path) -> None:
-        port = free_port()
-        args = [
-            sys.executable,
-            "-m",
-            "disagg.operator.cli.main",
-            "operator",
-            "run",
-            "--health-port",
-            str(port),
-        ]
-        for namespace in namespaces:
-            args += ["--namespace", namespace]
-        env = {**os.environ, "KUBECONFIG": str(paths.kubeconfig), "PYTHONSAFEPATH": "1"}
-        self._path = log
-        self._log = log.open("wb")
-        self.proc = subprocess.Popen(args, env=env, stdout=self._log, stderr=subprocess.STDOUT, cwd="/")
-        deadline = time.monotonic() + 60
-        while not _healthy(port):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the operator did not become healthy; see {log}")
-            time.sleep(0.1)
-
-    def peak_rss_mib(self) -> float:
-        return self._status_mib("VmHWM:")
-
-    def rss_mib(self) -> float:
-        return self._status_mib("VmRSS:")
-
-    def _status_mib(self, field_name: str) -> float:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith(field_name):
-                return int(line.split()[1]) / 1024
-        raise RuntimeError(f"no {field_name} for the operator process")
-
-    def errors(self) -> list[str]:
-        """Lines of the operator's log that report an error (kopf logs a handler's failure so)."""
-        text = self._path.read_text(errors="replace")
-        return [line for line in text.splitlines() if "[ERROR" in line or line.startswith("Traceback")]
-
-    def stop(self) -> float:
-        """SIGTERM (how Kubernetes stops a pod), SIGKILL after a 30 s grace; returns the seconds it took."""
-        start = time.perf_counter()
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-        self._log.close()
-        return time.perf_counter() - start
-
-
-def _healthy(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as response:
-            return bool(response.status == 200)
-    except OSError:
-        return False
-
-
-@contextmanager
-def _namespace(api: client.ApiClient, prefix: str) -> Iterator[str]:
-    core = client.CoreV1Api(api)
-    name = f"{prefix}-{secrets.token_hex(3)}"
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
-    try:
-        yield name
-    finally:
-        core.delete_namespace(name)
-
-
 def _warnings(api: client.ApiClient, namespace: str) -> tuple[list[str], list[str]]:
     """Warning Events posted by the operator, and those posted by anyone else (the API server's own
     controllers warn when it is too loaded to create a Pod at once, and retry)."""
@@ -376,18 +288,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     count = args.deployments
     with control_plane.shared() as (paths, _):
-        subprocess.run(
-            [str(paths.bin_dir / "kubectl"), "apply", "-f", str(CRD)],
-            check=True,
-            capture_output=True,
-            env={**os.environ, "KUBECONFIG": str(paths.kubeconfig)},
-        )
-        api = config.new_client_from_config(config_file=str(paths.kubeconfig))  # type: ignore[no-untyped-call]
-        with _namespace(api, "bench-floor-a") as a, _namespace(api, "bench-floor-b") as b:
+        apply_crd(paths)
+        api = api_client(paths)
+        with fresh_namespace(api, "bench-floor-a") as a, fresh_namespace(api, "bench-floor-b") as b:
             floor_latency = statistics.median(_apply_latency(paths, api, a, args.latency_samples, floor=True))
             floor = _end_to_end(api, b, count, floor=True)
         _wait_gone(api, b, timeout=max(120.0, count * 0.5))
-        with _namespace(api, "bench-op-a") as a, _namespace(api, "bench-op-b") as b:
+        with fresh_namespace(api, "bench-op-a") as a, fresh_namespace(api, "bench-op-b") as b:
             log = Path(f"/tmp/disagg-bench-operator-{os.getpid()}.log")
             operator = Operator(paths, [a, b], log)
             try:

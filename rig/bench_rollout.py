@@ -21,11 +21,8 @@ rollout (`RolloutStuck`) with the old revision serving, and applying the old spe
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
 import secrets
-import subprocess
 import sys
 import threading
 import time
@@ -39,11 +36,12 @@ from kubernetes import client
 
 from disagg.operator.api import GROUP, PLURAL, VERSION
 from disagg.rig.local import REPO
+from disagg.rig.local_serving import live_pods, local_serving, service_url
+from disagg.rig.serving_load import Case, Load, monolithic
 from disagg.worker.contracts.pairing import routing_from_pods
-from disagg.worker.contracts.pod_contract import DEPLOYMENT_LABEL, POD_NAME_ENV, ROLE_ENV
+from disagg.worker.contracts.pod_contract import POD_NAME_ENV, ROLE_ENV
 
 EXAMPLE = REPO / "examples" / "reference-pp2-hma.yaml"
-CRD = REPO / "crds" / "disagg.io_disaggdeployments.yaml"
 NAME = "roll"
 OLD_VERSION, NEW_VERSION = "0.32.0", "0.33.0"
 CONCURRENCY = 8
@@ -54,6 +52,7 @@ DECODERS = 2
 MAX_SURGE = 1
 TIMEOUT_S = 300.0
 PROMPTS = tuple(f"Rollout request {k}: the KV moves from prefill to decode." for k in range(16))
+CASES = tuple(Case("completions", False, prompt, MAX_TOKENS) for prompt in PROMPTS)
 
 
 def document(namespace: str, version: str, side_channel_port: int) -> dict[str, Any]:
@@ -76,70 +75,6 @@ def surge_bound(doc: dict[str, Any]) -> tuple[int, int]:
     desired = prefill["replicas"] * stages + decode["replicas"]
     bound = (prefill["replicas"] + MAX_SURGE) * stages + decode["replicas"] + MAX_SURGE
     return bound, 2 * desired
-
-
-def monolithic(prompt: str) -> str:
-    import torch
-
-    from disagg.worker.engine.config import TinyConfig, decode, encode
-    from disagg.worker.engine.model import TinyModel
-
-    torch.set_num_threads(1)
-    text: str = decode(TinyModel(TinyConfig()).generate(encode(prompt), MAX_TOKENS))
-    return text
-
-
-@dataclass
-class Load:
-    """Completions through `url` at a fixed concurrency until stopped; every answer compared."""
-
-    url: str
-    model: str
-    expected: dict[str, str]
-    sent: int = 0
-    ok: int = 0
-    failures: list[str] = field(default_factory=list)
-    mismatches: list[str] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
-
-    def start(self) -> Load:
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
-        self._thread.start()
-        return self
-
-    async def _run(self) -> None:
-        import aiohttp
-
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-
-            async def worker(offset: int) -> None:
-                index = offset
-                while not self._stop.is_set():
-                    prompt = PROMPTS[index % len(PROMPTS)]
-                    index += CONCURRENCY
-                    self.sent += 1
-                    body = {"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS}
-                    try:
-                        async with session.post(f"{self.url}/v1/completions", json=body) as response:
-                            raw = await response.read()
-                            if response.status != 200:
-                                self.failures.append(f"{response.status} {raw[:300]!r}")
-                                continue
-                        text = json.loads(raw)["choices"][0]["text"]
-                    except Exception as exc:  # every failure is counted and reported
-                        self.failures.append(f"{type(exc).__name__}: {exc}")
-                        continue
-                    self.ok += 1
-                    if text != self.expected[prompt]:
-                        self.mismatches.append(f"{prompt!r}: {text!r} != {self.expected[prompt]!r}")
-
-            await asyncio.gather(*(worker(k) for k in range(CONCURRENCY)))
-
-    def stop(self) -> None:
-        self._stop.set()
-        assert self._thread is not None
-        self._thread.join(timeout=180)
 
 
 @dataclass
@@ -168,7 +103,7 @@ class Samples:
     def _run(self) -> None:
         last = time.monotonic()
         while not self._stop.is_set():
-            items = live_pods(self.core, self.namespace)
+            items = live_pods(self.core, self.namespace, NAME)
             engines = [p for p in items if "disagg.io/role" in (p["metadata"].get("labels") or {})]
             self.pairs.append(len(routing_from_pods(items).pairs))
             replacing = [
@@ -196,14 +131,6 @@ class Samples:
         self._stop.set()
         assert self._thread is not None
         self._thread.join(timeout=30)
-
-
-def live_pods(core: client.CoreV1Api, namespace: str) -> list[dict[str, Any]]:
-    response: Any = core.list_namespaced_pod(
-        namespace, label_selector=f"{DEPLOYMENT_LABEL}={NAME}", _preload_content=False
-    )
-    items: list[dict[str, Any]] = json.loads(response.data)["items"]
-    return items
 
 
 def stale_decoders(slot_prefix: str, compat_hash: str) -> Callable[[dict[str, Any], dict[str, str]], None]:
@@ -273,22 +200,19 @@ class RolloutRun:
 
     def engines(self) -> list[dict[str, Any]]:
         return [
-            p for p in live_pods(self.core, self.namespace) if "disagg.io/role" in p["metadata"]["labels"]
+            p
+            for p in live_pods(self.core, self.namespace, NAME)
+            if "disagg.io/role" in p["metadata"]["labels"]
         ]
 
     def run(self) -> dict[str, Any]:
-        from disagg.rig.local_kubelet import KubeletLoop, LocalKubelet
-        from disagg.rig.service_proxy import ServiceProxy
-
         say = self.say
         old = document(self.namespace, OLD_VERSION, self.port)
         model = old["spec"]["model"]["name"]
         self.apply(old)
-        kubelet = LocalKubelet(self.api, self.kubeconfig, self.namespace, NAME, self.workdir / "pods")
-        proxy = ServiceProxy(self.api, self.namespace)
-        loop = KubeletLoop([kubelet.sync, proxy.sync]).start()
         result: dict[str, Any] = {}
-        try:
+        pods = self.workdir / "pods"
+        with local_serving(self.api, self.kubeconfig, self.namespace, NAME, pods) as (kubelet, loop):
             up = self.wait("the first revision to serve", self.settled, loop.check)
             base = len(self.engines())
             first = (self.get().get("status") or {}).get("revision")
@@ -296,13 +220,9 @@ class RolloutRun:
                 f"  revision {first} (engine {OLD_VERSION}) serving after {up:.1f} s: {base} engine pods, "
                 f"{DECODERS}/{DECODERS} pairs"
             )
-            read: Any = self.core.read_namespaced_service(
-                f"{NAME}-router", self.namespace, _preload_content=False
-            )
-            service = json.loads(read.data)
-            url = f"http://{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}"
-            expected = {prompt: monolithic(prompt) for prompt in PROMPTS}
-            load = Load(url, model, expected).start()
+            url = service_url(self.core, self.namespace, NAME)
+            expected = {case: monolithic(case) for case in CASES}
+            load = Load(url, model, CASES, expected, CONCURRENCY).start()
             samples = Samples(self.core, self.namespace, old_revision=first or "").start()
             phases: dict[str, float] = {}
             steps: list[str] = []
@@ -377,12 +297,6 @@ class RolloutRun:
             )
             result["refused"] = self.refused_before_any_pod(new, loop.check)
             result["stuck"] = self.stuck_then_rolled_back(kubelet, new, url, model, expected, loop.check)
-        finally:
-            try:
-                loop.stop()
-            finally:
-                proxy.close()
-                kubelet.stop_all()
         return result
 
     def refused_before_any_pod(self, serving: dict[str, Any], check: Callable[[], None]) -> dict[str, Any]:
@@ -415,7 +329,7 @@ class RolloutRun:
         serving: dict[str, Any],
         url: str,
         model: str,
-        expected: dict[str, str],
+        expected: dict[Case, str],
         check: Callable[[], None],
     ) -> dict[str, Any]:
         """The new revision's decoders start with another hash: the rollout stops, the old one serves."""
@@ -427,7 +341,7 @@ class RolloutRun:
         kubelet.new_pod_fault = stale_decoders(prefix, "0" * 64)
         changed = json.loads(json.dumps(serving))
         changed["spec"]["engine"]["version"] = OLD_VERSION
-        load = Load(url, model, expected).start()
+        load = Load(url, model, CASES, expected, CONCURRENCY).start()
         samples = Samples(self.core, self.namespace).start()
         try:
             start = time.monotonic()
@@ -472,40 +386,13 @@ class RolloutRun:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from kubernetes import config
+    from disagg.rig.bench_cluster import bench_cluster
 
-    from disagg.rig import control_plane
-    from disagg.rig.bench_operator import Operator
-
-    with control_plane.shared() as (paths, _):
-        env = {**os.environ, "KUBECONFIG": str(paths.kubeconfig)}
-        kubectl = str(paths.bin_dir / "kubectl")
-        subprocess.run([kubectl, "apply", "-f", str(CRD)], check=True, capture_output=True, env=env)
-        api = config.new_client_from_config(config_file=str(paths.kubeconfig))  # type: ignore[no-untyped-call]
-        core = client.CoreV1Api(api)
-        namespace = f"bench-rollout-{secrets.token_hex(3)}"
-        core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
-
-        def apply(doc: dict[str, Any]) -> None:
-            done = subprocess.run(
-                [kubectl, "apply", "-f", "-"],
-                input=yaml.safe_dump(doc),
-                text=True,
-                check=False,
-                capture_output=True,
-                env=env,
-            )
-            if done.returncode != 0:
-                raise RuntimeError(f"kubectl apply exited with {done.returncode}: {done.stderr.strip()}")
-
-        workdir = Path(f"/tmp/disagg-bench-rollout-{os.getpid()}")
-        operator = Operator(paths, [namespace], workdir.with_suffix(".operator.log"))
+    with bench_cluster("rollout") as cluster:
         print("rollout bench: kube-apiserver v1.20.2, the operator, every container a local process")
-        try:
-            result = RolloutRun(api, paths.kubeconfig, namespace, apply, workdir).run()
-        finally:
-            operator.stop()
-            core.delete_namespace(namespace)
+        result = RolloutRun(
+            cluster.api, cluster.kubeconfig, cluster.namespace, cluster.apply, cluster.workdir
+        ).run()
     change = result["version_change"]
     stuck = result["stuck"]
     good = (
