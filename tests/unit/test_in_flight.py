@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import http.server
-import threading
 from collections import Counter
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 import pytest
 
@@ -61,37 +57,16 @@ def test_the_count_is_what_either_engine_reports_running_and_waiting() -> None:
     assert parse_in_flight("# HELP x\nother_metric 1\n") is None
 
 
-@pytest.fixture
-def metrics_server() -> Iterator[tuple[str, list[str]]]:
-    bodies = [VLLM_METRICS]
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = bodies[-1].encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/metrics", bodies
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
 def test_the_sidecar_reads_the_count_from_the_engines_metrics_endpoint(
-    metrics_server: tuple[str, list[str]],
+    pages: tuple[str, dict[str, bytes]],
 ) -> None:
-    url, bodies = metrics_server
+    base, served = pages
+    url = base + "/metrics"
+    served["/metrics"] = VLLM_METRICS.encode()
     assert engine_in_flight(url) == 3
-    bodies.append(reference_metrics(Scheduler(prefilling=0, decoding=0, running=0, awaiting_kv=0)))
+    served["/metrics"] = reference_metrics(
+        Scheduler(prefilling=0, decoding=0, running=0, awaiting_kv=0)
+    ).encode()
     assert engine_in_flight(url) == 0
     # An engine that does not answer is not idle: nothing is reported.
     assert engine_in_flight("http://127.0.0.1:9/metrics", timeout_s=0.5) is None

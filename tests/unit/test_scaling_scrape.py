@@ -3,12 +3,7 @@ what a scrape takes from a pod's answer (a real HTTP server on loopback)."""
 
 from __future__ import annotations
 
-import http.server
-import threading
-from collections.abc import Iterator
 from typing import Any
-
-import pytest
 
 from disagg.operator.control.scaling import (
     DEFAULT_TICK_S,
@@ -47,31 +42,6 @@ def test_the_interval_comes_from_the_environment() -> None:
     assert tick_seconds({TICK_ENV: "1.5"}) == 1.5
     assert tick_seconds({TICK_ENV: "soon"}) == DEFAULT_TICK_S
     assert tick_seconds({TICK_ENV: "0"}) == DEFAULT_TICK_S
-
-
-@pytest.fixture
-def pages() -> Iterator[tuple[str, dict[str, bytes]]]:
-    served: dict[str, bytes] = {}
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = served[self.path]
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", served
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_a_scrape_reads_a_page_whole_and_refuses_one_past_its_size_bound(
