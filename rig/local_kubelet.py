@@ -40,9 +40,9 @@ from typing import Any, Final
 
 from kubernetes import client
 
-from disagg.operator.builders.engine import is_vllm_image
+from disagg.operator.builders.engine import HTTP_PORT, is_vllm_image
 from disagg.rig.local import free_port
-from disagg.rig.vllm_node import core_for, engine_process, pinned
+from disagg.rig.vllm_node import core_for, engine_process, pinned, serves_http
 from disagg.worker.connector.transport import LOOPBACK_UCX_ENV
 from disagg.worker.contracts.pod_contract import (
     COMPATIBILITY_HASH_ENV,
@@ -208,6 +208,11 @@ def http_probe(host: str, port: int, path: str, timeout_s: float = 1.0) -> Calla
             return False
 
     return probe
+
+
+def vllm_health(ip: str, timeout_s: float = 1.0) -> Callable[[], bool]:
+    """vLLM's own health endpoint on an engine pod's HTTP port, probed as a kubelet would."""
+    return http_probe(ip, HTTP_PORT, "/health", timeout_s)
 
 
 def readiness(host: str, port: int, spec: Mapping[str, Any]) -> Readiness:
@@ -541,9 +546,8 @@ class LocalKubelet:
         if probe.get("httpGet"):
             port = _port_of(container, probe["httpGet"]["port"])
             local.probes[container["name"]] = readiness(local.ip, port, probe)
-        elif not ("--headless" in argv[2] and pod["metadata"]["name"].rsplit("-", 1)[-1] != "0"):
-            # vLLM's own health endpoint, where the pod serves HTTP (a PP stage past 0 runs headless).
-            local.probes[container["name"]] = Readiness(http_probe(local.ip, 8000, "/health"))
+        elif serves_http(role, pod["metadata"]["name"]):
+            local.probes[container["name"]] = Readiness(vllm_health(local.ip))
 
     def _rendezvous(self, argv: list[str]) -> list[str]:
         """torch's rendezvous store on a PP head listens on every address: in pods each engine has its own

@@ -22,8 +22,6 @@ import signal
 import subprocess
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,8 +31,8 @@ from disagg.operator.api import DisaggDeployment
 from disagg.operator.builders.engine import HTTP_PORT
 from disagg.operator.cli.check import judge, plan_manifests
 from disagg.rig.local import REPO
-from disagg.rig.local_kubelet import expand, expanded_env, pod_dns_to_ip
-from disagg.rig.vllm_node import ENGINE_VENV, core_for, engine_process, pinned
+from disagg.rig.local_kubelet import expand, expanded_env, pod_dns_to_ip, vllm_health
+from disagg.rig.vllm_node import ENGINE_VENV, core_for, engine_process, pinned, serves_http
 from disagg.worker.connector.side_channel import fetch_payloads
 from disagg.worker.contracts.pairing import DecodeTarget, Pair, PrefillTarget, Routing
 from disagg.worker.contracts.payload_facts import PayloadFacts, payload_facts
@@ -81,8 +79,7 @@ class EnginePod:
 
     @property
     def serves_http(self) -> bool:
-        """The stage launcher runs every prefill pod past ordinal 0 (PP rank > 0) `--headless`."""
-        return not (self.role == "prefill" and self.ordinal > 0)
+        return serves_http(self.role, self.name)
 
     @property
     def url(self) -> str:
@@ -188,7 +185,7 @@ class VllmEngines:
         for proc in self._procs:
             if not proc.pod.serves_http:
                 continue
-            while not _healthy(proc.pod.url):
+            while not vllm_health(proc.pod.ip, timeout_s=2.0)():
                 self.check_alive()
                 if time.monotonic() > deadline:
                     raise EnginesError(f"{proc.pod.name} did not answer /health: {self.log_tail(proc.pod)}")
@@ -272,14 +269,6 @@ class VllmEngines:
 def _signal_group(popen: subprocess.Popen[bytes], sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(popen.pid, sig)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as response:
-            return bool(response.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 def metric(text: str, name: str, labels: Mapping[str, str] | None = None) -> float:

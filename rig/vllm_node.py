@@ -69,6 +69,12 @@ def engine_process(
     return [*argv, "--host", ip], {**node, **env}
 
 
+def serves_http(role: str, pod_name: str) -> bool:
+    """Whether a vLLM engine pod serves HTTP: the operator's stage launcher runs every prefill pod past
+    ordinal 0 (PP rank > 0) `--headless`, and a StatefulSet pod's name ends in its ordinal."""
+    return not (role == "prefill" and pod_name.rsplit("-", 1)[-1] != "0")
+
+
 def pinned(core: int) -> Callable[[], None]:
     """A `preexec_fn` that puts the process (and so everything it starts) on `core`."""
 
