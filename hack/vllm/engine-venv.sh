@@ -26,32 +26,14 @@ REQS=$ROOT/hack/vllm/engine-requirements.txt
 CLI=$ROOT/hack/vllm/vllm_cli.py
 WHEEL_CACHE=${VLLM_ENGINE_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/disagg/vllm-engine-wheels}
 PYTHON=${PYTHON:-python3}
-STAMP=$VENV/.installed
-export PYTHONSAFEPATH=1
+LIB=$ROOT/hack/vllm/lib.sh
+# shellcheck source=hack/vllm/lib.sh
+source "$LIB"
 
-digest=$( { cat "${BASH_SOURCE[0]}" "$REQS" "$CLI"; } | sha256sum | cut -d' ' -f1)
-if [[ -f $STAMP && $(cat "$STAMP") == "$digest" && -x $VENV/bin/python ]]; then
-    exit 0
-fi
+digest=$( { cat "${BASH_SOURCE[0]}" "$LIB" "$REQS" "$CLI"; } | sha256sum | cut -d' ' -f1)
+venv_current "$VENV" "$digest" && exit 0
 
-log=$(mktemp)
-trap 'rm -f "$log"' EXIT
-run() {
-    if [[ ${VLLM_VENV_VERBOSE:-0} == 1 ]]; then
-        "$@"
-    elif ! "$@" >>"$log" 2>&1; then
-        echo "engine-venv.sh: failed: $*" >&2
-        tail -n 40 "$log" >&2
-        exit 1
-    fi
-}
-
-rm -f "$STAMP"
-[[ -x $VENV/bin/python ]] || run "$PYTHON" -m venv "$VENV"
-echo '*' >"$VENV/.gitignore"
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
-
-run "${PIP[@]}" install --quiet torch==2.13.0
+venv_start "$VENV" "$PYTHON"
 mkdir -p "$WHEEL_CACHE"
 run "${PIP[@]}" download --quiet --no-deps --require-hashes -r "$REQS" -d "$WHEEL_CACHE"
 run "${PIP[@]}" install --quiet --no-index --find-links "$WHEEL_CACHE" --no-deps --require-hashes -r "$REQS"
@@ -66,4 +48,4 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import push_worker
 assert vllm.__version__ == "0.32.0", vllm.__version__
 '
 run env VLLM_TARGET_DEVICE=cpu "$VENV/bin/vllm" --version
-echo "$digest" >"$STAMP"
+venv_done "$VENV" "$digest"

@@ -13,23 +13,17 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 WHEEL_CACHE=${VLLM_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/disagg/vllm-wheels}
 PYTHON=${PYTHON:-python3}
 RELEASES=(0.31.0 0.32.0)
+# shellcheck source=hack/vllm/lib.sh
+source "$ROOT/hack/vllm/lib.sh"
 
 for version in "${RELEASES[@]}"; do
     target=$WHEEL_CACHE/x/$version
     # Extraction goes to a temporary folder first, so a vllm/ folder there is a whole release.
     [[ -d $target/vllm ]] && continue
-    wheel_dir=$WHEEL_CACHE/$version
-    shopt -s nullglob
-    wheels=("$wheel_dir"/vllm-"$version"-*.whl)
-    if (( ${#wheels[@]} == 0 )); then
-        mkdir -p "$wheel_dir"
-        "$PYTHON" -m pip --disable-pip-version-check download --quiet --no-deps "vllm==$version" -d "$wheel_dir"
-        wheels=("$wheel_dir"/vllm-"$version"-*.whl)
-    fi
-    shopt -u nullglob
+    vllm_wheel "$WHEEL_CACHE" "$version" "$PYTHON" -m pip --disable-pip-version-check
     rm -rf "$target.tmp"
     mkdir -p "$target.tmp"
-    "$PYTHON" -m zipfile -e "${wheels[0]}" "$target.tmp"
+    "$PYTHON" -m zipfile -e "$WHEEL" "$target.tmp"
     rm -rf "$target"
     mv "$target.tmp" "$target"
 done
