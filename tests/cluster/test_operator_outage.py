@@ -129,13 +129,6 @@ class Proxy:
                     sock.shutdown(socket.SHUT_RDWR)
 
 
-@pytest.fixture(scope="module")
-def cluster(control_plane: ControlPlane) -> Cluster:
-    cluster = Cluster(control_plane)
-    cluster.apply_crd()
-    return cluster
-
-
 @pytest.fixture
 def proxied(control_plane: ControlPlane, tmp_path: Path) -> Iterator[tuple[ControlPlane, Proxy]]:
     """The control plane as the operator sees it: the same, but its server is the proxy."""

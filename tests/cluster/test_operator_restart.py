@@ -8,18 +8,10 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from local_cluster import ControlPlane
 from operator_harness import Cluster, OperatorProcess, example, satisfied, wait_for
 
 NAME = "big"
 REPLICAS = 10
-
-
-@pytest.fixture(scope="module")
-def cluster(control_plane: ControlPlane) -> Cluster:
-    cluster = Cluster(control_plane)
-    cluster.apply_crd()
-    return cluster
 
 
 @pytest.fixture

@@ -17,19 +17,11 @@ import pytest
 import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
-from local_cluster import ControlPlane
 from operator_harness import Cluster, OperatorProcess, example, free_port, wait_for
 
 from disagg.operator.control.webhook import HANDLER_ID, refusal
 
 NAME = "gemma"
-
-
-@pytest.fixture(scope="module")
-def cluster(control_plane: ControlPlane) -> Cluster:
-    cluster = Cluster(control_plane)
-    cluster.apply_crd()
-    return cluster
 
 
 @pytest.fixture(scope="module")

@@ -9,17 +9,9 @@ import secrets
 
 import pytest
 from kubernetes import client
-from local_cluster import ControlPlane
 from operator_harness import Cluster, OperatorProcess, example, free_port, satisfied, wait_for
 
 from disagg.operator.control.webhook import HANDLER_ID, SelfSignedWebhookServer, refusal
-
-
-@pytest.fixture(scope="module")
-def cluster(control_plane: ControlPlane) -> Cluster:
-    cluster = Cluster(control_plane)
-    cluster.apply_crd()
-    return cluster
 
 
 def test_cert_dir_mode_serves_the_charts_path(

@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
+from golden_values import from_golden, plain
 
 from disagg.worker.contracts import releases
 from disagg.worker.kv import wire
@@ -35,25 +35,6 @@ def describe(version: str, entry: dict[str, Any]) -> dict[str, Any]:
 
 def raw(version: str, name: str) -> bytes:
     return (GOLDEN / version / name).read_bytes()
-
-
-def from_golden(value: Any) -> Any:
-    if isinstance(value, dict):
-        if "$bytes_hex" in value:
-            return bytes.fromhex(str(value["$bytes_hex"]))
-        return {k: from_golden(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [from_golden(v) for v in value]
-    return value
-
-
-def plain(obj: Any) -> Any:
-    value = msgspec.to_builtins(obj, builtin_types=(bytes,))
-    return json.loads(json.dumps(value, default=lambda b: {"$hex": b.hex()}), object_hook=_unhex)
-
-
-def _unhex(d: dict[str, Any]) -> Any:
-    return bytes.fromhex(d["$hex"]) if set(d) == {"$hex"} else d
 
 
 def compat_cases(version: str) -> dict[str, dict[str, Any]]:
