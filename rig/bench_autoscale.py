@@ -28,9 +28,8 @@ import aiohttp
 import yaml
 from kubernetes import client
 
-from disagg.operator.api import GROUP, PLURAL, VERSION
 from disagg.rig.bench_rollout import EXAMPLE
-from disagg.rig.local_serving import live_pods, local_serving, service_url
+from disagg.rig.local_serving import live_pods, local_serving, read_deployment, service_url
 from disagg.rig.serving_load import LoadThread
 
 NAME = "scale"
@@ -184,10 +183,7 @@ class AutoscaleRun:
         self.custom = client.CustomObjectsApi(self.api)
 
     def status(self) -> dict[str, Any]:
-        response: Any = self.custom.get_namespaced_custom_object(
-            GROUP, VERSION, self.namespace, PLURAL, NAME, _preload_content=False
-        )
-        found: dict[str, Any] = json.loads(response.data).get("status") or {}
+        found: dict[str, Any] = read_deployment(self.custom, self.namespace, NAME).get("status") or {}
         return found
 
     def pods(self, role: str) -> list[dict[str, Any]]:

@@ -34,9 +34,8 @@ from typing import Any
 import yaml
 from kubernetes import client
 
-from disagg.operator.api import GROUP, PLURAL, VERSION
 from disagg.rig.local import REPO
-from disagg.rig.local_serving import live_pods, local_serving, service_url
+from disagg.rig.local_serving import live_pods, local_serving, read_deployment, service_url
 from disagg.rig.serving_load import Case, Load, monolithic
 from disagg.worker.contracts.pairing import routing_from_pods
 from disagg.worker.contracts.pod_contract import POD_NAME_ENV, ROLE_ENV
@@ -168,11 +167,7 @@ class RolloutRun:
         self.custom = client.CustomObjectsApi(self.api)
 
     def get(self) -> dict[str, Any]:
-        response: Any = self.custom.get_namespaced_custom_object(
-            GROUP, VERSION, self.namespace, PLURAL, NAME, _preload_content=False
-        )
-        found: dict[str, Any] = json.loads(response.data)
-        return found
+        return read_deployment(self.custom, self.namespace, NAME)
 
     def condition(self, type_: str) -> dict[str, Any]:
         conditions = (self.get().get("status") or {}).get("conditions") or ()

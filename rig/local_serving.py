@@ -13,6 +13,7 @@ from typing import Any
 
 from kubernetes import client
 
+from disagg.operator.api import GROUP, PLURAL, VERSION
 from disagg.rig.local_kubelet import KubeletLoop, LocalKubelet
 from disagg.rig.service_proxy import ServiceProxy
 from disagg.worker.contracts.pod_contract import DEPLOYMENT_LABEL
@@ -35,6 +36,15 @@ def local_serving(
         finally:
             proxy.close()
             kubelet.stop_all()
+
+
+def read_deployment(custom: client.CustomObjectsApi, namespace: str, name: str) -> dict[str, Any]:
+    """DisaggDeployment `name` as the API server's JSON."""
+    response: Any = custom.get_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, name, _preload_content=False
+    )
+    found: dict[str, Any] = json.loads(response.data)
+    return found
 
 
 def live_pods(core: client.CoreV1Api, namespace: str, name: str) -> list[dict[str, Any]]:
