@@ -4,8 +4,10 @@
 The container's own command, arguments and environment are the operator's; this adds only what a node
 would: the image (the engine venv's `vllm` first on PATH), the network (the pod's loopback address as vLLM's
 host address, `VLLM_HOST_IP`, and as the HTTP bind address, `--host`, since every pod shares this one network
-namespace; UCX on loopback), the node's CPU manager (the whole pod on one core, as a static CPU manager places
-a Guaranteed pod, vLLM's OpenMP threads included through `VLLM_CPU_OMP_THREADS_BIND`) and its accelerator
+namespace; UCX on loopback), the node's CPU placement (the whole pod on one core by its CPU mask, vLLM's
+OpenMP threads included through `VLLM_CPU_OMP_THREADS_BIND`; a mask, not a cpuset, because vLLM's NIXL worker
+moves its main thread to the last core of each NUMA node, which a cpuset without that core refuses: see the
+README's "Real vLLM on CPU") and its accelerator
 (the CPU, `VLLM_CPU_KVCACHE_SPACE` GiB of KV, offline, and the AMX tile state each engine process must ask
 Linux for before vLLM's bfloat16 CPU attention runs: `hack/vllm/site/sitecustomize.py`).
 
