@@ -155,6 +155,12 @@ class ServiceProxy:
             for server in self._servers.values():
                 server.close()
             self._servers.clear()
+            # The connections still open (a client's keep-alive) end here, while the loop runs: left pending,
+            # each would close its sockets when collected, on a stopped loop, and raise there.
+            open_now = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in open_now:
+                task.cancel()
+            await asyncio.gather(*open_now, return_exceptions=True)
 
         with contextlib.suppress(Exception):
             self._call(stop())
