@@ -177,7 +177,7 @@ def reconcile(
         now,
     )
     desired = build(
-        _sized(steps.spec, rollout.replicas.get(rollout.revision)),
+        sized(steps.spec, rollout),
         owner,
         verdict.report.plan,
         verdict.report.hashes,
@@ -257,8 +257,12 @@ def _effective(verdict: Verdict, status: Mapping[str, Any]) -> DisaggDeploymentS
     )
 
 
-def _sized(spec: DisaggDeploymentSpec, sizes: tuple[int, int] | None) -> DisaggDeploymentSpec:
-    """The spec with the replicas a rollout step runs its revision's slot at (the spec's own otherwise)."""
+def sized(spec: DisaggDeploymentSpec, rollout: Rollout) -> DisaggDeploymentSpec:
+    """The spec with the replicas to build: while another revision runs, what the rollout's step runs the
+    spec's revision's slot at; otherwise `spec`'s own, the scale steps' counts. (The rollout's sizes then
+    are only the planner's targets: applied, they would lower a decode count while its scale-down still
+    drains the pod that is to go, and the ReplicaSet would cut the other.)"""
+    sizes = rollout.replicas.get(rollout.revision) if rollout.old_slot is not None else None
     if sizes is None or sizes == (spec.prefill.replicas, spec.decode.replicas):
         return spec
     return spec.model_copy(

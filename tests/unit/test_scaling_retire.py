@@ -9,7 +9,9 @@ from typing import Any
 from dd_specs import VALID_EXAMPLE, load
 
 from disagg.operator.api import DisaggDeploymentSpec
+from disagg.operator.control.reconcile import sized
 from disagg.operator.naming import Owner
+from disagg.operator.rollout import Rollout
 from disagg.operator.scaling import retire, targets
 from disagg.operator.scaling.retire import GRACE_S, Busy, Member
 from disagg.operator.scaling.steps import members, scale_steps
@@ -147,3 +149,18 @@ def test_the_steps_read_the_pods_and_skip_a_rollout() -> None:
     assert (steps.spec.decode.replicas, steps.delete) == (1, ("x-decode-2",))
     rolling = scale_steps(one, owner, [deployment(2)], pods, "a", True, Busy(frozenset(), at(30)), at(30))
     assert (rolling.spec.decode.replicas, rolling.delete) == (1, ())
+
+
+def test_a_scale_down_builds_its_held_count_and_a_rollout_step_its_own() -> None:
+    owner = Owner("x", "ns", "uid", 1)
+    one = targets.with_replicas(spec(**AUTOSCALED), {"decode": 1})
+    pods = [decode_pod("x-decode-1"), decode_pod("x-decode-2")]
+    busy = Busy(frozenset({"x-decode-1", "x-decode-2"}), at(0))
+    steps = scale_steps(one, owner, [deployment(2)], pods, "a", False, busy, at(0))
+    # The target is 1: one pod is marked, and the count stays at 2 until it is done.
+    assert (steps.spec.decode.replicas, steps.drain) == (2, ("x-decode-2",))
+    # What `rollout.assess` says when the revision is all there is: its sizes are the targets, (1, 1).
+    alone = Rollout("r1", "a", replicas={"r1": (1, 1)})
+    assert sized(steps.spec, alone).decode.replicas == 2
+    stepping = Rollout("r2", "b", old_revision="r1", old_slot="a", replicas={"r2": (1, 1), "r1": (1, 2)})
+    assert sized(steps.spec, stepping).decode.replicas == 1
