@@ -222,6 +222,21 @@ class AutoscaleRun:
     def desired(self, role: str) -> int:
         return int((self.status().get(role) or {}).get("desiredReplicas") or 0)
 
+    def events(self) -> list[str]:
+        """The namespace's Events in order (the operator's drains and deletions, the ReplicaSets' and the
+        Deployments' scaling): what a failure's message shows of who removed which pod when."""
+        listed: Any = self.core.list_namespaced_event(self.namespace, _preload_content=False)
+        items = json.loads(listed.data)["items"]
+
+        def when(event: dict[str, Any]) -> str:
+            return str(event.get("lastTimestamp") or event.get("eventTime") or "")
+
+        return [
+            f"{when(e)} {e['involvedObject'].get('kind')}/{e['involvedObject'].get('name')} "
+            f"{e.get('reason')}: {e.get('message')}"
+            for e in sorted(items, key=when)
+        ]
+
     def scaling(self) -> dict[str, Any]:
         return next((c for c in self.status().get("conditions") or () if c["type"] == "Scaling"), {})
 
@@ -298,6 +313,7 @@ class AutoscaleRun:
             "ttft_p90_before": percentile([o.ttft for o in before if o.ttft is not None], 0.9),
             "ttft_p90_after": percentile([o.ttft for o in after if o.ttft is not None], 0.9),
             "duration_s": end - step_up,
+            "events": self.events(),
         }
         say(
             f"  load 1 -> {HIGH}: decode scaled 1 -> {peak} (decided after {decided_up:.1f} s, {reason_up}; "

@@ -28,7 +28,7 @@ def test_a_load_step_scales_decode_up_and_back_down_with_no_failed_request(
 
     result = AutoscaleRun(cluster.cp.api_client, cluster.cp.kubeconfig, ns, apply, tmp_path).run()
 
-    assert result["failed"] == 0, result["failures"]
+    assert result["failed"] == 0, "\n".join([*result["failures"], "events:", *result["events"]])
     assert 1 < result["peak_decoders"] <= MAX_DECODERS
     assert result["max_decoders_seen"] <= MAX_DECODERS
     assert result["max_prefill_seen"] == 1, "prefill's target held: it must not scale"
