@@ -23,6 +23,7 @@ import kopf
 
 from disagg.operator.api import GROUP, PLURAL, VERSION
 from disagg.operator.control.backoffs import API_BACKOFFS
+from disagg.operator.control.diffbase import LeanDiffBaseStorage
 from disagg.operator.control.k8s_apply import PARALLEL_REQUESTS, Kube, api_client
 from disagg.operator.control.reconcile import Observed, reconcile, refresh_status
 from disagg.operator.control.refresh_queue import RefreshQueue
@@ -118,7 +119,7 @@ def _observed(
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **indices: Any) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+    settings.persistence.diffbase_storage = LeanDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration"
     )
     # Routine logs stay logs; Events are posted explicitly with CamelCase reasons (and by kopf on failures).
