@@ -28,12 +28,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import yaml
 from kubernetes import client
 
+from disagg.operator.rollout import parse_time
 from disagg.rig.local import REPO
 from disagg.rig.local_serving import live_pods, local_serving, read_deployment, service_url
 from disagg.rig.serving_load import Case, Load, monolithic
@@ -83,8 +85,12 @@ class Samples:
     core: client.CoreV1Api
     namespace: str
     old_revision: str = ""
-    """The revision being replaced: it never grows, so a Pending pod of it is a ReplicaSet's replacement for
-    a decoder a step deleted, which the step's scale-down removes (counted apart from the engine pods)."""
+    """The revision being replaced: it never grows, so a pod of it made after the sampling began (or still
+    Pending) is a ReplicaSet's replacement for a decoder a step deleted, which the step's scale-down removes
+    (counted apart from the engine pods). On a loaded machine the replacement can start before the scale-down
+    reaches the ReplicaSet: a Deployment gives no way to say which pod a lower count removes on Kubernetes
+    1.20 (pod-deletion-cost is 1.22's), so the step deletes the pod it drained and the ReplicaSet replaces it
+    for a moment."""
     pairs: list[int] = field(default_factory=list)
     replacements: list[int] = field(default_factory=list)
     pods: list[int] = field(default_factory=list)
@@ -101,6 +107,7 @@ class Samples:
 
     def _run(self) -> None:
         last = time.monotonic()
+        began = datetime.now(UTC).replace(microsecond=0)
         while not self._stop.is_set():
             items = live_pods(self.core, self.namespace, NAME)
             engines = [p for p in items if "disagg.io/role" in (p["metadata"].get("labels") or {})]
@@ -110,7 +117,10 @@ class Samples:
                 for p in engines
                 if self.old_revision
                 and p["metadata"]["labels"].get("disagg.io/revision") == self.old_revision
-                and (p.get("status") or {}).get("phase") == "Pending"
+                and (
+                    (p.get("status") or {}).get("phase") == "Pending"
+                    or (parse_time(p["metadata"].get("creationTimestamp")) or began) > began
+                )
             ]
             self.replacements.append(len(replacing))
             engines = [p for p in engines if p not in replacing]
@@ -257,6 +267,7 @@ class RolloutRun:
                 "max_sample_gap_s": max(samples.gaps[1:], default=0.0),
                 "max_engine_pods": max(samples.pods),
                 "replacement_samples": sum(1 for n in samples.replacements if n),
+                "max_replacements": max(samples.replacements, default=0),
                 "surge_bound": surge_bound(new)[0],
                 "steps": steps,
                 "duration_s": duration,
@@ -286,7 +297,7 @@ class RolloutRun:
             say("  steps Progressing named: " + " | ".join(steps))
             say("  engine pods at the peak: " + ", ".join(samples.peak))
             say(
-                f"  samples with a Pending replacement of the old revision (a ReplicaSet's, for a decoder a "
+                f"  samples with a replacement of the old revision (a ReplicaSet's, for a decoder a "
                 f"step deleted; its scale-down removes it; not counted above): "
                 f"{sum(1 for n in samples.replacements if n)}, at most {max(samples.replacements)} at once"
             )

@@ -51,6 +51,9 @@ def test_a_version_change_rolls_out_beside_the_old_revision_with_no_failed_reque
         <= change["surge_bound"]
         < surge_bound(document(ns, NEW_VERSION, run.port))[1]
     )
+    # The ReplicaSet's replacement for the decoder a step deleted, until the step's scale-down reaches it:
+    # one step at a time (maxSurge 1), so one at most.
+    assert change["max_replacements"] <= 1
     # Stepped: the new revision's second decoder came after its first step paired.
     assert len(change["steps"]) >= 2, change["steps"]
     assert change["revisions"][0] != change["revisions"][1]
