@@ -35,10 +35,10 @@ from typing import Any
 import pytest
 import yaml
 
-from disagg.operator.api import GROUP, PLURAL, VERSION
 from disagg.operator.rollout import revision_pairs
 from disagg.rig.control_plane import call_script, script_failure
 from disagg.rig.demo_cluster import NAMESPACE, Demo, DemoFailed, run_steps
+from disagg.rig.local_serving import live_pods, read_deployment, service_url
 from disagg.rig.vllm_engines import ENGINE_ARGS, tiny_deployment
 from disagg.worker.contracts.pairing import routing_from_pods
 from disagg.worker.contracts.pod_contract import DEPLOYMENT_LABEL, ROLE_LABEL
@@ -200,21 +200,14 @@ class Rollout:
         self.demo.show("kubectl", "apply", "-f", str(path), check=True)
 
     def status(self) -> dict[str, Any]:
-        found: Any = self.custom.get_namespaced_custom_object(
-            GROUP, VERSION, NAMESPACE, PLURAL, NAME, _preload_content=False
-        )
-        status: dict[str, Any] = json.loads(found.data).get("status") or {}
+        status: dict[str, Any] = read_deployment(self.custom, NAMESPACE, NAME).get("status") or {}
         return status
 
     def progressing(self) -> dict[str, Any]:
         return next((c for c in self.status().get("conditions") or () if c["type"] == "Progressing"), {})
 
     def pods(self) -> list[dict[str, Any]]:
-        response: Any = self.core.list_namespaced_pod(
-            NAMESPACE, label_selector=f"{DEPLOYMENT_LABEL}={NAME}", _preload_content=False
-        )
-        items: list[dict[str, Any]] = json.loads(response.data)["items"]
-        return items
+        return live_pods(self.core, NAMESPACE, NAME)
 
     def wait(self, what: str, probe: Callable[[], bool]) -> float:
         start = time.monotonic()
@@ -280,9 +273,7 @@ def run(demo: Demo, result: dict[str, Any]) -> None:
     up = roll.wait("the float32 revision to serve", roll.settled)
     old = roll.status()["revision"]
     say(f"==> revision {old} (float32) serves after {up:.0f} s")
-    service: Any = roll.core.read_namespaced_service(f"{NAME}-router", NAMESPACE, _preload_content=False)
-    spec = json.loads(service.data)["spec"]
-    url = f"http://{spec['clusterIP']}:{spec['ports'][0]['port']}"
+    url = service_url(roll.core, NAMESPACE, NAME)
     old_url = roll.decoder_url(kubelet, old)
     expected = {"old": {p: post(old_url, p, model) for p in PROMPTS}}
     load = Load(url, model).start()
