@@ -4,6 +4,7 @@ run of the same prompts, and the decoder's own count of where its prompt tokens 
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -49,8 +50,18 @@ class Serving:
         return {"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
 
     def through_router(self, prompt: str) -> tuple[str, dict[str, Any]]:
-        answer = post(self.router.url, self.body(prompt))
+        try:
+            answer = post(self.router.url, self.body(prompt))
+        except urllib.error.HTTPError as exc:
+            # The router's error names the leg and the engine's answer; the logs say what the engines saw.
+            answered = f"the router answered {exc.code}: {exc.read()[:2000]!r}"
+            raise AssertionError(f"{answered}\n{self.logs()}") from exc
         return answer["choices"][0]["text"], answer["usage"]
+
+    def logs(self, chars: int = 3000) -> str:
+        tails = [f"--- router ---\n{self.router.log_tail(chars)}"]
+        tails += [f"--- {pod.name} ---\n{self.engines.log_tail(pod, chars)}" for pod in self.engines.pods]
+        return "\n".join(tails)
 
     def monolithic(self, prompts: Sequence[str] = PROMPTS) -> list[str]:
         """Each prompt computed by a decode engine alone (no kv_transfer_params): vLLM's monolithic run of
