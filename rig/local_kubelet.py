@@ -290,7 +290,12 @@ class LocalKubelet:
                     f"container {container} of pod {name} exited with {code}; "
                     f"logs in {local.workdir}:\n{self.log_tail(name)}"
                 )
-            self._write_status(pod, local)
+            try:
+                self._write_status(pod, local)
+            except client.ApiException as error:
+                # Deleted since the list (a rollout step or the planner removed it): the next sync stops it.
+                if error.status != 404:
+                    raise
         for name in set(self.pods) - seen:
             self._stop(name)
 

@@ -8,9 +8,10 @@ an index of the DisaggDeployments themselves (`owners`) spares that recompute a 
 Every handler of a child's event is async: it does no I/O, and a sync one would queue for kopf's executor
 behind the spec handlers, holding its event's whole body meanwhile. kopf holds every other handler back until
 the indices have seen the initial listing, so a restarted operator never judges a deployment from half of its
-children. No handler sleeps or swallows an error: kopf retries an exception, and a refused spec raises
-`kopf.PermanentError` after its status says why. Events are posted only for news: an apply that wrote
-something, a prune, a refusal that changed the status.
+children; the operator's clock (`ticker`: a rollout under way, the planner) starts with the first spec
+handler for the same reason. No handler sleeps or swallows an error: kopf retries an exception, and a
+refused spec raises `kopf.PermanentError` after its status says why. Events are posted only for news: an
+apply that wrote something, a prune, a refusal that changed the status.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from disagg.operator.control.diffbase import LeanDiffBaseStorage
 from disagg.operator.control.k8s_apply import PARALLEL_REQUESTS, Kube, api_client
 from disagg.operator.control.reconcile import Observed, reconcile, refresh_status
 from disagg.operator.control.refresh_queue import RefreshQueue
-from disagg.operator.control.scaling import Planners, plan_tick, tick_seconds
+from disagg.operator.control.scaling import Planners
+from disagg.operator.control.ticker import Ticker
+from disagg.operator.control.ticks import ticks
 from disagg.operator.naming import DEPLOYMENT_ANNOTATION, FIELD_MANAGER, MANAGED_BY_LABEL, Installation
 from disagg.operator.status import Workload, workload
 from disagg.worker.contracts.engine_pods import essentials
@@ -39,9 +42,6 @@ CHILD_LABELS = {MANAGED_BY_LABEL: FIELD_MANAGER}
 SPEC_WORKERS = 4
 REFRESH_WORKERS = 4
 LIST_PAGE = 500
-# How often a rollout under way is reconciled again: how soon a new revision's first routable pairs start
-# the old one's drain, and how close to `drainSeconds` its children are pruned.
-ROLLOUT_TICK_S = 2.0
 
 
 def _owner_key(annotations: kopf.Annotations, namespace: str | None) -> tuple[str, str] | None:
@@ -152,10 +152,17 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **indices: Any) 
         lambda key: refresh_status(kube, *key, installation, observed), workers=REFRESH_WORKERS
     )
     memo.planners = Planners()
+    owners = indices["owners"]
+    memo.ticker = Ticker(
+        lambda: [body for key in list(owners) for body in list(owners.get(key, ()))],
+        ticks(kube, installation, observed, memo.refresh, memo.planners),
+        forget=memo.planners.forget,
+    )
 
 
 @kopf.on.cleanup()
 def stop_refreshing(memo: kopf.Memo, **_: Any) -> None:
+    memo.ticker.stop()
     memo.refresh.stop()
 
 
@@ -166,69 +173,13 @@ def reconcile_spec(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: A
     metadata = body["metadata"]
     with memo.refresh.holding((metadata["namespace"], metadata["name"])):
         outcome = reconcile(memo.kube, body, memo.installation, memo.observed)
+    for type_, reason, message in outcome.news():
+        kopf.event(body, type=type_, reason=reason, message=message)
     if outcome.refused is not None:
-        if outcome.refused_now:
-            kopf.event(body, type="Warning", reason="SpecRefused", message=outcome.refused)
         raise kopf.PermanentError(outcome.refused)
-    if outcome.drained:
-        kopf.event(body, type="Normal", reason="Draining", message="Draining " + ", ".join(outcome.drained))
-    if outcome.deleted:
-        kopf.event(body, type="Normal", reason="Pruned", message="Deleted " + ", ".join(outcome.deleted))
-    if outcome.changed:
-        kopf.event(body, type="Normal", reason="Applied", message="Applied " + ", ".join(outcome.changed))
+    # The clock's indices are whole once kopf runs a handler (see the module's doc).
+    memo.ticker.start()
     logger.info("%s/%s: %d children changed", metadata["namespace"], metadata["name"], len(outcome.changed))
-
-
-def _rolling_out(status: kopf.Status, **_: Any) -> bool:
-    return bool(status.get("oldRevision"))
-
-
-@kopf.timer(GROUP, VERSION, PLURAL, interval=ROLLOUT_TICK_S, when=_rolling_out)
-def advance_rollout(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
-    """While a rollout is under way (`status.oldRevision`), reconcile again: nothing in the spec changes when
-    the new revision becomes routable or a drain ends, and no child event runs a reconcile."""
-    metadata = body["metadata"]
-    with memo.refresh.holding((metadata["namespace"], metadata["name"])):
-        outcome = reconcile(memo.kube, body, memo.installation, memo.observed)
-    if outcome.drained:
-        kopf.event(body, type="Normal", reason="Draining", message="Draining " + ", ".join(outcome.drained))
-    if outcome.deleted:
-        kopf.event(body, type="Normal", reason="Pruned", message="Deleted " + ", ".join(outcome.deleted))
-    if outcome.changed:
-        kopf.event(body, type="Normal", reason="Applied", message="Applied " + ", ".join(outcome.changed))
-    logger.debug(
-        "%s/%s: rollout step, %d pods drained", metadata["namespace"], metadata["name"], len(outcome.drained)
-    )
-
-
-def _planned(spec: kopf.Spec, **_: Any) -> bool:
-    roles = (spec.get("prefill") or {}, spec.get("decode") or {})
-    return any(
-        (role.get("autoscaling") or {}).get("mode", "planner") == "planner"
-        for role in roles
-        if role.get("autoscaling")
-    )
-
-
-@kopf.timer(GROUP, VERSION, PLURAL, interval=tick_seconds(), when=_planned)
-def plan_replicas(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
-    """Under `spec.<role>.autoscaling` (mode planner): scrape the routers, let the planner set each role's
-    target in the status, and reconcile when a count moved or a scale-down's drain is under way."""
-    metadata = body["metadata"]
-    key = (metadata["namespace"], metadata["name"])
-    with memo.refresh.holding(key):
-        outcome = plan_tick(memo.kube, body, memo.installation, memo.observed, memo.planners.of(key))
-    if outcome is None:
-        return
-    if outcome.drained:
-        kopf.event(body, type="Normal", reason="Draining", message="Draining " + ", ".join(outcome.drained))
-    if outcome.retired:
-        kopf.event(body, type="Normal", reason="ScaledDown", message="Deleted " + ", ".join(outcome.retired))
-    if outcome.deleted:
-        kopf.event(body, type="Normal", reason="Pruned", message="Deleted " + ", ".join(outcome.deleted))
-    if outcome.changed:
-        kopf.event(body, type="Normal", reason="Applied", message="Applied " + ", ".join(outcome.changed))
-    logger.debug("%s/%s: planner tick, %d children changed", *key, len(outcome.changed))
 
 
 @kopf.on.event("apps", "v1", "statefulsets", labels=CHILD_LABELS)

@@ -10,7 +10,7 @@ the children's labels and the pods' pairing): the spec's children go in the othe
 in steps bounded by `spec.rollout.maxSurge`/`maxUnavailable` (`rollout_steps`): the spec's slot is built
 at the step's replicas, old pods are marked draining and, once idle (at the latest `drainSeconds` later),
 removed (a prefill engine's StatefulSet pruned, a decode pod deleted and its Deployment scaled down), the
-old slot pruned once empty. A timer (`handlers.advance_rollout`) calls `reconcile` while
+old slot pruned once empty. The operator's clock (`ticks.advance_rollout`) calls `reconcile` while
 `status.oldRevision` says a rollout is under way.
 
 At scale (a thousand deployments, seven thousand children) three things keep the API server's load
@@ -75,6 +75,21 @@ class Outcome:
     """Pods this call marked draining."""
     retired: tuple[str, ...] = ()
     """Pods this call deleted to lower a count the planner set (after their drain)."""
+
+    def news(self) -> list[tuple[str, str, str]]:
+        """The Events worth posting, as (type, reason, message): only what this call changed."""
+        posted = []
+        if self.refused is not None and self.refused_now:
+            posted.append(("Warning", "SpecRefused", self.refused))
+        for reason, verb, pods in (
+            ("Draining", "Draining", self.drained),
+            ("ScaledDown", "Deleted", self.retired),
+            ("Pruned", "Deleted", self.deleted),
+            ("Applied", "Applied", self.changed),
+        ):
+            if pods:
+                posted.append(("Normal", reason, f"{verb} " + ", ".join(pods)))
+        return posted
 
 
 @dataclass(frozen=True)

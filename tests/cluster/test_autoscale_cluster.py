@@ -34,5 +34,8 @@ def test_a_load_step_scales_decode_up_and_back_down_with_no_failed_request(
     assert result["max_prefill_seen"] == 1, "prefill's target held: it must not scale"
     assert result["reasons"][0] in ("ScaledUp", "AtMaxReplicas")
     assert result["reasons"][1] == "ScaledDown"
+    # The planner's step (the operator's clock) posted the deletion of the drained decoder on the deployment.
+    deletions = [e for e in result["events"] if "DisaggDeployment/" in e and " ScaledDown: Deleted " in e]
+    assert deletions, result["events"]
     # Down only after the window: the load fell, and the count held at least that long.
     assert result["decide_down_s"] >= DOWN_WINDOW_S - 1

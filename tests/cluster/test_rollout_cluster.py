@@ -61,6 +61,13 @@ def test_a_version_change_rolls_out_beside_the_old_revision_with_no_failed_reque
     assert "RolloutStuck" not in change["phases"]
     # drainSeconds is its default, an hour: the old pods' sidecars reported them idle long before.
     assert change["drain_s"] < 600, change["phases"]
+    # The drains and prunes are the operator's clock's steps (no spec event brings them): their Events are on
+    # the deployment, posted by the operator.
+    events = client.CoreV1Api(cluster.cp.api_client).list_namespaced_event(
+        ns, field_selector="involvedObject.kind=DisaggDeployment,involvedObject.name=roll"
+    )
+    posted = {(e.reason, e.source.component) for e in events.items}
+    assert {("Draining", "disagg-operator"), ("Pruned", "disagg-operator")} <= posted, posted
 
     refused = result["refused"]
     assert refused["reason"] == "CompatibilityHashMismatch" and refused["unchanged"]

@@ -1,0 +1,67 @@
+"""The operator's two scheduled steps (`ticker.Tick`): a rollout under way, and the planner.
+
+Each holds its deployment's key in the refresh queue (`RefreshQueue.holding`), as a spec handler does, so no
+status refresh, spec reconcile or other step of the same deployment runs meanwhile, and posts the Events of
+what it changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from disagg.operator.control.k8s_apply import Kube
+from disagg.operator.control.reconcile import Observed, Outcome, reconcile
+from disagg.operator.control.refresh_queue import RefreshQueue
+from disagg.operator.control.scaling import Planners, plan_tick, tick_seconds
+from disagg.operator.control.ticker import Tick
+from disagg.operator.naming import Installation
+
+# How often a rollout under way is reconciled again: how soon a new revision's first routable pairs start
+# the old one's drain, and how close to `drainSeconds` its children are pruned.
+ROLLOUT_TICK_S = 2.0
+
+
+def rolling_out(body: Mapping[str, Any]) -> bool:
+    return bool((body.get("status") or {}).get("oldRevision"))
+
+
+def planned(body: Mapping[str, Any]) -> bool:
+    """Some role is autoscaled by the planner (`spec.<role>.autoscaling`, mode `planner`, the default)."""
+    spec = body.get("spec") or {}
+    roles = (spec.get("prefill") or {}, spec.get("decode") or {})
+    return any(
+        (role.get("autoscaling") or {}).get("mode", "planner") == "planner"
+        for role in roles
+        if role.get("autoscaling")
+    )
+
+
+def ticks(
+    kube: Kube, installation: Installation, observed: Observed, refresh: RefreshQueue, planners: Planners
+) -> list[Tick]:
+    def post(body: Mapping[str, Any], outcome: Outcome | None) -> None:
+        for type_, reason, message in outcome.news() if outcome is not None else ():
+            kube.post_event(body, type_, reason, message)
+
+    def advance_rollout(body: Mapping[str, Any]) -> None:
+        """Nothing in the spec changes when the new revision becomes routable or a drain ends, and no
+        child's event runs a reconcile."""
+        metadata = body["metadata"]
+        with refresh.holding((metadata["namespace"], metadata["name"])):
+            outcome = reconcile(kube, body, installation, observed)
+        post(body, outcome)
+
+    def plan_replicas(body: Mapping[str, Any]) -> None:
+        """Scrape the routers, let the planner set each role's target in the status, and reconcile when a
+        count moved or a scale-down's drain is under way."""
+        metadata = body["metadata"]
+        key = (metadata["namespace"], metadata["name"])
+        with refresh.holding(key):
+            outcome = plan_tick(kube, body, installation, observed, planners.of(key))
+        post(body, outcome)
+
+    return [
+        Tick("rollout", ROLLOUT_TICK_S, rolling_out, advance_rollout),
+        Tick("planner", tick_seconds(), planned, plan_replicas),
+    ]
