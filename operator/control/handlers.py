@@ -170,6 +170,8 @@ def stop_refreshing(memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
 def reconcile_spec(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    # The clock's indices are whole once kopf runs a handler (see the module's doc).
+    memo.ticker.start()
     metadata = body["metadata"]
     with memo.refresh.holding((metadata["namespace"], metadata["name"])):
         outcome = reconcile(memo.kube, body, memo.installation, memo.observed)
@@ -177,8 +179,6 @@ def reconcile_spec(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: A
         kopf.event(body, type=type_, reason=reason, message=message)
     if outcome.refused is not None:
         raise kopf.PermanentError(outcome.refused)
-    # The clock's indices are whole once kopf runs a handler (see the module's doc).
-    memo.ticker.start()
     logger.info("%s/%s: %d children changed", metadata["namespace"], metadata["name"], len(outcome.changed))
 
 
