@@ -44,12 +44,23 @@ def ticks(
         for type_, reason, message in outcome.news() if outcome is not None else ():
             kube.post_event(body, type_, reason, message)
 
+    def fresh(key: tuple[str, str], uid: object) -> Mapping[str, Any] | None:
+        """The deployment as the index has it once the step holds its key: the clock read it earlier, and a
+        spec reconcile the step waited for may have applied a newer spec, which reconciling the older one
+        would undo until the next tick. None once it is gone, being deleted, or another of its name."""
+        current = observed.deployment(*key)
+        if current is None or current["metadata"].get("deletionTimestamp"):
+            return None
+        return current if current["metadata"].get("uid") == uid else None
+
     def advance_rollout(body: Mapping[str, Any]) -> None:
         """Nothing in the spec changes when the new revision becomes routable or a drain ends, and no
         child's event runs a reconcile."""
         metadata = body["metadata"]
-        with refresh.holding((metadata["namespace"], metadata["name"])):
-            outcome = reconcile(kube, body, installation, observed)
+        key = (metadata["namespace"], metadata["name"])
+        with refresh.holding(key):
+            current = fresh(key, metadata.get("uid"))
+            outcome = reconcile(kube, current, installation, observed) if current is not None else None
         post(body, outcome)
 
     def plan_replicas(body: Mapping[str, Any]) -> None:
@@ -58,7 +69,8 @@ def ticks(
         metadata = body["metadata"]
         key = (metadata["namespace"], metadata["name"])
         with refresh.holding(key):
-            outcome = plan_tick(kube, body, installation, observed, planners.of(key))
+            current = fresh(key, metadata.get("uid"))
+            outcome = plan_tick(kube, current, installation, observed, planners.of(key)) if current else None
         post(body, outcome)
 
     return [
