@@ -167,10 +167,14 @@ def reconcile(
     uid: str = body["metadata"]["uid"]
     verdict = judge(body.get("spec") or {}, installation)
     if verdict.violations:
-        children = kube.children(owner.namespace, owner.name, uid)
-        workloads = [workload(child) for child in children if _is_workload(child)]
-        written = _write_status(kube, body, verdict, workloads, observed, endpoint_of(children))
+        # A refused spec changes no child, so what the watch shows is the whole answer: one write, no list.
+        written = refresh_status(kube, owner.namespace, owner.name, installation, observed, body)
         return Outcome((), (), verdict.message, refused_now=written)
+    if _verdict_is_news(kube.latest_status(body), owner.generation):
+        # The verdict is known before any request: say it first (what `kubectl apply` waits to see), from
+        # what the watch shows, rather than after a list and three apply waves. It costs a second status
+        # write only when the verdict is news (a create, a spec change); the one after the applies follows.
+        refresh_status(kube, owner.namespace, owner.name, installation, observed, body)
     # judge() reports a violation whenever the spec cannot be parsed or planned.
     assert verdict.spec is not None and verdict.report is not None and verdict.report.plan is not None
     children = kube.children(owner.namespace, owner.name, uid)
@@ -323,16 +327,31 @@ def _assess(
     )
 
 
+def _verdict_is_news(status: Mapping[str, Any], generation: int) -> bool:
+    """Whether the stored status lacks a compatible verdict on this generation of the spec."""
+    for item in status.get("conditions") or ():
+        if isinstance(item, Mapping) and item.get("type") == cond.COMPATIBLE:
+            judged = item.get("status"), item.get("observedGeneration")
+            return judged != (ConditionStatus.TRUE.value, generation)
+    return True
+
+
 def refresh_status(
-    kube: Kube, namespace: str, name: str, installation: Installation, observed: Observed
+    kube: Kube,
+    namespace: str,
+    name: str,
+    installation: Installation,
+    observed: Observed,
+    body: Mapping[str, Any] | None = None,
 ) -> bool:
-    """Recompute the status from the spec and the indexed deployment, workloads and pods; write it only if it
-    changed.
+    """Recompute the status from the spec and the indexed deployment (or `body`, a handler's newer one),
+    workloads and pods; write it only if it changed.
 
     No request but the write: the deployment comes from the watch, and the stored conditions it is judged
     against from `Kube.latest_status` (the watch's, or this process's own newer write), or a flip would be
     judged against a stale one and move a lastTransitionTime that should stay."""
-    body = observed.deployment(namespace, name)
+    if body is None:
+        body = observed.deployment(namespace, name)
     if body is None:
         kube.forget_status(namespace, name)
         return False

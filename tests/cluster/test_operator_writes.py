@@ -131,3 +131,33 @@ def test_a_resume_that_changes_nothing_posts_no_event(
     assert _child_versions(cluster, ns) == children
     after = cluster.get(ns, NAME)
     assert after is not None and after["status"] == body["status"]
+
+
+def test_the_verdict_is_written_before_any_child(cluster: Cluster, ns: str) -> None:
+    """`kubectl apply` → `Compatible` waits for the verdict alone: the first status a create shows is the
+    verdict over what exists yet (no workload), not the status after the list and the apply waves."""
+    listed = cluster.custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)
+    result = cluster.kubectl_apply(example("pp2-hma.yaml", ns, NAME))
+    assert result.returncode == 0, result.stderr
+    stream = watch.Watch().stream(  # type: ignore[no-untyped-call]
+        cluster.custom.list_namespaced_custom_object,
+        GROUP,
+        VERSION,
+        ns,
+        PLURAL,
+        resource_version=listed["metadata"]["resourceVersion"],
+        timeout_seconds=60,
+    )
+    first = next(
+        conditions
+        for event in stream
+        if (
+            conditions := {
+                c["type"]: c for c in (event["object"].get("status") or {}).get("conditions") or ()
+            }
+        )
+    )
+    assert (first["Compatible"]["status"], first["Compatible"]["observedGeneration"]) == ("True", 1)
+    assert first["Available"]["message"] == "no engine workloads exist", first["Available"]
+    # The children follow, and the status after them says so.
+    cluster.wait_condition(ns, NAME, "Available", "False", "AwaitingPods")
