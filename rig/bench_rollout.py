@@ -5,9 +5,11 @@ decoders, the router) on engine release 0.32.0; `LocalKubelet` runs every contai
 `ServiceProxy` stands in for kube-proxy. A load of completions runs through the router's Service at
 concurrency 8 while `spec.engine.version` changes to 0.33.0 (a KV-incompatible change: another compatibility
 hash), in steps of `maxSurge: 1` per role. Measured: failed requests (must be 0), outputs against the
-monolithic run (all equal), routable pairs at every sample (every quarter second; never 0), engine pods at
-every sample against the surge bound (desired + maxSurge engines per role, a PP2 prefill engine being two
-pods), the steps Progressing named, and the rollout's duration and phases.
+monolithic run (all equal), routable pairs in every state the pods pass through (`Samples`: a list, then a
+watch replaying every change in the API server's order, so a loaded machine delays states but never skips
+one; never 0 pairs, and no state lost), engine pods in every state against the surge bound (desired +
+maxSurge engines per role, a PP2 prefill engine being two pods), the steps Progressing named, and the
+rollout's duration and phases.
 `drainSeconds` is its default, an hour: an old engine goes once its sidecar reports it idle, and the bench
 prints how long the drains took.
 
@@ -21,10 +23,10 @@ rollout (`RolloutStuck`) with the old revision serving, and applying the old spe
 
 from __future__ import annotations
 
+import itertools
 import json
 import secrets
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +40,7 @@ from kubernetes import client
 from disagg.operator.rollout import parse_time
 from disagg.rig.local import REPO
 from disagg.rig.local_serving import live_pods, local_serving, read_deployment, service_url
+from disagg.rig.pod_states import PodStates
 from disagg.rig.serving_load import Case, Load, monolithic
 from disagg.worker.contracts.pairing import routing_from_pods
 from disagg.worker.contracts.pod_contract import POD_NAME_ENV, ROLE_ENV
@@ -48,7 +51,6 @@ OLD_VERSION, NEW_VERSION = "0.32.0", "0.33.0"
 CONCURRENCY = 8
 MIN_REQUESTS = 300
 MAX_TOKENS = 6
-SAMPLE_S = 0.25
 DECODERS = 2
 MAX_SURGE = 1
 TIMEOUT_S = 300.0
@@ -80,66 +82,88 @@ def surge_bound(doc: dict[str, Any]) -> tuple[int, int]:
 
 @dataclass
 class Samples:
-    """Routable pairs and engine pods, sampled from the pods (the router's own pairing) every SAMPLE_S."""
+    """Routable pairs (the router's own pairing) and engine pods in every state the deployment's pods pass
+    through (`PodStates`: a list, then a watch that replays every change in the API server's order), from
+    `start` to `stop`. A slow machine delays the states, never thins them: a pairless moment cannot fall
+    between two of them. States lost to a watch the server ends as too old are in `unseen_s`."""
 
     core: client.CoreV1Api
     namespace: str
     old_revision: str = ""
-    """The revision being replaced: it never grows, so a pod of it made after the sampling began (or still
+    """The revision being replaced: it never grows, so a pod of it made after the watch began (or still
     Pending) is a ReplicaSet's replacement for a decoder a step deleted, which the step's scale-down removes
     (counted apart from the engine pods). On a loaded machine the replacement can start before the scale-down
     reaches the ReplicaSet: a Deployment gives no way to say which pod a lower count removes on Kubernetes
     1.20 (pod-deletion-cost is 1.22's), so the step deletes the pod it drained and the ReplicaSet replaces it
     for a moment."""
     pairs: list[int] = field(default_factory=list)
+    """Per state, in order: routable pairs, replacements (above) and the other engine pods, and when the
+    state arrived (`time.monotonic()`)."""
     replacements: list[int] = field(default_factory=list)
     pods: list[int] = field(default_factory=list)
-    gaps: list[float] = field(default_factory=list)
+    at: list[float] = field(default_factory=list)
     peak: list[str] = field(default_factory=list)
-    """The engine pods of the sample with the most: name, phase, and whether it is being deleted."""
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
+    """The engine pods of the state with the most: name, phase, and whether it is being deleted."""
+    _states: PodStates | None = None
+    _began: datetime = field(default_factory=lambda: datetime.now(UTC).replace(microsecond=0))
 
     def start(self) -> Samples:
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        self._began = datetime.now(UTC).replace(microsecond=0)
+        self._states = PodStates(self.core, self.namespace, NAME, self._on_state).start()
         return self
 
-    def _run(self) -> None:
-        last = time.monotonic()
-        began = datetime.now(UTC).replace(microsecond=0)
-        while not self._stop.is_set():
-            items = live_pods(self.core, self.namespace, NAME)
-            engines = [p for p in items if "disagg.io/role" in (p["metadata"].get("labels") or {})]
-            self.pairs.append(len(routing_from_pods(items).pairs))
-            replacing = [
-                p
+    def _on_state(self, at: float, items: list[dict[str, Any]]) -> None:
+        engines = [p for p in items if "disagg.io/role" in (p["metadata"].get("labels") or {})]
+        self.pairs.append(len(routing_from_pods(items).pairs))
+        replacing = [
+            p
+            for p in engines
+            if self.old_revision
+            and p["metadata"]["labels"].get("disagg.io/revision") == self.old_revision
+            and (
+                (p.get("status") or {}).get("phase") == "Pending"
+                or (parse_time(p["metadata"].get("creationTimestamp")) or self._began) > self._began
+            )
+        ]
+        self.replacements.append(len(replacing))
+        engines = [p for p in engines if p not in replacing]
+        if len(engines) > max(self.pods, default=0):
+            self.peak = [
+                f"{p['metadata']['name']} {(p.get('status') or {}).get('phase')}"
+                + (" deleting" if p["metadata"].get("deletionTimestamp") else "")
                 for p in engines
-                if self.old_revision
-                and p["metadata"]["labels"].get("disagg.io/revision") == self.old_revision
-                and (
-                    (p.get("status") or {}).get("phase") == "Pending"
-                    or (parse_time(p["metadata"].get("creationTimestamp")) or began) > began
-                )
             ]
-            self.replacements.append(len(replacing))
-            engines = [p for p in engines if p not in replacing]
-            if len(engines) > max(self.pods, default=0):
-                self.peak = [
-                    f"{p['metadata']['name']} {(p.get('status') or {}).get('phase')}"
-                    + (" deleting" if p["metadata"].get("deletionTimestamp") else "")
-                    for p in engines
-                ]
-            self.pods.append(len(engines))
-            now = time.monotonic()
-            self.gaps.append(now - last)
-            last = now
-            self._stop.wait(SAMPLE_S)
+        self.pods.append(len(engines))
+        self.at.append(at)
 
     def stop(self) -> None:
-        self._stop.set()
-        assert self._thread is not None
-        self._thread.join(timeout=30)
+        """Ends the watch; raises if it failed (a state it could not hand on is not a state seen)."""
+        assert self._states is not None
+        self._states.stop()
+
+    @property
+    def states(self) -> int:
+        return len(self.pairs)
+
+    @property
+    def unseen_s(self) -> list[float]:
+        """Each stretch whose states were lost (a watch the server ended as too old, then a list)."""
+        return list(self._states.unseen_s) if self._states is not None else []
+
+    def longest_still_s(self) -> float:
+        """The longest time between two states as they arrived: the pods changed nothing in between (no
+        state between them exists), so this is no gap in what was seen; printed, never a bound."""
+        return max((b - a for a, b in itertools.pairwise(self.at)), default=0.0)
+
+    def seen(self) -> str:
+        """What the states cover, for the printed line."""
+        lost = self.unseen_s
+        if not lost:
+            return f"every one of {self.states} pod states (a watch: none lost)"
+        return (
+            f"{self.states} pod states (a watch; {len(lost)} stretches lost to a watch the server ended as "
+            f"too old, {sum(lost):.2f} s in all, the longest {max(lost):.2f} s)"
+        )
 
 
 def stale_decoders(slot_prefix: str, compat_hash: str) -> Callable[[dict[str, Any], dict[str, str]], None]:
@@ -253,8 +277,10 @@ class RolloutRun:
                 duration = self.wait("the rollout to complete", done, loop.check)
                 self.wait(f"{MIN_REQUESTS} requests", lambda: load.sent >= MIN_REQUESTS, loop.check)
             finally:
-                samples.stop()
-                load.stop()
+                try:
+                    samples.stop()
+                finally:
+                    load.stop()
             second = (self.get().get("status") or {}).get("revision")
             drain_s = duration - phases.get("RolloutDraining", duration)
             result["version_change"] = {
@@ -263,10 +289,11 @@ class RolloutRun:
                 "failed": len(load.failures),
                 "mismatched": len(load.mismatches),
                 "min_pairs": min(samples.pairs),
-                "samples": len(samples.pairs),
-                "max_sample_gap_s": max(samples.gaps[1:], default=0.0),
+                "states": samples.states,
+                "unseen_s": samples.unseen_s,
+                "longest_still_s": samples.longest_still_s(),
                 "max_engine_pods": max(samples.pods),
-                "replacement_samples": sum(1 for n in samples.replacements if n),
+                "replacement_states": sum(1 for n in samples.replacements if n),
                 "max_replacements": max(samples.replacements, default=0),
                 "surge_bound": surge_bound(new)[0],
                 "steps": steps,
@@ -288,16 +315,15 @@ class RolloutRun:
                 f"{load.ok - len(load.mismatches)}/{load.ok} equal to the monolithic run"
             )
             say(
-                f"  routable pairs over {len(samples.pairs)} samples (max gap "
-                f"{result['version_change']['max_sample_gap_s']:.2f} s): min {min(samples.pairs)}, max "
-                f"{max(samples.pairs)}; engine pods max {max(samples.pods)} (bound {surge_bound(new)[0]}: "
-                f"desired {base} + maxSurge {MAX_SURGE} per role; the whole new revision beside the old "
-                f"would be {surge_bound(new)[1]})"
+                f"  routable pairs over {samples.seen()}: min {min(samples.pairs)}, max {max(samples.pairs)} "
+                f"(the pods stayed unchanged {samples.longest_still_s():.2f} s at the longest); engine pods "
+                f"max {max(samples.pods)} (bound {surge_bound(new)[0]}: desired {base} + maxSurge "
+                f"{MAX_SURGE} per role; the whole new revision beside the old would be {surge_bound(new)[1]})"
             )
             say("  steps Progressing named: " + " | ".join(steps))
             say("  engine pods at the peak: " + ", ".join(samples.peak))
             say(
-                f"  samples with a replacement of the old revision (a ReplicaSet's, for a decoder a "
+                f"  pod states with a replacement of the old revision (a ReplicaSet's, for a decoder a "
                 f"step deleted; its scale-down removes it; not counted above): "
                 f"{sum(1 for n in samples.replacements if n)}, at most {max(samples.replacements)} at once"
             )
@@ -364,9 +390,11 @@ class RolloutRun:
             self.apply(serving)
             back = self.wait("the rollback", self.settled, check)
         finally:
-            samples.stop()
-            load.stop()
-            kubelet.new_pod_fault = None
+            try:
+                samples.stop()
+            finally:
+                load.stop()
+                kubelet.new_pod_fault = None
         self.say(
             f"  new decoders with another live hash: Progressing={stuck.get('status')} {stuck.get('reason')} "
             f"after {stuck_after:.1f} s; old revision {still.get('oldRevision')} kept serving "
@@ -376,7 +404,7 @@ class RolloutRun:
         self.say(
             f"  rollback (kubectl apply of the serving spec): complete after {back:.1f} s; load meanwhile "
             f"{load.sent} requests, {len(load.failures)} failed, {len(load.mismatches)} mismatched, "
-            f"min routable pairs {min(samples.pairs)}"
+            f"routable pairs over {samples.seen()}: min {min(samples.pairs)}"
         )
         return {
             "reason": stuck.get("reason"),
@@ -386,6 +414,8 @@ class RolloutRun:
             "failed": len(load.failures),
             "mismatched": len(load.mismatches),
             "min_pairs": min(samples.pairs),
+            "states": samples.states,
+            "unseen_s": samples.unseen_s,
             "rollback_s": back,
             "failures": load.failures[:5] + load.mismatches[:5],
         }
@@ -406,10 +436,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         and change["mismatched"] == 0
         and change["requests"] >= MIN_REQUESTS
         and change["min_pairs"] >= 1
+        and not change["unseen_s"]
         and change["max_engine_pods"] <= change["surge_bound"]
         and stuck["reason"] == "RolloutStuck"
         and stuck["failed"] == 0
         and stuck["min_pairs"] >= 1
+        and not stuck["unseen_s"]
         and result["refused"]["unchanged"]
     )
     for line in change["failures"] + stuck["failures"]:
