@@ -41,6 +41,9 @@ _ENV_READ: Final = frozenset(
 _PORTS_READ: Final = frozenset({SIDE_CHANNEL_PORT_NAME, ENGINE_HTTP_PORT_NAME})
 _OWN_LABELS: Final = "disagg.io/"
 _CONDITIONS_READ: Final = frozenset({"Ready", POD_CONDITION})
+_ENV_FIELDS: Final = ("name", "value")
+_PORT_FIELDS: Final = ("name", "containerPort")
+_CONDITION_FIELDS: Final = ("type", "status", "reason", "message")
 
 
 @dataclass(frozen=True)
@@ -141,10 +144,16 @@ def pod_ready(pod: Mapping[str, Any]) -> bool:
     return any(_mapping(c).get("type") == "Ready" and _mapping(c).get("status") == "True" for c in conditions)
 
 
+def _kept(item: Mapping[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
+    return {key: item[key] for key in fields if key in item}
+
+
 def essentials(pod: Mapping[str, Any]) -> dict[str, Any]:
     """The part of a Pod that `engine_pod` and the KV status read, in the same camelCase shape: what a
     long-lived cache of pods should hold. A Pod as served is mostly managedFields, env and spec nobody here
-    reads; an operator or router holding thousands of them whole holds tens of MiB for nothing."""
+    reads; an operator or router holding thousands of them whole holds tens of MiB for nothing. Of what is
+    kept, only the fields read: an env variable's name and literal value, a port's name and number, a
+    condition's type, status, reason and message (not its times, which differ from pod to pod)."""
     metadata = _mapping(pod.get("metadata"))
     status = _mapping(pod.get("status"))
     # creationTimestamp: a rollout's progress deadline counts from the making of a step's pods.
@@ -160,15 +169,18 @@ def essentials(pod: Mapping[str, Any]) -> dict[str, Any]:
     }
     kept_containers = []
     for container in containers(pod):
-        kept: dict[str, Any] = {"name": container.get("name")}
         env = [_mapping(item) for item in _sequence(container.get("env"))]
         ports = [_mapping(port) for port in _sequence(container.get("ports"))]
-        kept["env"] = [item for item in env if item.get("name") in _ENV_READ]
-        kept["ports"] = [port for port in ports if port.get("name") in _PORTS_READ]
-        kept_containers.append(kept)
+        kept_containers.append(
+            {
+                "name": container.get("name"),
+                "env": [_kept(item, _ENV_FIELDS) for item in env if item.get("name") in _ENV_READ],
+                "ports": [_kept(port, _PORT_FIELDS) for port in ports if port.get("name") in _PORTS_READ],
+            }
+        )
     kept_status: dict[str, Any] = {
         "conditions": [
-            condition
+            _kept(condition, _CONDITION_FIELDS)
             for condition in map(_mapping, _sequence(status.get("conditions")))
             if condition.get("type") in _CONDITIONS_READ
         ]
