@@ -478,10 +478,15 @@ def test_operator_runs_on_the_charts_arguments_identity_and_certificate(
             return conditions.get("Compatible") == "True"
 
         poll(compatible, f"DisaggDeployment {name} Compatible=True")
-        statefulsets = json.loads(release.cp.kubectl("get", "statefulsets", "-n", ns, "-o", "json").stdout)[
-            "items"
-        ]
-        assert statefulsets, "no StatefulSet was applied"
+
+        def applied_statefulsets() -> list[dict[str, Any]]:
+            listed = release.cp.kubectl("get", "statefulsets", "-n", ns, "-o", "json").stdout
+            items: list[dict[str, Any]] = json.loads(listed)["items"]
+            return items
+
+        # The verdict is written before the children are applied (what `kubectl apply` waits to see).
+        poll(lambda: bool(applied_statefulsets()), "a StatefulSet applied")
+        statefulsets = applied_statefulsets()
         assert all(s["metadata"]["ownerReferences"][0]["name"] == name for s in statefulsets)
         # The router's Role grants pods get/list/watch, which the operator may only do holding them itself;
         # its Deployment is applied last.

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from kubernetes import client
 from local_cluster import ControlPlane
-from operator_harness import DISAGG, Cluster, OperatorProcess, example, wait_for
+from operator_harness import DISAGG, Cluster, OperatorProcess, example, satisfied, wait_for
 
 from disagg.operator.naming import DEFAULT_WORKER_CLUSTER_ROLE
 from disagg.operator.permissions import Rule, operator_rules
@@ -150,8 +150,14 @@ def test_the_table_is_enough_to_reconcile_a_deployment(account: Account, tmp_pat
         applied = account.cluster.kubectl_apply(example("pp2-hma.yaml", account.namespace, "gemma"))
         assert applied.returncode == 0, applied.stderr
         account.cluster.wait_condition(account.namespace, "gemma", "Compatible", "True")
-        names = account.cluster.names(account.namespace, "gemma")
-        assert names["StatefulSet"] and names["Deployment"], names
+        # The verdict is written before the children are applied: wait for them.
+        wait_for(
+            "the StatefulSets and Deployments",
+            lambda: satisfied(
+                account.cluster.names(account.namespace, "gemma"),
+                lambda names: bool(names["StatefulSet"] and names["Deployment"]),
+            ),
+        )
     finally:
         operator.stop()
     assert "Forbidden" not in operator.tail(400), operator.tail()
