@@ -2,14 +2,14 @@
 into the dicts and lists a reader wants when it reads. Pure.
 
 The JSON decoder makes a fresh dict for every object, and a fresh str for every key and value, of every
-event's body; an index that keeps parts of them keeps all of that, per pod and per deployment: about 3.9 MiB
+event's body; an index that keeps parts of them keeps all of that, per pod and per deployment: about 3.7 MiB
 per 100 DisaggDeployments (`disagg bench operator`), where the same values repeat from pod to pod and from one
 deployment to the next (containers, labels, the spec of a template). `freeze` keeps an object as a tuple of
 its values after one shared tuple of its keys, an array as a tuple, short strings interned, and every tuple
-that equals one frozen recently (`_SHARED`) as that one: the pods of a deployment share their containers,
-deployments stamped from one template their spec. `thaw` rebuilds the JSON exactly (a reader gets fresh
-dicts, never another reader's); `view` reads a frozen object in place, for a reader that looks at a field or
-two of every object often (the operator's clock).
+that equals one of the last `SHARED_TUPLES` frozen as that one: the pods of a deployment share their
+containers, deployments stamped from one template their spec. `thaw` rebuilds the JSON exactly (a reader
+gets fresh dicts, never another reader's); `view` reads a frozen object in place, for a reader that looks at
+a field or two of every object often (the operator's clock).
 
 Equality must not blur JSON values that Python calls equal (`True == 1 == 1.0`): a shared tuple stands for
 every tuple equal to it, so `true`, `false` and numbers with a fraction are frozen as values equal only to
@@ -26,9 +26,10 @@ from typing import Any, Final
 # Strings up to this long are interned (names, label values, timestamps, hashes); longer ones (messages, a
 # sidecar's peer report) are mostly one of a kind.
 INTERNED_CHARS: Final = 64
-# Frozen tuples remembered for sharing: a pod's frozen parts are ~20 tuples, a deployment's ~80, and what
-# recurs (containers, conditions, a spec) is met again within a few events.
-SHARED_TUPLES: Final = 4096
+# Frozen tuples remembered for sharing (and kept alive: ~0.2 MiB): a pod's frozen parts are ~20 tuples, a
+# deployment's ~80, and what recurs (containers, conditions, a spec) is met again within a few events; at 300
+# deployments 256 shared as much as 4,096.
+SHARED_TUPLES: Final = 1024
 
 
 class Keys(tuple[str, ...]):
