@@ -155,12 +155,19 @@ class FrozenView(Mapping[str, Any]):
         self._node = node
 
     def __getitem__(self, key: str) -> Any:
-        keys: Keys = self._node[0]
-        try:
-            index = keys.index(key)
-        except ValueError:
-            raise KeyError(key) from None
-        return view(self._node[index + 1])
+        node = self._node
+        if key not in node[0]:
+            raise KeyError(key)
+        return view(node[node[0].index(key) + 1])
+
+    # Mapping's own `get` and `in` go through a KeyError for every absent key: the clock asks for absent
+    # fields (a deletionTimestamp, an oldRevision) of every deployment, twice a second.
+    def get(self, key: str, default: Any = None) -> Any:
+        node = self._node
+        return view(node[node[0].index(key) + 1]) if key in node[0] else default
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._node[0]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._node[0])

@@ -112,3 +112,5 @@ def test_a_view_reads_nested_objects_in_place() -> None:
     assert isinstance(decode, FrozenView)
     assert decode.get("autoscaling", {}).get("mode", "planner") == "external"
     assert not seen["status"] and seen["status"].get("oldRevision") is None
+    assert seen.get("missing", 5) == 5 and "missing" not in seen and 1 not in seen
+    assert seen.get("spec") == {"decode": {"autoscaling": {"mode": "external"}}}
