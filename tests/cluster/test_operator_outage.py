@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 from local_cluster import ControlPlane
-from operator_harness import Cluster, OperatorProcess, example
+from operator_harness import Cluster, OperatorProcess, example, wait_for
 
 # kopf's default retries (1+1+2+3+5+8+13+21 s) end about 54 s after a watch first fails; the reported
 # outage that ended the operator lasted 70 s.
@@ -169,7 +169,11 @@ def test_the_operator_outlives_an_outage_longer_than_kopfs_retries_and_converges
             time.sleep(1)
         proxy.end_outage()
         cluster.wait_condition(namespace, "during", "Compatible", "True")
-        assert cluster.names(namespace, "during")["StatefulSet"] == ["during-prefill-0"]
+        # The verdict is written before the children are applied: wait for them.
+        wait_for(
+            "the StatefulSet of the deployment written during the outage",
+            lambda: cluster.names(namespace, "during")["StatefulSet"] == ["during-prefill-0"],
+        )
         assert operator.proc is not None and operator.proc.poll() is None, operator.tail()
         log = operator.log.read_text(errors="replace").splitlines()
         assert any("failed; will retry" in line for line in log), operator.tail()

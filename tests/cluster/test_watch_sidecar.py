@@ -158,11 +158,18 @@ def test_a_watch_sidecar_reports_its_engine_on_its_pod(
             assert refused["reason"] == "PeerUnreachable", log_path.read_text()
             assert f"this pod's own engine {DECODE_POD}" in refused["message"]
             assert f"{HOST}:{decode_port}" in refused["message"]
-            events = core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={DECODE_POD}")
-            assert any(
-                e.reason == "PeerUnreachable" and e.type == "Warning" and DECODE_POD in (e.message or "")
-                for e in events.items
-            ), [(e.reason, e.message) for e in events.items]
+
+            def warned() -> bool:
+                # The Event is posted after the condition: on a loaded machine it can trail the read.
+                events = core.list_namespaced_event(
+                    namespace, field_selector=f"involvedObject.name={DECODE_POD}"
+                )
+                return any(
+                    e.reason == "PeerUnreachable" and e.type == "Warning" and DECODE_POD in (e.message or "")
+                    for e in events.items
+                )
+
+            wait_for("the PeerUnreachable Warning Event", warned)
         finally:
             watcher.send_signal(signal.SIGTERM)
             code = watcher.wait(timeout=30)
