@@ -29,7 +29,13 @@ import yaml
 from kubernetes import client
 
 from disagg.rig.bench_rollout import EXAMPLE
-from disagg.rig.local_serving import live_pods, local_serving, read_deployment, service_url
+from disagg.rig.local_serving import (
+    live_pods,
+    local_serving,
+    read_deployment,
+    service_url,
+    wait_until_served,
+)
 from disagg.rig.serving_load import LoadThread
 
 NAME = "scale"
@@ -251,9 +257,11 @@ class AutoscaleRun:
                 lambda: self.status().get("routablePairs") == "1/1" and self.ready("decode") == 1,
                 loop.check,
             )
-            say(f"  serving after {up:.1f} s: 1 prefill engine (PP2), 1 decoder, 1/1 pairs")
             url = service_url(self.core, self.namespace, NAME)
+            up += wait_until_served(url, loop.check)
+            say(f"  serving after {up:.1f} s: 1 prefill engine (PP2), 1 decoder, 1/1 pairs")
             load = StepLoad(url, doc["spec"]["model"]["name"]).start()
+            began = time.monotonic()
             try:
                 time.sleep(BASELINE_S)
                 loop.check()
@@ -292,7 +300,8 @@ class AutoscaleRun:
             end = time.monotonic()
         before = load.between(step_up, served_up)
         after = load.between(served_up, step_down)
-        failures = [o.error for o in load.outcomes if not o.ok]
+        # When each failed in the load's life: a failure's cause is found by what happened then.
+        failures = [f"{o.at - began:.1f} s into the load: {o.error}" for o in load.outcomes if not o.ok]
         result = {
             "requests": len(load.outcomes),
             "failed": len(failures),

@@ -39,7 +39,13 @@ from kubernetes import client
 
 from disagg.operator.rollout import parse_time
 from disagg.rig.local import REPO
-from disagg.rig.local_serving import live_pods, local_serving, read_deployment, service_url
+from disagg.rig.local_serving import (
+    live_pods,
+    local_serving,
+    read_deployment,
+    service_url,
+    wait_until_served,
+)
 from disagg.rig.pod_states import PodStates
 from disagg.rig.serving_load import Case, Load, monolithic
 from disagg.worker.contracts.pairing import routing_from_pods
@@ -243,13 +249,14 @@ class RolloutRun:
         pods = self.workdir / "pods"
         with local_serving(self.api, self.kubeconfig, self.namespace, NAME, pods) as (kubelet, loop):
             up = self.wait("the first revision to serve", self.settled, loop.check)
+            url = service_url(self.core, self.namespace, NAME)
+            up += wait_until_served(url, loop.check)
             base = len(self.engines())
             first = (self.get().get("status") or {}).get("revision")
             say(
                 f"  revision {first} (engine {OLD_VERSION}) serving after {up:.1f} s: {base} engine pods, "
                 f"{DECODERS}/{DECODERS} pairs"
             )
-            url = service_url(self.core, self.namespace, NAME)
             expected = {case: monolithic(case) for case in CASES}
             load = Load(url, model, CASES, expected, CONCURRENCY).start()
             samples = Samples(self.core, self.namespace, old_revision=first or "").start()

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from disagg.rig.local import REPO
+from disagg.rig.local_serving import wait_until_served
 
 REFERENCE_SAMPLE = REPO / "examples" / "reference-pp2-hma.yaml"
 PROMPT = "Disaggregated serving moves the KV cache from prefill to decode."
@@ -143,7 +144,12 @@ class Serving:
         ).stdout.strip()
         if not address or address.startswith(":"):
             raise self.fail(f"the router's Service {name}-router has no address")
-        return f"http://{address}"
+        url = f"http://{address}"
+        try:
+            wait_until_served(url, self.check)
+        except AssertionError as exc:
+            raise self.fail(str(exc)) from None
+        return url
 
     def curl(self, url: str, body: dict[str, Any], *, show: bool) -> str:
         command = curl_command(url, body)

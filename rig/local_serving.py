@@ -1,12 +1,15 @@
 """One DisaggDeployment's pods served on this machine: `LocalKubelet` runs every container as a process and
 `ServiceProxy` stands in for kube-proxy, both synced by one `KubeletLoop`; and the reads a caller of the
-served deployment makes (its pods, its router Service's address)."""
+served deployment makes (its pods, its router Service's address, whether that address serves yet)."""
 
 from __future__ import annotations
 
 import ipaddress
 import json
-from collections.abc import Iterator
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -67,3 +70,26 @@ def service_url(core: client.CoreV1Api, namespace: str, name: str) -> str:
             "(hack/control-plane.sh allocates ClusterIPs from a loopback range for the kube-proxy stand-in)"
         )
     return f"http://{address}:{spec['ports'][0]['port']}"
+
+
+def wait_until_served(url: str, check: Callable[[], None], timeout_s: float = 120.0) -> float:
+    """Seconds until the router Service at `url` answers /readyz with 200: a routable pair, reached through
+    the Service. The deployment's `routablePairs` is what the router sees, not that its Service has a ready
+    endpoint yet; until it has one, the proxy closes every connection (as kube-proxy rejects them), and a
+    load started on the status alone fails its first requests, each at once (a CI run lost 311 so)."""
+    start = time.monotonic()
+    last = ""
+    while True:
+        check()
+        try:
+            with urllib.request.urlopen(f"{url}/readyz", timeout=5) as response:
+                if response.status == 200:
+                    return time.monotonic() - start
+                last = f"{response.status}"
+        except urllib.error.HTTPError as exc:
+            last = f"{exc.code} {exc.read()[:200]!r}"
+        except OSError as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"{url}/readyz did not answer 200 in {timeout_s:g} s; last: {last}")
+        time.sleep(0.2)

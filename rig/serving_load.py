@@ -13,6 +13,8 @@ from typing import Any
 
 import aiohttp
 
+KEEPALIVE_S = 4.0
+
 
 class LoadThread:
     """`send(session, index)` from `workers` coroutines on one aiohttp session, in a thread of its own, until
@@ -32,7 +34,14 @@ class LoadThread:
         return self
 
     async def _run(self) -> None:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        # The router closes a connection idle for its header timeout (10 s by default); aiohttp keeps one
+        # 15 s and reuses the oldest first, so after a step down from many workers to few, a reused
+        # connection can race the router's close and fail a request no server refused. Clients of a
+        # keep-alive server let idle connections go first.
+        connector = aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S)
+        async with aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=120)
+        ) as session:
 
             async def worker(slot: int) -> None:
                 index = slot

@@ -27,7 +27,7 @@ from operator_harness import Cluster, example, wait_for
 from disagg.operator.api import DisaggDeploymentSpec
 from disagg.operator.policies.compat import role_factors
 from disagg.rig.local_kubelet import KubeletLoop, LocalKubelet, with_engine_hash
-from disagg.rig.local_serving import live_pods, local_serving, service_url
+from disagg.rig.local_serving import live_pods, local_serving, service_url, wait_until_served
 from disagg.rig.serving_load import Case, Load, ask, monolithic
 from disagg.worker.contracts.pairing import routing_from_pods
 from disagg.worker.contracts.pod_contract import ROLE_ENV
@@ -96,6 +96,7 @@ def test_every_endpoint_through_the_service_and_a_rolling_version_change_with_no
     core = client.CoreV1Api(cluster.cp.api_client)
     routable(cluster, ns, loop, "4/4")
     url = service_url(core, ns, NAME)
+    wait_until_served(url, loop.check)
 
     cases = [
         Case(e, s, p, MAX_TOKENS)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from disagg.rig.local_kubelet import Readiness, expand, is_project_image
 from disagg.rig.service_proxy import Backend, backends
 
@@ -68,3 +70,60 @@ def test_a_ready_container_turns_unready_only_after_the_probes_failure_threshold
     # Not ready until a probe passes; then a failure or two in a row (a slow answer on a loaded machine)
     # leaves it ready, and the third in a row takes it out, as a kubelet's failureThreshold does.
     assert [readiness.ready() for _ in range(8)] == [False, True, True, True, True, True, True, False]
+
+
+class _Service:
+    """A loopback listener standing in for a Service address: it closes the first `closing` connections
+    unanswered (the proxy without a ready endpoint), answers 503 to the next `unready` (a router without a
+    routable pair), then 200."""
+
+    def __init__(self, closing: int, unready: int) -> None:
+        import socket
+        import threading
+
+        self.plan = ["close"] * closing + ["503"] * unready
+        self.seen = 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            with conn:
+                step = self.plan[self.seen] if self.seen < len(self.plan) else "200"
+                self.seen += 1
+                if step == "close":
+                    continue
+                conn.recv(65536)
+                status = "503 Service Unavailable" if step == "503" else "200 OK"
+                conn.sendall(
+                    f"HTTP/1.1 {status}\r\nContent-Length: 3\r\nConnection: close\r\n\r\nok\n".encode()
+                )
+
+
+def test_a_service_is_served_only_once_readyz_answers_200_through_it() -> None:
+    from disagg.rig.local_serving import wait_until_served
+
+    service = _Service(closing=3, unready=2)
+    checks: list[int] = []
+    try:
+        wait_until_served(service.url, lambda: checks.append(1), timeout_s=30)
+    finally:
+        service.listener.close()
+    assert service.seen == 6, "three closed connections and two 503s come before the 200"
+    assert len(checks) == 6, "the caller's check runs before every probe"
+
+
+def test_a_service_that_never_serves_fails_the_wait_with_what_it_last_answered() -> None:
+    from disagg.rig.local_serving import wait_until_served
+
+    service = _Service(closing=0, unready=10**6)
+    try:
+        with pytest.raises(AssertionError, match=r"/readyz did not answer 200 in 0.5 s; last: 503"):
+            wait_until_served(service.url, lambda: None, timeout_s=0.5)
+    finally:
+        service.listener.close()

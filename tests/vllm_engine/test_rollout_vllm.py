@@ -40,7 +40,7 @@ import yaml
 from disagg.operator.rollout import revision_pairs
 from disagg.rig.control_plane import call_script, script_failure
 from disagg.rig.demo_cluster import NAMESPACE, Demo, DemoFailed, run_steps
-from disagg.rig.local_serving import live_pods, read_deployment, service_url
+from disagg.rig.local_serving import live_pods, read_deployment, service_url, wait_until_served
 from disagg.rig.pod_states import PodStates
 from disagg.rig.vllm_engines import ENGINE_ARGS, tiny_deployment
 from disagg.worker.contracts.pairing import routing_from_pods
@@ -277,6 +277,7 @@ def run(demo: Demo, result: dict[str, Any]) -> None:
     old = roll.status()["revision"]
     say(f"==> revision {old} (float32) serves after {up:.0f} s")
     url = service_url(roll.core, NAMESPACE, NAME)
+    wait_until_served(url, loop.check)
     old_url = roll.decoder_url(kubelet, old)
     expected = {"old": {p: post(old_url, p, model) for p in PROMPTS}}
     load = Load(url, model).start()
