@@ -184,14 +184,22 @@ def stop_refreshing(memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
-def reconcile_spec(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+def reconcile_spec(
+    body: kopf.Body,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    reason: str,
+    retry: int,
+    **_: Any,
+) -> None:
     # The clock's indices are whole once kopf runs a handler (see the module's doc).
     memo.ticker.start()
     metadata = body["metadata"]
+    created = reason == kopf.Reason.CREATE and retry == 0
     with memo.refresh.holding((metadata["namespace"], metadata["name"])):
-        outcome = reconcile(memo.kube, body, memo.installation, memo.observed)
-    for type_, reason, message in outcome.news():
-        kopf.event(body, type=type_, reason=reason, message=message)
+        outcome = reconcile(memo.kube, body, memo.installation, memo.observed, created=created)
+    for type_, why, message in outcome.news():
+        kopf.event(body, type=type_, reason=why, message=message)
     if outcome.refused is not None:
         raise kopf.PermanentError(outcome.refused)
     logger.info("%s/%s: %d children changed", metadata["namespace"], metadata["name"], len(outcome.changed))

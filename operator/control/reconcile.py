@@ -156,13 +156,17 @@ def reconcile(
     installation: Installation,
     observed: Observed,
     busy: Busy = UNKNOWN,
+    *,
+    created: bool = False,
 ) -> Outcome:
     """Converge the children on the spec (or refuse it), then write the status. `busy`: what the routers
     last said of the engines' legs in flight (the planner's scrape), which ends a scale-down's drain.
+    `created`: this is the first attempt of kopf's create handler (kopf saw no handled state on the object).
 
     The children are listed before the apply: their resourceVersions tell which applies wrote something (a
     server-side apply that changes nothing leaves the object, and its resourceVersion, as it was), and the
-    apply responses are the freshest view of the workloads for the status."""
+    apply responses are the freshest view of the workloads for the status. A deployment that cannot own a
+    child yet is not listed (see `_unborn`)."""
     owner = _owner(body)
     uid: str = body["metadata"]["uid"]
     verdict = judge(body.get("spec") or {}, installation)
@@ -170,14 +174,16 @@ def reconcile(
         # A refused spec changes no child, so what the watch shows is the whole answer: one write, no list.
         written = refresh_status(kube, owner.namespace, owner.name, installation, observed, body)
         return Outcome((), (), verdict.message, refused_now=written)
-    if _verdict_is_news(kube.latest_status(body), owner.generation):
+    latest = kube.latest_status(body)
+    unborn = created and _unborn(latest, owner.generation)
+    if _verdict_is_news(latest, owner.generation):
         # The verdict is known before any request: say it first (what `kubectl apply` waits to see), from
         # what the watch shows, rather than after a list and three apply waves. It costs a second status
         # write only when the verdict is news (a create, a spec change); the one after the applies follows.
         refresh_status(kube, owner.namespace, owner.name, installation, observed, body)
     # judge() reports a violation whenever the spec cannot be parsed or planned.
     assert verdict.spec is not None and verdict.report is not None and verdict.report.plan is not None
-    children = kube.children(owner.namespace, owner.name, uid)
+    children = [] if unborn else kube.children(owner.namespace, owner.name, uid)
     before = [workload(child) for child in children if _is_workload(child)]
     pods = list(observed.pods(owner.namespace, owner.name))
     now = datetime.now(UTC)
@@ -325,6 +331,16 @@ def _assess(
         settings=spec.rollout,
         sizes=(spec.prefill.replicas, spec.decode.replicas),
     )
+
+
+def _unborn(status: Mapping[str, Any], generation: int) -> bool:
+    """Whether a just-created deployment can own no child yet: its uid is new, every reconcile that applies
+    ends with a status write (so no status means none has), and its spec is the first (an operator that
+    applied generation 1 and died before its status write left children that generation 1 builds alike).
+    Listing such a deployment's children costs one LIST per kind at the API server, each reading every
+    object of the kind in the namespace to match the label (a thousand deployments, a thousand of each),
+    for an empty answer."""
+    return generation == 1 and not status.get("conditions")
 
 
 def _verdict_is_news(status: Mapping[str, Any], generation: int) -> bool:

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from kubernetes import watch
+from kubernetes.client import ApiException, RbacAuthorizationV1Api
 from operator_harness import Cluster, OperatorProcess, example, satisfied, wait_for
 
 from disagg.operator.api import GROUP, PLURAL, VERSION
@@ -161,3 +162,56 @@ def test_the_verdict_is_written_before_any_child(cluster: Cluster, ns: str) -> N
     assert first["Available"]["message"] == "no engine workloads exist", first["Available"]
     # The children follow, and the status after them says so.
     cluster.wait_condition(ns, NAME, "Available", "False", "AwaitingPods")
+
+
+def _namespaced_lists(cluster: Cluster, resource: str) -> float:
+    """LISTs of `resource` in one namespace, in JSON, the API server has answered (its own request
+    counter). Only the operator's lookup of a deployment's children lists Roles so here: the controllers
+    ask in protobuf (the namespace controller lists each kind in a namespace it deletes) or every namespace
+    at once, and no router runs without a kubelet."""
+    result = cluster.cp.kubectl("get", "--raw", "/metrics")
+    assert result.returncode == 0, result.stderr
+    total = 0.0
+    for line in result.stdout.splitlines():
+        if line.startswith("apiserver_request_total{") and all(
+            f'{label}="{value}"' in line
+            for label, value in (
+                ("verb", "LIST"),
+                ("resource", resource),
+                ("scope", "namespace"),
+                ("contentType", "application/json"),
+            )
+        ):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_a_create_lists_no_children_and_a_spec_change_does(cluster: Cluster, ns: str) -> None:
+    """A deployment just created can own no child, so its children are not listed: each list reads every
+    object of its kind in the namespace at the API server (a thousand deployments, a thousand of each) for
+    an empty answer. A spec change lists them (an apply must know what it replaces), which shows that the
+    count sees the operator's lists."""
+    before = _namespaced_lists(cluster, "roles")
+    result = cluster.kubectl_apply(example("pp2-hma.yaml", ns, NAME))
+    assert result.returncode == 0, result.stderr
+    cluster.wait_condition(ns, NAME, "Available", "False", "AwaitingPods")
+    rbac = RbacAuthorizationV1Api(cluster.cp.api_client)
+
+    def role() -> object | None:
+        # A GET, not a LIST: the Role was applied all the same.
+        try:
+            return rbac.read_namespaced_role(f"{NAME}-router", ns)
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    wait_for("the router's Role", role)
+    assert _namespaced_lists(cluster, "roles") == before
+
+    cluster.patch_spec(ns, NAME, {"router": {"replicas": 2}})
+    wait_for(
+        "the spec change's verdict",
+        lambda: (cluster.condition(ns, NAME, "Compatible") or {}).get("observedGeneration") == 2 or None,
+    )
+    wait_for("the spec change's list", lambda: _namespaced_lists(cluster, "roles") > before or None)
