@@ -284,10 +284,21 @@ def _wait_gone(api: client.ApiClient, namespace: str, timeout: float) -> None:
 
 
 def _growth(rss: list[tuple[int, float]]) -> str:
+    """Per 100 deployments from the first sample to the last, and over the later half alone: growth that
+    stops after the first hundreds (what fills once) shows in the first figure only; the second is what
+    each further deployment keeps."""
     if len(rss) < 2:
         return "n/a"
-    (first_n, first), (last_n, last) = rss[0], rss[-1]
-    return f"{(last - first) / (last_n - first_n) * 100:+.1f} MiB per 100"
+
+    def per_100(a: tuple[int, float], b: tuple[int, float]) -> float:
+        return (b[1] - a[1]) / (b[0] - a[0]) * 100
+
+    whole = f"{per_100(rss[0], rss[-1]):+.1f} MiB per 100"
+    if len(rss) < 4:
+        return whole
+    middle = rss[(len(rss) - 1) // 2]
+    later = per_100(middle, rss[-1])
+    return f"{whole}; {later:+.1f} MiB per 100 from {middle[0]} to {rss[-1][0]}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
