@@ -76,7 +76,8 @@ def wait_until_served(url: str, check: Callable[[], None], timeout_s: float = 12
     """Seconds until the router Service at `url` answers /readyz with 200: a routable pair, reached through
     the Service. The deployment's `routablePairs` is what the router sees, not that its Service has a ready
     endpoint yet; until it has one, the proxy closes every connection (as kube-proxy rejects them), and a
-    load started on the status alone fails its first requests, each at once (a CI run lost 311 so)."""
+    load started on the status alone fails its first requests, each at once (the likeliest cause of a CI
+    run's 311 failed requests at the start of the autoscale test's load)."""
     start = time.monotonic()
     last = ""
     while True:
