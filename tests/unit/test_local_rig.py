@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import socket
+import threading
 from typing import Any
 
 import pytest
 
 from disagg.rig.local_kubelet import Readiness, expand, is_project_image
+from disagg.rig.local_serving import wait_until_served
 from disagg.rig.service_proxy import Backend, backends
 
 
@@ -78,9 +81,6 @@ class _Service:
     routable pair), then 200."""
 
     def __init__(self, closing: int, unready: int) -> None:
-        import socket
-        import threading
-
         self.plan = ["close"] * closing + ["503"] * unready
         self.seen = 0
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -106,8 +106,6 @@ class _Service:
 
 
 def test_a_service_is_served_only_once_readyz_answers_200_through_it() -> None:
-    from disagg.rig.local_serving import wait_until_served
-
     service = _Service(closing=3, unready=2)
     checks: list[int] = []
     try:
@@ -119,8 +117,6 @@ def test_a_service_is_served_only_once_readyz_answers_200_through_it() -> None:
 
 
 def test_a_service_that_never_serves_fails_the_wait_with_what_it_last_answered() -> None:
-    from disagg.rig.local_serving import wait_until_served
-
     service = _Service(closing=0, unready=10**6)
     try:
         with pytest.raises(AssertionError, match=r"/readyz did not answer 200 in 0.5 s; last: 503"):
