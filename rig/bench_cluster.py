@@ -129,6 +129,47 @@ class Operator:
         return time.perf_counter() - start
 
 
+# The control plane's processes, by the names of their pid files in its state folder.
+CONTROL_PLANE = ("kube-apiserver", "etcd", "kube-controller-manager")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds a process has used so far (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    # utime and stime, the 14th and 15th fields of stat(5); the split starts at the 3rd.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """CPU seconds each named process spends between `start()` and `stop()`: on a machine of a few cores
+    the API server, etcd, the controllers, the operator and the bench's own client share them, and a run's
+    time goes where they spend it."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self._start: dict[str, float] = {}
+        self.spent: dict[str, float] = {}
+
+    @classmethod
+    def of(cls, paths: Paths, **more: int) -> CpuMeter:
+        """The control plane's processes (their pid files), this process as `bench`, and `more`."""
+        pids = {name: int((paths.state / f"{name}.pid").read_text()) for name in CONTROL_PLANE}
+        return cls({**pids, "bench": os.getpid(), **more})
+
+    def start(self) -> None:
+        self._start = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
+
+    def stop(self) -> None:
+        self.spent = {name: cpu_seconds(pid) - self._start[name] for name, pid in self.pids.items()}
+
+    def describe(self) -> str:
+        return ", ".join(f"{name} {seconds:.1f}" for name, seconds in self.spent.items())
+
+
 def _healthy(port: int) -> bool:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as response:

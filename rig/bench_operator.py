@@ -11,7 +11,8 @@ Two measurements, each beside the API server's own floor in the same run:
    pods stay Pending: Available False, Progressing True, KVTransferReady Unknown) with no error in the
    operator's log and no Warning Event from the operator (the cluster's own controllers' are counted apart:
    the StatefulSet controller warns and retries when the loaded API server refuses a Pod create); it prints
-   the operator's peak RSS and its RSS after every 100 deployments, with the growth per 100.
+   the operator's peak RSS and its RSS after every 100 deployments, with the growth per 100, and for both
+   runs the CPU seconds each process of the machine's control plane, the operator and the bench spent.
 Both run in fresh namespaces that are deleted afterwards. The control plane is started if none runs, and
 stopped again only if this run started it.
 """
@@ -40,7 +41,14 @@ from disagg.operator.control.k8s_apply import Kube
 from disagg.operator.control.reconcile import judge
 from disagg.operator.naming import FIELD_MANAGER, Owner
 from disagg.rig import control_plane
-from disagg.rig.bench_cluster import Operator, api_client, apply_crd, fresh_namespace, kubectl_apply
+from disagg.rig.bench_cluster import (
+    CpuMeter,
+    Operator,
+    api_client,
+    apply_crd,
+    fresh_namespace,
+    kubectl_apply,
+)
 from disagg.rig.control_plane import Paths
 from disagg.rig.local import REPO
 
@@ -77,6 +85,9 @@ class ConditionWatch:
         )
         try:
             for event in stream:
+                if self._stopping.is_set():
+                    # stop() cut the connection: the client yields the cut line as None.
+                    return
                 self._record(event["object"])
         except ProtocolError:
             # stop() closes the connection under the stream; any other end of it is an error.
@@ -191,24 +202,31 @@ def _floor_reconcile(kube: Kube, namespace: str, name: str) -> None:
 @dataclass
 class Run:
     total: float
+    cpu: CpuMeter
     converged: float | None = None
     # (deployments with Compatible, operator VmRSS MiB) at every 100.
     rss: list[tuple[int, float]] = field(default_factory=list)
 
 
 def _end_to_end(
-    api: client.ApiClient, namespace: str, count: int, floor: bool, operator: Operator | None = None
+    api: client.ApiClient,
+    namespace: str,
+    count: int,
+    cpu: CpuMeter,
+    floor: bool,
+    operator: Operator | None = None,
 ) -> Run:
     kube = Kube(api)
     names = [f"dd-{index}" for index in range(count)]
     observer = ConditionWatch(api, namespace)
-    run = Run(0.0)
+    run = Run(0.0, cpu)
     if operator is not None:
         observer.on_seen = lambda seen: (
             run.rss.append((seen, operator.rss_mib())) if seen % 100 == 0 else None
         )
     timeout = max(600.0, 1.5 * count)
     start = time.perf_counter()
+    cpu.start()
     try:
         for name in names:
             if floor:
@@ -219,6 +237,7 @@ def _end_to_end(
         observer.wait(names, timeout=timeout)
         _wait_children(kube, namespace, count, timeout)
         run.total = time.perf_counter() - start
+        cpu.stop()
         if not floor:
             observer.wait_final(names, timeout=timeout)
             run.converged = time.perf_counter() - start
@@ -270,17 +289,20 @@ def _warnings(api: client.ApiClient, namespace: str) -> tuple[list[str], list[st
     return ours, others
 
 
-def _wait_gone(api: client.ApiClient, namespace: str, timeout: float) -> None:
-    """The floor's namespace is deleted, so its thousands of children do not load the operator's run."""
-    core, deadline = client.CoreV1Api(api), time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def _wait_gone(api: client.ApiClient, namespace: str, timeout: float) -> float:
+    """The floor's namespace is deleted, so its thousands of children do not load the operator's run;
+    returns the seconds it took. A deletion still under way would load the operator's run alone: it raises
+    rather than measure that."""
+    core, start = client.CoreV1Api(api), time.monotonic()
+    while time.monotonic() < start + timeout:
         try:
             core.read_namespace(namespace, _preload_content=False)
         except client.ApiException as error:
             if error.status == 404:
-                return
+                return time.monotonic() - start
             raise
         time.sleep(1)
+    raise TimeoutError(f"namespace {namespace} still there {timeout:.0f} s after its deletion")
 
 
 def _growth(rss: list[tuple[int, float]]) -> str:
@@ -313,8 +335,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         apply_crd(paths)
         api = api_client(paths)
         with fresh_namespace(api, "bench-floor-b") as b:
-            floor = _end_to_end(api, b, count, floor=True)
-        _wait_gone(api, b, timeout=max(120.0, count * 0.5))
+            floor = _end_to_end(api, b, count, CpuMeter.of(paths), floor=True)
+        deleted = _wait_gone(api, b, timeout=max(300.0, count * 1.0))
         with (
             fresh_namespace(api, "bench-floor-a") as floor_a,
             fresh_namespace(api, "bench-op-a") as a,
@@ -324,7 +346,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             operator = Operator(paths, [a, b], log)
             try:
                 latencies = _apply_latency(paths, api, floor_a, a, args.latency_samples)
-                run = _end_to_end(api, b, count, floor=False, operator=operator)
+                meter = CpuMeter.of(paths, operator=operator.proc.pid)
+                run = _end_to_end(api, b, count, meter, floor=False, operator=operator)
                 rss = operator.peak_rss_mib()
                 warnings, others = _warnings(api, b)
             finally:
@@ -343,6 +366,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"API floor (one client applies the same objects) {floor.total:.2f} s | "
         f"ratio {run.total / floor.total:.2f}x"
     )
+    print(f"  CPU seconds while each ran: operator's run: {run.cpu.describe()}")
+    print(f"                              floor's run: {floor.cpu.describe()}")
+    print(f"  the floor's namespace was deleted in {deleted:.1f} s, before the operator started")
     print(f"  all {count} at their final conditions after {run.converged:.2f} s")
     print(
         "  operator RSS after every 100: "
