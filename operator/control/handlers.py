@@ -28,7 +28,7 @@ import kopf
 
 from disagg.operator.api import GROUP, PLURAL, VERSION
 from disagg.operator.control.backoffs import API_BACKOFFS
-from disagg.operator.control.diffbase import LeanDiffBaseStorage
+from disagg.operator.control.diffbase import LeanDiffBaseStorage, LeanProgressStorage
 from disagg.operator.control.frozen import freeze, thaw, view
 from disagg.operator.control.k8s_apply import PARALLEL_REQUESTS, Kube, api_client
 from disagg.operator.control.reconcile import Observed, reconcile, refresh_status
@@ -133,7 +133,7 @@ def _owner_views(owners: kopf.Index[Key, object]) -> list[Mapping[str, Any]]:
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **indices: Any) -> None:
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.progress_storage = LeanProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = LeanDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration"
     )

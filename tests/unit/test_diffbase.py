@@ -1,8 +1,11 @@
 """`LeanDiffBaseStorage` builds the essence kopf's own storage builds, from a body with everything kopf drops
-(managedFields, status, system metadata) and with the fields a handler may name."""
+(managedFields, status, system metadata) and with the fields a handler may name; `LeanProgressStorage` clears
+an essence of kopf's progress annotations as kopf's own storage does, and leaves the essence it is given as
+it was."""
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any, cast
 
@@ -10,7 +13,7 @@ import kopf
 import pytest
 
 from disagg.operator.api import GROUP
-from disagg.operator.control.diffbase import LeanDiffBaseStorage
+from disagg.operator.control.diffbase import LeanDiffBaseStorage, LeanProgressStorage
 
 KEY = "last-handled-configuration"
 
@@ -69,3 +72,30 @@ def test_the_essence_is_a_copy() -> None:
     raw["metadata"]["labels"]["team"] = "b"
     assert essence["spec"]["prefill"]["replicas"] == 1
     assert essence["metadata"]["labels"] == {"team": "a"}
+
+
+def _essences() -> list[dict[str, Any]]:
+    spec = _body()["spec"]
+    progress = {
+        f"{GROUP}/reconcile_spec": json.dumps({"started": "2026-12-03T15:00:00", "retries": 0}),
+        f"{GROUP}/touch-dummy": "2026-12-03T15:00:01",
+    }
+    return [
+        {"spec": spec},
+        {"spec": spec, "metadata": {"labels": {"team": "a"}}},
+        {"spec": spec, "metadata": {"annotations": progress}},
+        {"spec": spec, "metadata": {"labels": {"team": "a"}, "annotations": {**progress, "note": "kept"}}},
+        {"spec": spec, "metadata": {"annotations": {"note": "kept", "other.io/x": "y"}}},
+        {"spec": spec, "metadata": {"annotations": {}, "labels": {}}, "status": {}},
+        {"spec": spec, "status": {"conditions": [{"type": "Compatible"}]}},
+        {},
+    ]
+
+
+@pytest.mark.parametrize("essence", _essences())
+def test_clearing_is_kopfs_and_leaves_the_essence_as_it_was(essence: dict[str, Any]) -> None:
+    given = copy.deepcopy(essence)
+    ours = LeanProgressStorage(prefix=GROUP).clear(essence=cast(kopf.BodyEssence, essence))
+    kopfs = kopf.AnnotationsProgressStorage(prefix=GROUP).clear(essence=cast(kopf.BodyEssence, given))
+    assert ours == kopfs
+    assert essence == given
