@@ -176,10 +176,11 @@ def reconcile(
         return Outcome((), (), verdict.message, refused_now=written)
     latest = kube.latest_status(body)
     unborn = created and _unborn(latest, owner.generation)
-    if _verdict_is_news(latest, owner.generation):
+    news = _verdict_is_news(latest, owner.generation)
+    if news and not unborn:
         # The verdict is known before any request: say it first (what `kubectl apply` waits to see), from
         # what the watch shows, rather than after a list and three apply waves. It costs a second status
-        # write only when the verdict is news (a create, a spec change); the one after the applies follows.
+        # write only when the verdict is news (a spec change); the one after the applies follows.
         refresh_status(kube, owner.namespace, owner.name, installation, observed, body)
     # judge() reports a violation whenever the spec cannot be parsed or planned.
     assert verdict.spec is not None and verdict.report is not None and verdict.report.plan is not None
@@ -214,6 +215,13 @@ def reconcile(
     for obj in desired:
         if _is_workload(obj) and obj["metadata"]["labels"].get(COMPONENT_LABEL) in ("prefill", "decode"):
             obj["metadata"]["annotations"][SINCE_ANNOTATION] = since
+    if news and unborn:
+        # A new deployment's verdict goes first too, with what the apply waves are about to create: nothing
+        # exists, and nothing but this call creates its children, so the status after the applies is known
+        # now. That write is then the only one this call makes (the one after the applies finds nothing
+        # changed), where saying "no workloads" first cost a second write per create.
+        created_now = [replace(workload(obj), settled=False) for obj in desired if _is_workload(obj)]
+        _write_status(kube, body, verdict, created_now, observed, endpoint_of(desired))
     existing = {
         (child["kind"], child["metadata"]["name"]): child["metadata"].get("resourceVersion")
         for child in children

@@ -13,6 +13,7 @@ from kubernetes.client import ApiException, RbacAuthorizationV1Api
 from operator_harness import Cluster, OperatorProcess, example, satisfied, wait_for
 
 from disagg.operator.api import GROUP, PLURAL, VERSION
+from disagg.operator.control.handlers import CHILD_SELECTOR
 
 NAME = "gemma"
 KV = "disagg.io/kv-transfer-ready"
@@ -134,9 +135,10 @@ def test_a_resume_that_changes_nothing_posts_no_event(
     assert after is not None and after["status"] == body["status"]
 
 
-def test_the_verdict_is_written_before_any_child(cluster: Cluster, ns: str) -> None:
-    """`kubectl apply` → `Compatible` waits for the verdict alone: the first status a create shows is the
-    verdict over what exists yet (no workload), not the status after the list and the apply waves."""
+def test_a_create_writes_its_status_once_before_any_child(cluster: Cluster, ns: str) -> None:
+    """`kubectl apply` → `Compatible` waits for the verdict alone: a create's first status write comes before
+    any child exists, and already says what the apply waves are about to create, so the reconcile writes no
+    second status after them: the next write is news of a pod or of a workload's count."""
     listed = cluster.custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)
     result = cluster.kubectl_apply(example("pp2-hma.yaml", ns, NAME))
     assert result.returncode == 0, result.stderr
@@ -149,19 +151,29 @@ def test_the_verdict_is_written_before_any_child(cluster: Cluster, ns: str) -> N
         resource_version=listed["metadata"]["resourceVersion"],
         timeout_seconds=60,
     )
-    first = next(
-        conditions
-        for event in stream
-        if (
-            conditions := {
-                c["type"]: c for c in (event["object"].get("status") or {}).get("conditions") or ()
-            }
-        )
-    )
-    assert (first["Compatible"]["status"], first["Compatible"]["observedGeneration"]) == ("True", 1)
-    assert first["Available"]["message"] == "no engine workloads exist", first["Available"]
-    # The children follow, and the status after them says so.
-    cluster.wait_condition(ns, NAME, "Available", "False", "AwaitingPods")
+    # Each status the deployment shows, with the resourceVersion that first showed it.
+    statuses: list[tuple[int, dict[str, Any]]] = []
+    for event in stream:
+        status = event["object"].get("status") or {}
+        if status and (not statuses or statuses[-1][1] != status):
+            statuses.append((int(event["object"]["metadata"]["resourceVersion"]), status))
+        if len(statuses) == 2:
+            break
+    assert len(statuses) == 2, statuses
+    (written, first), (_, second) = statuses
+    conditions = {c["type"]: c for c in first["conditions"]}
+    assert (conditions["Compatible"]["status"], conditions["Compatible"]["observedGeneration"]) == ("True", 1)
+    assert (conditions["Available"]["reason"], conditions["Progressing"]["reason"]) == (
+        "AwaitingPods",
+        "RollingOut",
+    ), conditions
+    assert first["endpoint"].startswith(f"http://{NAME}-router.{ns}.svc:"), first
+    # The first apply wave's ConfigMap is never written again: its resourceVersion is its creation's.
+    config_maps = cluster.core.list_namespaced_config_map(ns, label_selector=CHILD_SELECTOR).items
+    assert config_maps and all(written < int(cm.metadata.resource_version) for cm in config_maps)
+    later = {c["type"]: c for c in second["conditions"]}
+    counted = second["prefill"]["replicas"] + second["decode"]["replicas"]
+    assert counted > 0 or later["KVTransferReady"]["reason"] != "NoPods", (first, second)
 
 
 def _namespaced_lists(cluster: Cluster, resource: str) -> float:
