@@ -293,9 +293,9 @@ def _warnings(api: client.ApiClient, namespace: str) -> tuple[list[str], list[st
 
 
 def _wait_gone(api: client.ApiClient, namespace: str, timeout: float) -> float:
-    """The floor's namespace is deleted, so its thousands of children do not load the operator's run;
-    returns the seconds it took. A deletion still under way would load the operator's run alone: it raises
-    rather than measure that."""
+    """A run's namespace is deleted, so its thousands of children do not load the next run; returns the
+    seconds it took. A deletion still under way would load the next run alone: it raises rather than
+    measure that."""
     core, start = client.CoreV1Api(api), time.monotonic()
     while time.monotonic() < start + timeout:
         try:
