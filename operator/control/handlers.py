@@ -88,12 +88,15 @@ OWNER_METADATA = ("name", "namespace", "uid", "generation", "resourceVersion", "
 
 
 @kopf.index(GROUP, VERSION, PLURAL)
-async def owners(body: kopf.Body, namespace: str | None, name: str | None, **_: Any) -> dict[Key, object]:
+async def owners(
+    body: kopf.Body, namespace: str | None, name: str | None, memo: kopf.Memo, **_: Any
+) -> dict[Key, object]:
     # What a status refresh reads of the deployment, so it needs no GET, frozen (`frozen`): the spec of
     # deployments stamped from one template is kept once. Not the managedFields and annotations nobody reads.
     if namespace is None or name is None:
         return {}
     metadata = body["metadata"]
+    memo.kube.saw(metadata)
     kept = {
         "metadata": {key: metadata[key] for key in OWNER_METADATA if key in metadata},
         "spec": body.get("spec") or {},

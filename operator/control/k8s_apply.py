@@ -286,19 +286,28 @@ class Kube:
         """The deployment's status as it is now: `body`'s (from the watch, or a handler's event), or the one
         this process wrote after it. A status is judged against its predecessor (a condition keeps its
         lastTransitionTime unless it flips), and a watch event can trail the operator's own last write."""
-        metadata = body["metadata"]
+        written = self._unseen_write(body["metadata"])
+        return dict(written.status if written is not None else body.get("status") or {})
+
+    def saw(self, metadata: Mapping[str, Any]) -> None:
+        """The watch shows this version of a deployment: a write of this process it shows is dropped here,
+        not at the next `latest_status`, which a deployment that stays as it is never asks for (at 1,000
+        deployments the kept statuses were some 5 MiB that nothing would read)."""
+        self._unseen_write(metadata)
+
+    def _unseen_write(self, metadata: Mapping[str, Any]) -> _WrittenStatus | None:
+        """This process's last status write of the deployment if `metadata`'s version predates it; a write
+        that it shows (or a newer state, or another object of the name) is forgotten."""
         key = (metadata["namespace"], metadata["name"])
         version = _version(metadata)
         with self._lock:
             written = self._statuses.get(key)
             if written is None:
-                pass
-            elif written.uid != metadata.get("uid") or version is None or version >= written.version:
-                # The body shows the write (or a newer state, or another object of the name): forget it.
+                return None
+            if written.uid != metadata.get("uid") or version is None or version >= written.version:
                 del self._statuses[key]
-            else:
-                return dict(written.status)
-        return dict(body.get("status") or {})
+                return None
+            return written
 
     def forget_status(self, namespace: str, name: str) -> None:
         """The deployment is gone: drop what `latest_status` remembers of it."""

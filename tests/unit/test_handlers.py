@@ -24,6 +24,7 @@ from disagg.operator.api import DisaggDeploymentSpec
 from disagg.operator.builders.children import build
 from disagg.operator.control.handlers import OWNER_METADATA, _observed, _owner_views, owners
 from disagg.operator.control.handlers import pods as pods_index
+from disagg.operator.control.k8s_apply import Kube
 from disagg.operator.control.reconcile import Observed
 from disagg.operator.control.ticks import planned, rolling_out
 from disagg.operator.kv_status import peers_reported, pod_kv
@@ -128,6 +129,8 @@ def indexed(fn: Any, body: dict[str, Any]) -> dict[Any, object]:
             annotations=metadata.get("annotations") or {},
             namespace=metadata.get("namespace"),
             name=metadata.get("name"),
+            # What `owners` asks of the operator's client (`Kube.saw`) needs no API server.
+            memo=kopf.Memo(kube=Kube(None)),  # type: ignore[arg-type]
         )
     )
     return found

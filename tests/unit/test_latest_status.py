@@ -58,3 +58,13 @@ def test_a_new_object_of_the_same_name_never_sees_the_old_ones_status() -> None:
     kube = Kube(_Server("u1", 10))  # type: ignore[arg-type]
     kube.patch_status("ns", "dd", {"observedGeneration": 2})
     assert kube.latest_status(_body("u2", 5, {})) == {}
+
+
+def test_the_watch_showing_the_write_drops_it_before_any_status_is_asked_for() -> None:
+    # A deployment that stays as it is never asks `latest_status` again: the watch's sighting must drop it.
+    kube = Kube(_Server("u1", 10))  # type: ignore[arg-type]
+    kube.patch_status("ns", "dd", {"observedGeneration": 2})
+    kube.saw(_body("u1", 10, {})["metadata"])  # older than the write: still kept
+    assert kube.latest_status(_body("u1", 10, {"observedGeneration": 1})) == {"observedGeneration": 2}
+    kube.saw(_body("u1", 11, {})["metadata"])  # the write itself, as the watch shows it
+    assert kube.latest_status(_body("u1", 10, {"observedGeneration": 1})) == {"observedGeneration": 1}
