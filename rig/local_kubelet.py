@@ -279,9 +279,11 @@ class LocalKubelet:
                 try:
                     local = self._start(pod)
                 except client.ApiException as error:
-                    # Deleted since the list: a replacement a ReplicaSet made and removed at once (a
-                    # rollout step deletes a chosen pod, then scales its Deployment down).
-                    if error.status != 404:
+                    # Deleted since the list (404), or being deleted (409: "cannot be assigned to a host"):
+                    # a replacement a ReplicaSet made and removed at once (a rollout step deletes a chosen
+                    # pod, then scales its Deployment down). The next sync sees it go, or (a 409 because
+                    # it is bound already) starts it.
+                    if error.status not in (404, 409):
                         raise
                     continue
             elif failed := local.exited():
