@@ -340,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         deletion = max(300.0, count * 1.0)
         with fresh_namespace(api, "bench-floor-b") as floor_b:
             floor = _end_to_end(api, floor_b, count, CpuMeter.of(paths), floor=True)
-        deleted = [_wait_gone(api, floor_b, deletion)]
+        floor_deleted = _wait_gone(api, floor_b, deletion)
         with (
             fresh_namespace(api, "bench-floor-a") as floor_a,
             fresh_namespace(api, "bench-op-a") as a,
@@ -357,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             finally:
                 stopped = operator.stop()
             logged = operator.errors()
-        deleted.append(_wait_gone(api, b, deletion))
+        operator_deleted = _wait_gone(api, b, deletion)
         with fresh_namespace(api, "bench-floor-c") as floor_c:
             floor_after = _end_to_end(api, floor_c, count, CpuMeter.of(paths), floor=True)
     # kopf logs each refused attempt of a request it retries at ERROR ("Request attempt #1/9 failed; will
@@ -383,8 +383,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"                              floor's run before: {floor.cpu.describe()}")
     print(f"                              floor's run after: {floor_after.cpu.describe()}")
     print(
-        f"  namespaces deleted before the next run: the floor's in {deleted[0]:.1f} s, "
-        f"the operator's in {deleted[1]:.1f} s"
+        f"  namespaces deleted before the next run: the floor's in {floor_deleted:.1f} s, "
+        f"the operator's in {operator_deleted:.1f} s"
     )
     print(f"  all {count} at their final conditions after {run.converged:.2f} s")
     print(
