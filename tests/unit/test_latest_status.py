@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+
 from disagg.operator.control.k8s_apply import Kube
 
 
@@ -68,3 +70,34 @@ def test_the_watch_showing_the_write_drops_it_before_any_status_is_asked_for() -
     assert kube.latest_status(_body("u1", 10, {"observedGeneration": 1})) == {"observedGeneration": 2}
     kube.saw(_body("u1", 11, {})["metadata"])  # the write itself, as the watch shows it
     assert kube.latest_status(_body("u1", 10, {"observedGeneration": 1})) == {"observedGeneration": 1}
+
+
+class _WatchedServer(_Server):
+    """The watch (here `kube.saw`) shows each status write before `Kube` has read the response, as it
+    mostly does: the API server sends the event and the response together."""
+
+    kube: Kube
+
+    def call_api(self, method: str, url: str, headers: Any, body: Any) -> _Response:
+        response = super().call_api(method, url, headers, body)
+        self.kube.saw(_body(self.uid, self.version, {})["metadata"])
+        return response
+
+
+def test_a_write_the_watch_showed_before_its_response_was_read_is_not_kept() -> None:
+    server = _WatchedServer("u1", 10)
+    kube = server.kube = Kube(server)  # type: ignore[arg-type]
+    kube.patch_status("ns", "dd", {"observedGeneration": 2})
+    assert kube.latest_status(_body("u1", 10, {"observedGeneration": 1})) == {"observedGeneration": 1}
+    assert not kube._statuses and not kube._writing
+
+
+def test_a_failed_write_leaves_nothing_behind() -> None:
+    class Refusing(_Server):
+        def call_api(self, method: str, url: str, headers: Any, body: Any) -> _Response:
+            raise ConnectionError("the API server is away")
+
+    kube = Kube(Refusing("u1", 10))  # type: ignore[arg-type]
+    with pytest.raises(ConnectionError):
+        kube.patch_status("ns", "dd", {"observedGeneration": 2})
+    assert not kube._statuses and not kube._writing
