@@ -2,11 +2,11 @@
 
 The DisaggDeployment's spec handlers converge its children. Events of its StatefulSets, Deployments and Pods
 (watched with a server-side label selector) update kopf indices of what the status reads of them (a
-`Workload`, a Pod's `engine_pods.essentials`) and queue a recompute of the owner's status (`RefreshQueue`), so
-`Available` follows the workloads and `KVTransferReady` the sidecars' Pod conditions without listing anything;
-an index of the DisaggDeployments themselves (`owners`) spares that recompute a GET of its deployment. The
-pods and deployments are kept frozen (`frozen`: shared tuples, a fraction of the decoded JSON) and thawed
-into fresh dicts for each reader.
+`Workload`, a Pod's `engine_pods.essentials`) and queue a recompute of the owner's status (a `WorkQueue` of
+status refreshes), so `Available` follows the workloads and `KVTransferReady` the sidecars' Pod conditions
+without listing anything; an index of the DisaggDeployments themselves (`owners`) spares that recompute a GET
+of its deployment. The pods and deployments are kept frozen (`frozen`: shared tuples, a fraction of the
+decoded JSON) and thawed into fresh dicts for each reader.
 Every handler of a child's event is async: it does no I/O, and a sync one would queue for kopf's executor
 behind the spec handlers, holding its event's whole body meanwhile. kopf holds every other handler back until
 the indices have seen the initial listing, so a restarted operator never judges a deployment from half of its
@@ -32,20 +32,26 @@ from disagg.operator.control.diffbase import LeanDiffBaseStorage, LeanProgressSt
 from disagg.operator.control.frozen import freeze, thaw, view
 from disagg.operator.control.k8s_apply import PARALLEL_REQUESTS, Kube, api_client
 from disagg.operator.control.reconcile import Observed, reconcile, refresh_status
-from disagg.operator.control.refresh_queue import RefreshQueue
 from disagg.operator.control.scaling import Planners
 from disagg.operator.control.ticker import Ticker
 from disagg.operator.control.ticks import ticks
+from disagg.operator.control.work_queue import WorkQueue
 from disagg.operator.naming import DEPLOYMENT_ANNOTATION, FIELD_MANAGER, MANAGED_BY_LABEL, Installation
 from disagg.operator.status import Workload, workload
 from disagg.worker.contracts.engine_pods import essentials
 
 CHILD_SELECTOR = f"{MANAGED_BY_LABEL}={FIELD_MANAGER}"
 CHILD_LABELS = {MANAGED_BY_LABEL: FIELD_MANAGER}
-# kopf's executor for the sync spec handlers; the status refreshes have their own threads (RefreshQueue).
+# kopf's executor for the sync spec handlers; the status refreshes have their own threads (a WorkQueue).
 # Each thread is another malloc arena and stack, and the API server, not Python, bounds the throughput.
 SPEC_WORKERS = 4
 REFRESH_WORKERS = 4
+# How long a status refresh waits after the request that queued it: a new child's events (its pods created,
+# its status updated two or three times by its controller) come within about a second when the API server
+# keeps up, and one refresh after them writes the status once, not once per event (measured: a lone
+# deployment's status is written twice, by its reconcile and one refresh). Under a loaded API server the pods
+# come seconds apart and each still changes, and is written to, the status.
+SETTLE_S = 1.0
 LIST_PAGE = 500
 WORKER_IDLE_S = 0.2
 Key = tuple[str, str]
@@ -178,8 +184,12 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **indices: Any) 
     memo.kube = kube
     memo.installation = installation
     memo.observed = observed
-    memo.refresh = RefreshQueue(
-        lambda key: refresh_status(kube, *key, installation, observed), workers=REFRESH_WORKERS
+    memo.refresh = WorkQueue(
+        lambda key: refresh_status(kube, *key, installation, observed),
+        what="Status refresh",
+        logger=logging.getLogger("disagg.operator.status"),
+        workers=REFRESH_WORKERS,
+        settle=SETTLE_S,
     )
     memo.planners = Planners()
     owners = indices["owners"]

@@ -1,6 +1,6 @@
 """The operator's two scheduled steps (`ticker.Tick`): a rollout under way, and the planner.
 
-Each holds its deployment's key in the refresh queue (`RefreshQueue.holding`), as a spec handler does, so no
+Each holds its deployment's key in the refresh queue (`WorkQueue.holding`), as a spec reconcile does, so no
 status refresh, spec reconcile or other step of the same deployment runs meanwhile, and posts the Events of
 what it changed.
 """
@@ -12,9 +12,9 @@ from typing import Any
 
 from disagg.operator.control.k8s_apply import Kube
 from disagg.operator.control.reconcile import Observed, Outcome, reconcile
-from disagg.operator.control.refresh_queue import RefreshQueue
 from disagg.operator.control.scaling import Planners, plan_tick, tick_seconds
 from disagg.operator.control.ticker import Tick
+from disagg.operator.control.work_queue import WorkQueue
 from disagg.operator.naming import Installation
 
 # How often a rollout under way is reconciled again: how soon a new revision's first routable pairs start
@@ -38,7 +38,7 @@ def planned(body: Mapping[str, Any]) -> bool:
 
 
 def ticks(
-    kube: Kube, installation: Installation, observed: Observed, refresh: RefreshQueue, planners: Planners
+    kube: Kube, installation: Installation, observed: Observed, refresh: WorkQueue, planners: Planners
 ) -> list[Tick]:
     def post(body: Mapping[str, Any], outcome: Outcome | None) -> None:
         for type_, reason, message in outcome.news() if outcome is not None else ():

@@ -1,14 +1,16 @@
-"""The status-refresh work queue: bursts of events for one deployment collapse, no key runs twice at once,
-nothing requested is lost, and a failed refresh is retried."""
+"""The work queue of spec reconciles and status refreshes: bursts of events for one deployment collapse, no
+key runs twice at once, nothing requested is lost, and a failed run is retried, later each time it fails."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
-from disagg.operator.control.refresh_queue import RefreshQueue
+from disagg.operator.control.work_queue import WorkQueue
 
 Key = tuple[str, str]
+LOG = logging.getLogger("test.work_queue")
 
 
 class Recorder:
@@ -50,7 +52,7 @@ class Recorder:
 
 def test_a_burst_during_a_refresh_costs_one_more_refresh() -> None:
     recorder = Recorder(block_first=True)
-    queue = RefreshQueue(recorder, workers=3, settle=0.0)
+    queue = WorkQueue(recorder, what="Run", logger=LOG, workers=3, settle=0.0)
     try:
         queue.request(("ns", "a"))
         assert recorder.started.wait(10)
@@ -68,7 +70,7 @@ def test_a_burst_during_a_refresh_costs_one_more_refresh() -> None:
 
 def test_a_failed_refresh_is_retried() -> None:
     recorder = Recorder(fail_first=2)
-    queue = RefreshQueue(recorder, workers=1, retry_delay=0.01, settle=0.0)
+    queue = WorkQueue(recorder, what="Run", logger=LOG, workers=1, retry=0.01, settle=0.0)
     try:
         queue.request(("ns", "a"))
         assert recorder.wait_calls(3) == [("ns", "a")] * 3
@@ -78,7 +80,7 @@ def test_a_failed_refresh_is_retried() -> None:
 
 def test_no_refresh_runs_while_a_reconcile_holds_its_key_and_requests_meanwhile_cost_one_after() -> None:
     recorder = Recorder()
-    queue = RefreshQueue(recorder, workers=3, settle=0.0)
+    queue = WorkQueue(recorder, what="Run", logger=LOG, workers=3, settle=0.0)
     try:
         with queue.holding(("ns", "a")):
             for _ in range(20):
@@ -104,7 +106,7 @@ def test_holding_a_key_waits_for_its_running_refresh_and_none_runs_while_held() 
             during.append(key)
         recorder(key)
 
-    queue = RefreshQueue(refresh, workers=2, settle=0.0)
+    queue = WorkQueue(refresh, what="Run", logger=LOG, workers=2, settle=0.0)
     results: list[bool] = []
 
     def reconcile() -> None:
@@ -134,7 +136,7 @@ def test_holding_a_key_waits_for_its_running_refresh_and_none_runs_while_held() 
 
 def test_requests_within_the_settle_window_share_one_refresh_after_it() -> None:
     recorder = Recorder()
-    queue = RefreshQueue(recorder, workers=2, settle=0.3)
+    queue = WorkQueue(recorder, what="Run", logger=LOG, workers=2, settle=0.3)
     try:
         start = time.monotonic()
         for _ in range(10):
@@ -146,3 +148,46 @@ def test_requests_within_the_settle_window_share_one_refresh_after_it() -> None:
         assert recorder.calls == [("ns", "a")]
     finally:
         queue.stop()
+
+
+class Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_a_failing_key_waits_twice_as_long_each_time_up_to_the_cap_and_a_success_resets_it() -> None:
+    recorder = Recorder(fail_first=4)
+    capture = Capture()
+    LOG.addHandler(capture)
+    queue = WorkQueue(recorder, what="Run", logger=LOG, workers=1, retry=0.1, max_retry=0.4, settle=0.0)
+    try:
+        queue.request(("ns", "a"))
+        recorder.wait_calls(5)  # four failures, then a success
+        recorder.fail_first = 1
+        queue.request(("ns", "a"))
+        recorder.wait_calls(7)  # a failure, then a success
+    finally:
+        queue.stop()
+        LOG.removeHandler(capture)
+    assert capture.messages == [
+        f"Run of ns/a failed; retrying in {delay} s" for delay in ("0.1", "0.2", "0.4", "0.4", "0.1")
+    ]
+
+
+def test_stop_waits_for_the_run_under_way_and_takes_no_more_keys() -> None:
+    recorder = Recorder(block_first=True)
+    queue = WorkQueue(recorder, what="Run", logger=LOG, workers=1, settle=0.0)
+    queue.request(("ns", "a"))
+    assert recorder.started.wait(10)
+    queue.request(("ns", "b"))
+    stopping = threading.Thread(target=queue.stop)
+    stopping.start()
+    stopping.join(0.2)
+    assert stopping.is_alive()  # waits for the run of a
+    recorder.release.set()
+    stopping.join(10)
+    assert not stopping.is_alive() and recorder.calls == [("ns", "a")]
