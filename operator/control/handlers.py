@@ -1,23 +1,25 @@
 """kopf handlers: each unpacks its arguments and calls one reconcile step (`control.reconcile`).
 
-The DisaggDeployment's spec handlers converge its children. Events of its StatefulSets, Deployments and Pods
-(watched with a server-side label selector) update kopf indices of what the status reads of them (a
-`Workload`, a Pod's `engine_pods.essentials`) and queue a recompute of the owner's status (a `WorkQueue` of
-status refreshes), so `Available` follows the workloads and `KVTransferReady` the sidecars' Pod conditions
-without listing anything; an index of the DisaggDeployments themselves (`owners`) spares that recompute a GET
-of its deployment. The pods and deployments are kept frozen (`frozen`: shared tuples, a fraction of the
-decoded JSON) and thawed into fresh dicts for each reader.
-Every handler of a child's event is async: it does no I/O, and a sync one would queue for kopf's executor
-behind the spec handlers, holding its event's whole body meanwhile. kopf holds every other handler back until
-the indices have seen the initial listing, so a restarted operator never judges a deployment from half of its
-children; the operator's clock (`ticker`: a rollout under way, the planner) starts with the first spec
-handler for the same reason. No handler sleeps or swallows an error: kopf retries an exception, and a
-refused spec raises `kopf.PermanentError` after its status says why. Events are posted only for news: an
-apply that wrote something, a prune, a refusal that changed the status.
+The DisaggDeployment's spec handlers queue a reconcile of its key (`specs.SpecReconciles`), which converges
+its children in the operator's own threads. Events of its StatefulSets, Deployments and Pods (watched with a
+server-side label selector) update kopf indices of what the status reads of them (a `Workload`, a Pod's
+`engine_pods.essentials`) and queue a recompute of the owner's status (a `WorkQueue` of status refreshes), so
+`Available` follows the workloads and `KVTransferReady` the sidecars' Pod conditions without listing anything;
+an index of the DisaggDeployments themselves (`owners`) spares those reconciles and refreshes a GET of their
+deployment. The pods and deployments are kept frozen (`frozen`: shared tuples, a fraction of the decoded
+JSON) and thawed into fresh dicts for each reader.
+Every handler of a watched object's event is async and does no I/O: a sync one would queue for kopf's
+executor, holding its event's whole body (and all kopf built to call it) meanwhile. kopf holds every other
+handler back until the indices have seen the initial listing, so a restarted operator never judges a
+deployment from half of its children; the operator's clock (`ticker`: a rollout under way, the planner)
+starts with the first spec handler for the same reason. No handler sleeps or swallows an error. Events are
+posted only for news: an apply that wrote something, a prune, a refusal that changed the status, a failed
+reconcile.
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import sys
@@ -26,13 +28,14 @@ from typing import Any
 
 import kopf
 
-from disagg.operator.api import GROUP, PLURAL, VERSION
+from disagg.operator.api import GROUP, KIND, PLURAL, VERSION
 from disagg.operator.control.backoffs import API_BACKOFFS
 from disagg.operator.control.diffbase import LeanDiffBaseStorage, LeanProgressStorage
 from disagg.operator.control.frozen import freeze, thaw, view
 from disagg.operator.control.k8s_apply import PARALLEL_REQUESTS, Kube, api_client
-from disagg.operator.control.reconcile import Observed, reconcile, refresh_status
+from disagg.operator.control.reconcile import Observed, refresh_status
 from disagg.operator.control.scaling import Planners
+from disagg.operator.control.specs import spec_reconciles
 from disagg.operator.control.ticker import Ticker
 from disagg.operator.control.ticks import ticks
 from disagg.operator.control.work_queue import WorkQueue
@@ -42,10 +45,12 @@ from disagg.worker.contracts.engine_pods import essentials
 
 CHILD_SELECTOR = f"{MANAGED_BY_LABEL}={FIELD_MANAGER}"
 CHILD_LABELS = {MANAGED_BY_LABEL: FIELD_MANAGER}
-# kopf's executor for the sync spec handlers; the status refreshes have their own threads (a WorkQueue).
-# Each thread is another malloc arena and stack, and the API server, not Python, bounds the throughput.
+# The threads of the spec reconciles and of the status refreshes. Each thread is another malloc arena and
+# stack, and the API server, not Python, bounds the throughput.
 SPEC_WORKERS = 4
 REFRESH_WORKERS = 4
+# kopf's executor runs only the startup and cleanup handlers and the admission webhook's validation.
+KOPF_WORKERS = 2
 # How long a status refresh waits after the request that queued it: a new child's events (its pods created,
 # its status updated two or three times by its controller) come within about a second when the API server
 # keeps up, and one refresh after them writes the status once, not once per event (measured: a lone
@@ -154,7 +159,7 @@ def tune(settings: kopf.OperatorSettings) -> None:
     settings.posting.reporting_component = FIELD_MANAGER
     for resource in (("v1", "pods"), ("apps", "v1", "statefulsets"), ("apps", "v1", "deployments")):
         settings.watching.label_selectors[resource] = CHILD_SELECTOR
-    settings.execution.max_workers = SPEC_WORKERS
+    settings.execution.max_workers = KOPF_WORKERS
     # kopf's worker for an object keeps the object's last event until it exits, `idle_timeout` after its
     # last event; at kopf's 5 s, 400 deployments created one after another left ~360 idle workers holding
     # a Pod or a StatefulSet each: the operator's RSS peaked 40 MiB over its start, 16 MiB at 0.2 s.
@@ -191,6 +196,11 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **indices: Any) 
         workers=REFRESH_WORKERS,
         settle=SETTLE_S,
     )
+    # Set here, not in a handler: kopf gives each object's handlers a shallow copy of this memo.
+    memo.events = KopfEvents()
+    memo.specs = spec_reconciles(
+        kube, installation, observed, memo.refresh.holding, memo.events, workers=SPEC_WORKERS
+    )
     memo.planners = Planners()
     owners = indices["owners"]
     memo.ticker = Ticker(
@@ -202,32 +212,57 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **indices: Any) 
 
 @kopf.on.cleanup()
 def stop_refreshing(memo: kopf.Memo, **_: Any) -> None:
+    # The reconciles first: they hold keys of the refresh queue.
     memo.ticker.stop()
+    memo.specs.stop()
     memo.refresh.stop()
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
-def reconcile_spec(
-    body: kopf.Body,
-    memo: kopf.Memo,
-    logger: kopf.Logger,
-    reason: str,
-    retry: int,
-    **_: Any,
-) -> None:
+async def reconcile_spec(body: kopf.Body, memo: kopf.Memo, reason: str, retry: int, **_: Any) -> None:
+    # Async, and only queues the key (see `specs`): the reconcile reads the deployment from the index, which
+    # kopf updated with this event before calling any handler.
     # The clock's indices are whole once kopf runs a handler (see the module's doc).
     memo.ticker.start()
+    memo.events.keep(contextvars.copy_context())
     metadata = body["metadata"]
     created = reason == kopf.Reason.CREATE and retry == 0
-    with memo.refresh.holding((metadata["namespace"], metadata["name"])):
-        outcome = reconcile(memo.kube, body, memo.installation, memo.observed, created=created)
-    for type_, why, message in outcome.news():
-        kopf.event(body, type=type_, reason=why, message=message)
-    if outcome.refused is not None:
-        raise kopf.PermanentError(outcome.refused)
-    logger.info("%s/%s: %d children changed", metadata["namespace"], metadata["name"], len(outcome.changed))
+    memo.specs.request(
+        (sys.intern(metadata["namespace"]), sys.intern(metadata["name"])),
+        created_uid=metadata["uid"] if created else None,
+    )
+
+
+class KopfEvents:
+    """Posts an Event on a deployment through kopf's poster, from any thread: queued, not waited for, retried
+    by kopf on its schedule. kopf finds its poster in context variables of its handlers' tasks: a handler
+    gives one (`keep`) before anything here posts."""
+
+    def __init__(self) -> None:
+        self._context: contextvars.Context | None = None
+
+    def keep(self, context: contextvars.Context) -> None:
+        if self._context is None:
+            self._context = context
+
+    def __call__(self, deployment: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+        if self._context is None:
+            raise RuntimeError("no kopf handler has run: kopf's poster is not known yet")
+        metadata = deployment["metadata"]
+        reference = kopf.Body(
+            {
+                "apiVersion": f"{GROUP}/{VERSION}",
+                "kind": KIND,
+                "metadata": {
+                    "name": metadata["name"],
+                    "namespace": metadata["namespace"],
+                    "uid": metadata["uid"],
+                },
+            }
+        )
+        self._context.copy().run(kopf.event, reference, type=type_, reason=reason, message=message)
 
 
 @kopf.on.event("apps", "v1", "statefulsets", labels=CHILD_LABELS)
