@@ -29,9 +29,20 @@ class _Row:
     local_row: int
     remote_row: int
     ids: tuple[IdArray, IdArray]
-    starts: IdArray
-    """Positions in the row where a run starts."""
+    breaks: IdArray
+    """Positions in the row where a run starts, other than 0 (shared by the rows of one group and spacing)."""
+    continues: bool
+    """The row's first block continues the previous row's last run."""
     length: int
+
+    @property
+    def count(self) -> int:
+        return len(self.breaks) + (0 if self.continues else 1)
+
+    def starts(self) -> IdArray:
+        """Positions in the row where a run starts. Built only for `Runs.descriptors`: a random block table
+        has a run per block, and a request whose runs do not merge never asks."""
+        return self.breaks if self.continues else np.concatenate((np.zeros(1, dtype=np.int64), self.breaks))
 
 
 @dataclass(frozen=True)
@@ -49,7 +60,7 @@ class Runs:
     @property
     def count(self) -> int:
         """Descriptors after merging."""
-        return sum(len(row.starts) for row in self.rows)
+        return sum(row.count for row in self.rows)
 
     def descriptors(self) -> tuple[DescArray, DescArray]:
         """The merged Nx3 lists, row i of one paired with row i of the other (equal lengths)."""
@@ -59,17 +70,18 @@ class Runs:
         ends = np.empty(count, dtype=np.int64)
         done, position = 0, 0
         for row in self.rows:
-            n = len(row.starts)
+            starts = row.starts()
+            n = len(starts)
             for side, table, ids, strided_row in (
                 (local, self.local, row.ids[0], row.local_row),
                 (remote, self.remote, row.ids[1], row.remote_row),
             ):
                 addr, _, device, stride, _ = table[strided_row].tolist()
-                block = ids[row.starts].astype(np.uint64)
+                block = ids[starts].astype(np.uint64)
                 np.multiply(block, np.uint64(stride), out=side[position : position + n, 0])
                 side[position : position + n, 0] += np.uint64(addr)
                 side[position : position + n, 2] = device
-            ends[position : position + n] = done + row.starts * row.length
+            ends[position : position + n] = done + starts * row.length
             done += len(row.ids[0]) * row.length
             position += n
         lengths = np.diff(ends, append=done).astype(np.uint64)
@@ -119,8 +131,7 @@ def merged_runs(
         l_first = (l_addr + int(local_ids[0]) * l_stride) % _WRAP
         r_first = (r_addr + int(remote_ids[0]) * r_stride) % _WRAP
         continues = previous is not None and previous == (l_first, l_dev, r_first, r_dev)
-        starts = breaks if continues else np.concatenate((np.zeros(1, dtype=np.int64), breaks))
-        rows.append(_Row(lr, rr, (local_ids, remote_ids), starts, length))
+        rows.append(_Row(lr, rr, (local_ids, remote_ids), breaks, continues, length))
         previous = (
             (l_addr + int(local_ids[-1]) * l_stride + length) % _WRAP,
             l_dev,
