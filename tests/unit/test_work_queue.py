@@ -7,6 +7,8 @@ import logging
 import threading
 import time
 
+import pytest
+
 from disagg.operator.control.work_queue import WorkQueue
 
 Key = tuple[str, str]
@@ -150,19 +152,11 @@ def test_requests_within_the_settle_window_share_one_refresh_after_it() -> None:
         queue.stop()
 
 
-class Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-def test_a_failing_key_waits_twice_as_long_each_time_up_to_the_cap_and_a_success_resets_it() -> None:
+def test_a_failing_key_waits_twice_as_long_each_time_up_to_the_cap_and_a_success_resets_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     recorder = Recorder(fail_first=4)
-    capture = Capture()
-    LOG.addHandler(capture)
+    caplog.set_level(logging.ERROR, logger=LOG.name)
     queue = WorkQueue(recorder, what="Run", logger=LOG, workers=1, retry=0.1, max_retry=0.4, settle=0.0)
     try:
         queue.request(("ns", "a"))
@@ -172,8 +166,7 @@ def test_a_failing_key_waits_twice_as_long_each_time_up_to_the_cap_and_a_success
         recorder.wait_calls(7)  # a failure, then a success
     finally:
         queue.stop()
-        LOG.removeHandler(capture)
-    assert capture.messages == [
+    assert [record.getMessage() for record in caplog.records if record.name == LOG.name] == [
         f"Run of ns/a failed; retrying in {delay} s" for delay in ("0.1", "0.2", "0.4", "0.4", "0.1")
     ]
 
