@@ -2,15 +2,15 @@
 
 The DisaggDeployment's spec handlers queue a reconcile of its key (`specs.SpecReconciles`), which converges
 its children in the operator's own threads. Events of its StatefulSets, Deployments and Pods (watched with a
-server-side label selector) update kopf indices of what the status reads of them (a `Workload`, a Pod's
-`engine_pods.essentials`) and queue a recompute of the owner's status (a `WorkQueue` of status refreshes), so
-`Available` follows the workloads and `KVTransferReady` the sidecars' Pod conditions without listing anything;
-an index of the DisaggDeployments themselves (`owners`) spares those reconciles and refreshes a GET of their
-deployment. The pods and deployments are kept frozen (`frozen`: shared tuples, a fraction of the decoded
-JSON) and thawed into fresh dicts for each reader.
+server-side label selector) update the operator's stores of what the status reads of them (`Kept`: a
+`Workload`, a Pod's `engine_pods.essentials`) and queue a recompute of the owner's status (a `WorkQueue` of
+status refreshes), so `Available` follows the workloads and `KVTransferReady` the sidecars' Pod conditions
+without listing anything; a store of the DisaggDeployments themselves (`owners`) spares those reconciles and
+refreshes a GET of their deployment. The pods and deployments are kept frozen (`frozen`: shared tuples, a
+fraction of the decoded JSON) and thawed into fresh dicts for each reader.
 Every handler of a watched object's event is async and does no I/O: a sync one would queue for kopf's
 executor, holding its event's whole body (and all kopf built to call it) meanwhile. kopf holds every other
-handler back until the indices have seen the initial listing, so a restarted operator never judges a
+handler back until the indexers have seen the initial listing, so a restarted operator never judges a
 deployment from half of its children; the operator's clock (`ticker`: a rollout under way, the planner)
 starts with the first spec handler for the same reason. No handler sleeps or swallows an error. Events are
 posted only for news: an apply that wrote something, a prune, a refusal that changed the status, a failed
@@ -23,8 +23,9 @@ import contextvars
 import logging
 import os
 import sys
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import kopf
 
@@ -36,6 +37,7 @@ from disagg.operator.control.k8s_apply import PARALLEL_REQUESTS, Kube, api_clien
 from disagg.operator.control.reconcile import Observed, refresh_status
 from disagg.operator.control.scaling import Planners
 from disagg.operator.control.specs import spec_reconciles
+from disagg.operator.control.stores import Key, Store
 from disagg.operator.control.ticker import Ticker
 from disagg.operator.control.ticks import ticks
 from disagg.operator.control.work_queue import WorkQueue
@@ -59,40 +61,81 @@ KOPF_WORKERS = 2
 SETTLE_S = 1.0
 LIST_PAGE = 500
 WORKER_IDLE_S = 0.2
-Key = tuple[str, str]
+V = TypeVar("V")
 
 
 def _owner_key(annotations: kopf.Annotations, namespace: str | None) -> Key | None:
-    # Interned: kopf keeps this key once per child, each event's body a fresh copy of both strings.
+    # Interned: each event's body holds fresh copies of both strings; the stores keep one.
     owner = annotations.get(DEPLOYMENT_ANNOTATION)
     return (sys.intern(namespace), sys.intern(owner)) if owner and namespace else None
 
 
+@dataclass(frozen=True)
+class Kept:
+    """What the operator keeps of the objects it watches (`stores`), filled by the indexers below."""
+
+    owners: Store[object] = field(default_factory=Store)
+    statefulsets: Store[Workload] = field(default_factory=Store)
+    deployments: Store[Workload] = field(default_factory=Store)
+    pods: Store[object] = field(default_factory=Store)
+
+    def observed(self) -> Observed:
+        """The readers of a reconcile or a status refresh, from any thread; each read thaws what it reads
+        into fresh dicts, so no reader sees another's."""
+
+        def workloads(namespace: str, name: str) -> list[Workload]:
+            key = (namespace, name)
+            return [*self.statefulsets.get(key), *self.deployments.get(key)]
+
+        def pods(namespace: str, name: str) -> list[dict[str, Any]]:
+            return [thaw(pod) for pod in self.pods.get((namespace, name))]
+
+        def deployment(namespace: str, name: str) -> dict[str, Any] | None:
+            found = self.owners.get((namespace, name))
+            return thaw(found[0]) if found else None
+
+        return Observed(workloads=workloads, pods=pods, deployment=deployment)
+
+    def forget(self, uid: str) -> None:
+        """The object `uid`, of whatever kind, is gone: uids are unique across kinds."""
+        for store in (self.owners, self.statefulsets, self.deployments, self.pods):
+            store.forget(uid)
+
+    def owner_views(self) -> list[Mapping[str, Any]]:
+        """Every kept deployment, read in place (`frozen.view`): the clock looks at a field or two of each,
+        twice a second, and thawing a thousand whole deployments for that would cost more than the rest of
+        it."""
+        return [view(body) for body in self.owners.values()]
+
+
+# The indexers put what they read of an object into the operator's stores (`Kept`) and give kopf nothing to
+# keep: kopf still runs them before any other handler and holds every other handler back until they have
+# seen the initial listing of every kind, which is all the operator wants of kopf's indexing. kopf calls no
+# indexer for a deletion: `forget_deleted` does that. Each is async (see the module's doc): with sync
+# indexers, 200 deployments created together left some 1,200 child events waiting for the executor at once,
+# and the operator's RSS at twice what it was.
+
+
 @kopf.index("apps", "v1", "statefulsets", labels=CHILD_LABELS)
 async def statefulsets(
-    body: kopf.Body, annotations: kopf.Annotations, namespace: str | None, **_: Any
-) -> dict[Key, Workload]:
-    # Async (see the module's doc): with sync indexers, 200 deployments created together left some 1,200
-    # child events waiting for the executor at once, and the operator's RSS at twice what it is now.
-    key = _owner_key(annotations, namespace)
-    return {} if key is None else {key: workload(body)}
+    body: kopf.Body, annotations: kopf.Annotations, namespace: str | None, uid: str, memo: kopf.Memo, **_: Any
+) -> None:
+    _keep(memo.kept.statefulsets, _owner_key(annotations, namespace), uid, lambda: workload(body))
 
 
 @kopf.index("apps", "v1", "deployments", labels=CHILD_LABELS)
 async def deployments(
-    body: kopf.Body, annotations: kopf.Annotations, namespace: str | None, **_: Any
-) -> dict[Key, Workload]:
-    key = _owner_key(annotations, namespace)
-    return {} if key is None else {key: workload(body)}
+    body: kopf.Body, annotations: kopf.Annotations, namespace: str | None, uid: str, memo: kopf.Memo, **_: Any
+) -> None:
+    _keep(memo.kept.deployments, _owner_key(annotations, namespace), uid, lambda: workload(body))
 
 
 @kopf.index("v1", "pods", labels=CHILD_LABELS)
 async def pods(
-    body: kopf.Body, annotations: kopf.Annotations, namespace: str | None, **_: Any
-) -> dict[Key, object]:
+    body: kopf.Body, annotations: kopf.Annotations, namespace: str | None, uid: str, memo: kopf.Memo, **_: Any
+) -> None:
     # Frozen (`frozen`): a pod's essentials as dicts were ~5 KiB, most of it the same from pod to pod.
-    key = _owner_key(annotations, namespace)
-    return {} if key is None else {key: freeze(essentials(body))}
+    _keep(memo.kept.pods, _owner_key(annotations, namespace), uid, lambda: freeze(essentials(body)))
 
 
 # What a status refresh and the clock read of a deployment's metadata.
@@ -101,49 +144,36 @@ OWNER_METADATA = ("name", "namespace", "uid", "generation", "resourceVersion", "
 
 @kopf.index(GROUP, VERSION, PLURAL)
 async def owners(
-    body: kopf.Body, namespace: str | None, name: str | None, memo: kopf.Memo, **_: Any
-) -> dict[Key, object]:
+    body: kopf.Body, namespace: str | None, name: str | None, uid: str, memo: kopf.Memo, **_: Any
+) -> None:
     # What a status refresh reads of the deployment, so it needs no GET, frozen (`frozen`): the spec of
     # deployments stamped from one template is kept once. Not the managedFields and annotations nobody reads.
-    if namespace is None or name is None:
-        return {}
     metadata = body["metadata"]
     memo.kube.saw(metadata)
-    kept = {
-        "metadata": {key: metadata[key] for key in OWNER_METADATA if key in metadata},
-        "spec": body.get("spec") or {},
-        "status": body.get("status") or {},
-    }
-    return {(sys.intern(namespace), sys.intern(name)): freeze(kept)}
+    key = (sys.intern(namespace), sys.intern(name)) if namespace and name else None
+    _keep(
+        memo.kept.owners,
+        key,
+        uid,
+        lambda: freeze(
+            {
+                "metadata": {field: metadata[field] for field in OWNER_METADATA if field in metadata},
+                "spec": body.get("spec") or {},
+                "status": body.get("status") or {},
+            }
+        ),
+    )
 
 
-def _observed(
-    owners: kopf.Index[Key, object],
-    statefulsets: kopf.Index[Key, Workload],
-    deployments: kopf.Index[Key, Workload],
-    pods: kopf.Index[Key, object],
-) -> Observed:
-    # Read from the refresh threads while kopf's loop updates them: list() copies a store's values in one
-    # C call under the GIL, so a reader sees each store whole, before or after an update. Each read thaws
-    # what it reads into fresh dicts: no reader sees another's.
-    def workloads(namespace: str, name: str) -> list[Workload]:
-        key = (namespace, name)
-        return [*list(statefulsets.get(key, ())), *list(deployments.get(key, ()))]
-
-    def pods_of(namespace: str, name: str) -> list[dict[str, Any]]:
-        return [thaw(pod) for pod in list(pods.get((namespace, name), ()))]
-
-    def deployment(namespace: str, name: str) -> dict[str, Any] | None:
-        found = list(owners.get((namespace, name), ()))
-        return thaw(found[0]) if found else None
-
-    return Observed(workloads=workloads, pods=pods_of, deployment=deployment)
-
-
-def _owner_views(owners: kopf.Index[Key, object]) -> list[Mapping[str, Any]]:
-    """Every indexed deployment, read in place (`frozen.view`): the clock looks at a field or two of each,
-    twice a second, and thawing a thousand whole deployments for that would cost more than the rest of it."""
-    return [view(body) for key in list(owners) for body in list(owners.get(key, ()))]
+def _keep(store: Store[V], key: Key | None, uid: str, value: Callable[[], V]) -> None:
+    # An object whose value cannot be made is not kept at all (as kopf's own indices do), rather than kept
+    # as it was before this event.
+    try:
+        made = value()
+    except BaseException:
+        store.forget(uid)
+        raise
+    store.put(key, uid, made)
 
 
 def tune(settings: kopf.OperatorSettings) -> None:
@@ -174,7 +204,7 @@ def tune(settings: kopf.OperatorSettings) -> None:
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **indices: Any) -> None:
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     tune(settings)
     webhook = getattr(memo, "webhook", None)
     if webhook is not None:
@@ -184,9 +214,11 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **indices: Any) 
     # threads); urllib3's default, five per core, would drop and re-handshake the rest.
     kube = Kube(api_client(connections=SPEC_WORKERS + REFRESH_WORKERS + PARALLEL_REQUESTS))
     installation = Installation.from_environ(os.environ)
-    # kopf passes every index to every handler by its function's name.
-    observed = _observed(indices["owners"], indices["statefulsets"], indices["deployments"], indices["pods"])
+    # Set here, before any watch starts: the indexers put into it from their first event.
+    kept = Kept()
+    observed = kept.observed()
     memo.kube = kube
+    memo.kept = kept
     memo.installation = installation
     memo.observed = observed
     memo.refresh = WorkQueue(
@@ -202,9 +234,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **indices: Any) 
         kube, installation, observed, memo.refresh.holding, memo.events, workers=SPEC_WORKERS
     )
     memo.planners = Planners()
-    owners = indices["owners"]
     memo.ticker = Ticker(
-        lambda: _owner_views(owners),
+        kept.owner_views,
         ticks(kube, installation, observed, memo.refresh, memo.planners),
         forget=memo.planners.forget,
     )
@@ -224,7 +255,7 @@ def stop_refreshing(memo: kopf.Memo, **_: Any) -> None:
 async def reconcile_spec(body: kopf.Body, memo: kopf.Memo, reason: str, retry: int, **_: Any) -> None:
     # Async, and only queues the key (see `specs`): the reconcile reads the deployment from the index, which
     # kopf updated with this event before calling any handler.
-    # The clock's indices are whole once kopf runs a handler (see the module's doc).
+    # The stores the clock reads are whole once kopf runs a handler (see the module's doc).
     memo.ticker.start()
     memo.events.keep(contextvars.copy_context())
     metadata = body["metadata"]
@@ -269,9 +300,18 @@ class KopfEvents:
 @kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
 @kopf.on.event("v1", "pods", labels=CHILD_LABELS)
 async def child_changed(
-    annotations: kopf.Annotations, namespace: str | None, memo: kopf.Memo, **_: Any
+    type: str, uid: str, annotations: kopf.Annotations, namespace: str | None, memo: kopf.Memo, **_: Any
 ) -> None:
     # Async: it only queues a key (a lock held for microseconds), so it needs no executor thread.
+    if type == "DELETED":
+        memo.kept.forget(uid)
     key = _owner_key(annotations, namespace)
     if key is not None:
         memo.refresh.request(key)
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def owner_changed(type: str, uid: str, memo: kopf.Memo, **_: Any) -> None:
+    # kopf calls no indexer for a deletion (see `Kept`).
+    if type == "DELETED":
+        memo.kept.forget(uid)

@@ -1,4 +1,4 @@
-"""What the operator registers with kopf, read from kopf's own registry, and what its indices keep.
+"""What the operator registers with kopf, read from kopf's own registry, and what its stores keep.
 
 Events of Pods, StatefulSets, Deployments and DisaggDeployments arrive by the thousand at scale. A sync
 handler runs on kopf's executor, and every event queued for it holds its object's whole body: with sync
@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import kopf
+import pytest
 import yaml
 
 from disagg.operator.api import DisaggDeploymentSpec
 from disagg.operator.builders.children import build
-from disagg.operator.control.handlers import OWNER_METADATA, _observed, _owner_views, owners
+from disagg.operator.control.handlers import OWNER_METADATA, Kept, child_changed, owner_changed, owners
 from disagg.operator.control.handlers import pods as pods_index
 from disagg.operator.control.k8s_apply import Kube
 from disagg.operator.control.reconcile import Observed
@@ -63,7 +64,7 @@ def test_the_spec_handlers_run_on_kopfs_loop_and_only_queue_the_reconcile() -> N
     assert len(spec) == 3 and all(inspect.iscoroutinefunction(h.fn) for h in spec)
 
 
-# What the operator's indices keep (`handlers.pods`, `handlers.owners`) and `_observed` hands its readers.
+# What the operator's stores keep (`handlers.pods`, `handlers.owners`) and `Kept.observed` hands its readers.
 
 
 def served_pod(name: str, deployment: str = "dd") -> dict[str, Any]:
@@ -122,32 +123,32 @@ def served_pod(name: str, deployment: str = "dd") -> dict[str, Any]:
     }
 
 
-def indexed(fn: Any, body: dict[str, Any]) -> dict[Any, object]:
+def index(fn: Any, body: dict[str, Any], kept: Kept) -> None:
+    """Run the indexer `fn` on `body` as kopf does, into the operator's stores `kept`."""
     metadata = body["metadata"]
-    found: dict[Any, object] = asyncio.run(
+    returned = asyncio.run(
         fn(
             body=kopf.Body(copy.deepcopy(body)),
             annotations=metadata.get("annotations") or {},
             namespace=metadata.get("namespace"),
             name=metadata.get("name"),
+            uid=metadata["uid"],
             # What `owners` asks of the operator's client (`Kube.saw`) needs no API server.
-            memo=kopf.Memo(kube=Kube(None)),  # type: ignore[arg-type]
+            memo=kopf.Memo(kube=Kube(None), kept=kept),  # type: ignore[arg-type]
         )
     )
-    return found
+    # Nothing for kopf's own index to keep (`handlers.Kept`).
+    assert returned is None
 
 
 def observed(pods: list[dict[str, Any]], deployments: list[dict[str, Any]]) -> Observed:
-    """`_observed` over indices as kopf fills them: one store of values per key."""
-
-    def index(fn: Any, bodies: list[dict[str, Any]]) -> dict[Any, list[object]]:
-        stores: dict[Any, list[object]] = {}
-        for body in bodies:
-            for key, value in indexed(fn, body).items():
-                stores.setdefault(key, []).append(value)
-        return stores
-
-    return _observed(index(owners, deployments), {}, {}, index(pods_index, pods))  # type: ignore[arg-type]
+    """The readers over the stores the indexers filled with `pods` and `deployments`."""
+    kept = Kept()
+    for body in deployments:
+        index(owners, body, kept)
+    for body in pods:
+        index(pods_index, body, kept)
+    return kept.observed()
 
 
 # Every field of a pod some reader reads (`engine_pods.engine_pod`, `kv_status`, `pairing`, `rollout`,
@@ -216,7 +217,7 @@ def served_deployment(name: str = "dd") -> dict[str, Any]:
     document["metadata"] = {
         "name": name,
         "namespace": "ns",
-        "uid": "uid-dd",
+        "uid": f"uid-{name}",
         "generation": 3,
         "resourceVersion": "812",
         "deletionTimestamp": "2026-12-01T11:00:00Z",
@@ -269,10 +270,10 @@ def test_the_clock_reads_each_deployment_as_a_status_refresh_does() -> None:
     bodies = [served_deployment("dd"), served_deployment("idle")]
     bodies[1]["status"].pop("oldRevision")
     del bodies[1]["spec"]["decode"]["autoscaling"]
-    index = {}
+    kept = Kept()
     for body in bodies:
-        index.update({key: [value] for key, value in indexed(owners, body).items()})
-    views = _owner_views(index)  # type: ignore[arg-type]
+        index(owners, body, kept)
+    views = kept.owner_views()
     assert [view["metadata"]["name"] for view in views] == ["dd", "idle"]
     for view, body in zip(views, bodies, strict=True):
         assert rolling_out(view) == rolling_out(body)
@@ -281,3 +282,57 @@ def test_the_clock_reads_each_deployment_as_a_status_refresh_does() -> None:
         assert view["metadata"].get("uid") == body["metadata"]["uid"]
     assert [rolling_out(v) for v in views] == [True, False]
     assert [planned(v) for v in views] == [True, False]
+
+
+class Refreshes:
+    """The status refreshes `child_changed` asks for, recorded (the queue is `test_work_queue`'s)."""
+
+    def __init__(self) -> None:
+        self.keys: list[tuple[str, str]] = []
+
+    def request(self, key: tuple[str, str]) -> None:
+        self.keys.append(key)
+
+
+def event(fn: Any, type_: str, body: dict[str, Any], kept: Kept, refresh: Refreshes) -> None:
+    metadata = body["metadata"]
+    asyncio.run(
+        fn(
+            type=type_,
+            uid=metadata["uid"],
+            annotations=metadata.get("annotations") or {},
+            namespace=metadata.get("namespace"),
+            memo=kopf.Memo(kept=kept, refresh=refresh),
+        )
+    )
+
+
+def test_a_deleted_pod_or_deployment_is_forgotten_and_its_owner_refreshed() -> None:
+    # kopf calls no indexer for a deletion: the event handlers forget the object.
+    kept, refresh = Kept(), Refreshes()
+    deployment = served_deployment()
+    pods = [served_pod("dd-prefill-0-0"), served_pod("dd-prefill-0-1")]
+    index(owners, deployment, kept)
+    for pod in pods:
+        index(pods_index, pod, kept)
+    event(child_changed, "MODIFIED", pods[0], kept, refresh)
+    assert len(list(kept.observed().pods("ns", "dd"))) == 2
+    event(child_changed, "DELETED", pods[0], kept, refresh)
+    assert [p["metadata"]["name"] for p in kept.observed().pods("ns", "dd")] == ["dd-prefill-0-1"]
+    assert refresh.keys == [("ns", "dd"), ("ns", "dd")]
+    event(owner_changed, "MODIFIED", deployment, kept, refresh)
+    assert kept.observed().deployment("ns", "dd") is not None
+    event(owner_changed, "DELETED", deployment, kept, refresh)
+    assert kept.observed().deployment("ns", "dd") is None and kept.owner_views() == []
+    # The pod's own deletion comes in its own event.
+    assert len(list(kept.observed().pods("ns", "dd"))) == 1
+
+
+def test_a_pod_the_indexer_cannot_read_is_not_kept_as_it_was() -> None:
+    kept = Kept()
+    pod = served_pod("dd-prefill-0-0")
+    index(pods_index, pod, kept)
+    pod["metadata"]["annotations"]["example.com/odd"] = {1, 2}  # no JSON value: freezing it raises
+    with pytest.raises(TypeError):
+        index(pods_index, pod, kept)
+    assert list(kept.observed().pods("ns", "dd")) == []
