@@ -35,7 +35,7 @@ from disagg.worker.contracts.pairing import Routing
 from disagg.worker.kv.errors import Violation
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Workload:
     """A StatefulSet or Deployment as observed: desired pods, pods that exist, ready and up to date."""
 
