@@ -1,8 +1,8 @@
-"""What the operator's long-lived indices keep of an object: its JSON frozen into shared tuples, thawed back
+"""What the operator's long-lived stores keep of an object: its JSON frozen into shared tuples, thawed back
 into the dicts and lists a reader wants when it reads. Pure.
 
 The JSON decoder makes a fresh dict for every object, and a fresh str for every key and value, of every
-event's body; an index that keeps parts of them keeps all of that, per pod and per deployment: about 3.7 MiB
+event's body; a store that keeps parts of them keeps all of that, per pod and per deployment: about 3.7 MiB
 per 100 DisaggDeployments (`disagg bench operator`), where the same values repeat from pod to pod and from one
 deployment to the next (containers, labels, the spec of a template). `freeze` keeps an object as a tuple of
 its values after one shared tuple of its keys, an array as a tuple, short strings interned, and every tuple

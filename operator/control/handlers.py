@@ -111,9 +111,9 @@ class Kept:
 # The indexers put what they read of an object into the operator's stores (`Kept`) and give kopf nothing to
 # keep: kopf still runs them before any other handler and holds every other handler back until they have
 # seen the initial listing of every kind, which is all the operator wants of kopf's indexing. kopf calls no
-# indexer for a deletion: `forget_deleted` does that. Each is async (see the module's doc): with sync
-# indexers, 200 deployments created together left some 1,200 child events waiting for the executor at once,
-# and the operator's RSS at twice what it was.
+# indexer for a deletion: `child_changed` and `owner_changed` forget the object. Each is async (see the
+# module's doc): with sync indexers, 200 deployments created together left some 1,200 child events waiting
+# for the executor at once, and the operator's RSS at twice what it was.
 
 
 @kopf.index("apps", "v1", "statefulsets", labels=CHILD_LABELS)
@@ -253,8 +253,8 @@ def stop_refreshing(memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
 async def reconcile_spec(body: kopf.Body, memo: kopf.Memo, reason: str, retry: int, **_: Any) -> None:
-    # Async, and only queues the key (see `specs`): the reconcile reads the deployment from the index, which
-    # kopf updated with this event before calling any handler.
+    # Async, and only queues the key (see `specs`): the reconcile reads the deployment from the store, which
+    # the indexer filled with this event before kopf called any other handler.
     # The stores the clock reads are whole once kopf runs a handler (see the module's doc).
     memo.ticker.start()
     memo.events.keep(contextvars.copy_context())

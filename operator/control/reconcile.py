@@ -16,7 +16,7 @@ old slot pruned once empty. The operator's clock (`ticks.advance_rollout`) calls
 At scale (a thousand deployments, seven thousand children) three things keep the API server's load
 proportional to what changed: the verdict on a spec is computed once per distinct spec (`judge` is pure, so
 its cache is exact); a status refresh reads the deployment, its workloads and its pods from the operator's
-watch indices (`Observed`), not by getting or listing them; and a write (a status patch, an Event) happens
+watch stores (`Observed`), not by getting or listing them; and a write (a status patch, an Event) happens
 only when it changes something, so a resume or a pod event that changes nothing issues no write.
 """
 
@@ -94,10 +94,10 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Observed:
-    """What the operator's watch indices show of one deployment: the deployment itself (None once it is
+    """What the operator's watch stores show of one deployment: the deployment itself (None once it is
     gone), its StatefulSets and Deployments, its pods.
 
-    All are callables so a caller reads the index when the status is computed, not when it was queued."""
+    All are callables so a caller reads the stores when the status is computed, not when it was queued."""
 
     workloads: Callable[[str, str], Iterable[Workload]]
     pods: Callable[[str, str], Iterable[Mapping[str, Any]]]
@@ -368,7 +368,7 @@ def refresh_status(
     observed: Observed,
     body: Mapping[str, Any] | None = None,
 ) -> bool:
-    """Recompute the status from the spec and the indexed deployment (or `body`, a handler's newer one),
+    """Recompute the status from the spec and the stored deployment (or `body`, a handler's newer one),
     workloads and pods; write it only if it changed.
 
     No request but the write: the deployment comes from the watch, and the stored conditions it is judged

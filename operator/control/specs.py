@@ -5,7 +5,7 @@ the cause, a logger): a burst of creates left hundreds of those waiting for the 
 once, each holding its deployment's whole event, and that burst's high-water mark was most of the operator's
 RSS growth past its first hundred deployments. The spec handler only queues the deployment's key
 (`SpecReconciles.request`, on kopf's loop, microseconds) and returns; a `WorkQueue` runs one reconcile per
-key, never two at a time, and reads the deployment from the operator's index when it starts, so the newest
+key, never two at a time, and reads the deployment from the operator's store when it starts, so the newest
 spec is what it applies (level-based, as controller-runtime's reconcilers are), and what waits is a key.
 """
 

@@ -10,8 +10,9 @@ leaves nothing behind.
 
 An object is told apart by its uid, as kopf does: kopf runs each uid's events in a worker of its own, so a
 deleted Pod's last event can be handled after its successor's first, under the same name. The ident is the
-uid's `hash` (an int, 32 bytes, where the uid's str is 85): two objects under one owner, at most a few
-dozen, would have to share a 64-bit hash for one to be taken for the other.
+uid's `hash` (an int, 32 bytes, where the uid's str is 85): for one object to be taken for another, two of
+the operator's objects (some 15,000 for a thousand deployments) would have to share a 64-bit hash, salted
+per process (`PYTHONHASHSEED`), so no object's author can aim at a collision: odds of about 1 in 10^11.
 
 Writes come from kopf's event loop only; reads from any thread. A write replaces an owner's tuple whole, so a
 reader sees an owner's values before a write or after it, never half of one.

@@ -5,7 +5,7 @@ when the routers' load moves the planner's targets; those steps run every `inter
 deployment a `Tick` applies to. kopf's timers did this, but kopf keeps, for every object of a kind with any
 timer, a live copy of its whole body (its daemons' `live_fresh_body`), whatever the timer's `when=` says:
 about 1.6 MiB per 100 deployments that never roll out nor autoscale. This clock reads the operator's
-`owners` index instead.
+`owners` store instead.
 
 One step runs at a time per deployment and tick (a slow one is not started again until it ends); a failed step
 is logged with its traceback and runs again at its next time, as kopf's timers retried.
@@ -64,7 +64,7 @@ class Ticker:
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="disagg-tick")
 
     def start(self) -> None:
-        """Start the clock (again a no-op): call it once the indices `bodies` reads are whole."""
+        """Start the clock (again a no-op): call it once the stores `bodies` reads are whole."""
         with self._lock:
             if self._thread is not None or self._stopping.is_set():
                 return

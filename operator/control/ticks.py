@@ -45,7 +45,7 @@ def ticks(
             kube.post_event(body, type_, reason, message)
 
     def fresh(key: tuple[str, str], uid: object) -> Mapping[str, Any] | None:
-        """The deployment as the index has it once the step holds its key: the clock read it earlier, and a
+        """The deployment as the store has it once the step holds its key: the clock read it earlier, and a
         spec reconcile the step waited for may have applied a newer spec, which reconciling the older one
         would undo until the next tick. None once it is gone, being deleted, or another of its name."""
         current = observed.deployment(*key)
