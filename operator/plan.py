@@ -14,12 +14,12 @@ import msgspec
 
 from disagg.operator.api import (
     DisaggDeploymentSpec,
-    HybridKVCacheManager,
     KVCacheLayout,
     RoutingMode,
     StageStatus,
     TopologyStatus,
 )
+from disagg.operator.hma import hma_enabled
 from disagg.worker.contracts.topology import StageDocument
 from disagg.worker.kv.layout import ModelGeometry, pp_partition
 from disagg.worker.kv.rules import requires_layer_name_routing
@@ -106,7 +106,7 @@ def model_geometry(spec: DisaggDeploymentSpec) -> ModelGeometry:
         head_size=model.head_size,
         dtype_bytes=model.dtype.num_bytes,
         layer_name_template=model.layer_name_template,
-        hma=spec.engine.hybrid_kv_cache_manager is HybridKVCacheManager.ENABLED,
+        hma=hma_enabled(spec),
     )
 
 

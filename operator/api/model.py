@@ -55,8 +55,11 @@ class KVCacheDType(enum.StrEnum):
 
 
 class HybridKVCacheManager(enum.StrEnum):
-    """vLLM's hybrid KV cache manager (HMA); `Disabled` is `--disable-hybrid-kv-cache-manager`."""
+    """vLLM's hybrid KV cache manager (HMA); `Disabled` is `--disable-hybrid-kv-cache-manager`. `Auto` lets
+    the operator choose (`disagg.operator.hma`): Disabled where the vLLM release would load a sliding-window
+    layer's KV incompletely, Enabled everywhere else."""
 
+    AUTO = "Auto"
     ENABLED = "Enabled"
     DISABLED = "Disabled"
 
@@ -194,8 +197,12 @@ class EngineSpec(ApiModel):
         description="Attention backend name the engine resolves (hashed by vLLM).",
     )
     hybrid_kv_cache_manager: HybridKVCacheManager = Field(
-        default=HybridKVCacheManager.ENABLED,
-        description="Hybrid KV cache manager (HMA) switch; part of the hash.",
+        default=HybridKVCacheManager.AUTO,
+        description=(
+            "Hybrid KV cache manager (HMA) switch; part of the hash. Auto: Disabled for a vLLM model with "
+            "sliding-window layers on a release whose decoders load their KV incompletely "
+            "(docs/vllm-sliding-window-load.md), Enabled otherwise; the status says which."
+        ),
     )
     kv_cache_layout: KVCacheLayout = Field(
         default=KVCacheLayout.LAYER_OUTERMOST, description="Physical KV cache layout."

@@ -50,7 +50,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from disagg.operator.api import DisaggDeploymentSpec, HybridKVCacheManager, Role
+from disagg.operator.api import DisaggDeploymentSpec, Role
+from disagg.operator.engine_kind import is_reference_engine_image, is_vllm_image
+from disagg.operator.hma import hma_enabled
 from disagg.operator.plan import TopologyPlan
 from disagg.worker.contracts.pod_contract import POD_IP_ENV, POD_NAME_ENV
 from disagg.worker.contracts.releases import LATEST, Release, release_of
@@ -124,24 +126,6 @@ _REFUSED: Final = (
 )
 
 
-def is_vllm_image(image: str) -> bool:
-    """vLLM images are recognised by their repository name (vllm/vllm-openai, .../vllm-tpu, ...)."""
-    repository = image.split("@", 1)[0]
-    last = repository.rsplit("/", 1)[-1].split(":", 1)[0]
-    return "vllm" in last.lower()
-
-
-REFERENCE_ENGINE_REPOSITORY: Final = "disagg-transfer"
-
-
-def is_reference_engine_image(image: str) -> bool:
-    """The project's own engine image: its repository's last path component is `disagg-transfer` (any
-    registry, any tag or digest)."""
-    repository = image.split("@", 1)[0]
-    last = repository.rsplit("/", 1)[-1]
-    return last.split(":", 1)[0] == REFERENCE_ENGINE_REPOSITORY
-
-
 def reference_engine_args(spec: DisaggDeploymentSpec, role: Role, master: str | None) -> tuple[str, ...]:
     """`disagg engine serve`'s arguments; `master` is the head pod's DNS name on a PP prefill engine."""
     rendezvous = ("--master-addr", master, "--master-port", str(MASTER_PORT)) if master is not None else ()
@@ -210,7 +194,7 @@ def _owned_flags(spec: DisaggDeploymentSpec, role: Role, stage_service: str | No
             ("--disable-hybrid-kv-cache-manager",),
             None,
             "spec.engine.hybridKvCacheManager",
-            switch_on=spec.engine.hybrid_kv_cache_manager is HybridKVCacheManager.DISABLED,
+            switch_on=not hma_enabled(spec),
             negations=("--enable-hybrid-kv-cache-manager", "--no-disable-hybrid-kv-cache-manager"),
         ),
     ]

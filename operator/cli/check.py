@@ -125,6 +125,8 @@ def _report_json(path: Path, dd: DisaggDeployment, report: CompatReport) -> dict
 
 
 def _summary_lines(dd: DisaggDeployment, report: CompatReport) -> list[str]:
+    from disagg.operator.hma import hma_choice
+
     spec = dd.spec
     prefill, decode = spec.prefill, spec.decode
     lines = [
@@ -142,6 +144,9 @@ def _summary_lines(dd: DisaggDeployment, report: CompatReport) -> list[str]:
             count = _plural(plan.notifications_per_request, "completion notification")
             transfer += f", {count} per request"
         lines.append(transfer)
+        choice = hma_choice(spec)
+        if choice.chosen_by == "operator" and not choice.enabled:
+            lines.append(f"  hybrid KV cache manager off: {choice.why}")
     engines = {role: _engine_text(spec, role) for role in ("prefill", "decode")}
     if engines["prefill"] == engines["decode"]:
         lines.append(f"  engine: {engines['prefill']} (prefill and decode)")

@@ -24,7 +24,7 @@ from disagg.operator.policies.engine_args import (
     engine_arguments_parse,
     prefill_context_is_not_split,
 )
-from disagg.operator.policies.engine_release import engine_release_is_supported
+from disagg.operator.policies.engine_release import engine_release_is_supported, sliding_window_kv_loads_whole
 from disagg.operator.policies.handshake import handshake_factors_match
 from disagg.operator.policies.pods import kv_pool_is_valid, worker_image_is_named
 from disagg.operator.policies.policy import Policy, PolicyInput, evaluate_chain
@@ -93,6 +93,7 @@ _BEFORE_BUILD: Final[tuple[Policy, ...]] = (
     *COMPATIBILITY_CHAIN,
     # Not mirrored in CEL: the table of releases grows with every vLLM release, the CRD should not.
     engine_release_is_supported,
+    sliding_window_kv_loads_whole,
     engine_arguments_agree,
     engine_arguments_parse,
     prefill_context_is_not_split,

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from disagg.operator.api import ROLES, DisaggDeploymentSpec, HybridKVCacheManager, Role
+from disagg.operator.api import ROLES, DisaggDeploymentSpec, Role
 from disagg.operator.builders.engine import role_release
+from disagg.operator.hma import hma_enabled
 from disagg.operator.naming import Installation
 from disagg.operator.plan import TopologyPlan
 from disagg.operator.policies.chain import COMPATIBILITY_CHAIN
@@ -54,7 +55,7 @@ def role_factors(spec: DisaggDeploymentSpec, role: Role) -> dict[str, Any]:
         head_size=model.head_size,
         num_hidden_layers=model.num_layers,
         attn_backend_name=spec.effective(role, "attention_backend", engine.attention_backend),
-        is_hma_enabled=engine.hybrid_kv_cache_manager is HybridKVCacheManager.ENABLED,
+        is_hma_enabled=hma_enabled(spec),
         transfer_mode=spec.kv_transfer.connector.transfer_mode,
         cache_dtype=spec.effective(role, "kv_cache_dtype", model.kv_cache_dtype).value,
         nixl_connector_version=role_release(spec, role).connector_version,

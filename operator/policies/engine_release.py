@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from disagg.operator.api import ROLES, DisaggDeploymentSpec, KVCacheLayout
+from disagg.operator.hma import hma_enabled, window_edge_defect
 from disagg.operator.policies.policy import PolicyInput
 from disagg.worker.contracts import releases
 from disagg.worker.kv.errors import Violation
@@ -17,6 +18,24 @@ from disagg.worker.kv.layout import ModelGeometry
 def engine_release_is_supported(given: PolicyInput) -> Sequence[Violation]:
     """Each role's `version` is a supported vLLM release (`releases.RELEASES`) that can run the topology."""
     return release_violations(given.spec, given.geometry)
+
+
+def sliding_window_kv_loads_whole(given: PolicyInput) -> Sequence[Violation]:
+    """HMA on where the release's decoders would load a sliding-window layer's KV incompletely
+    (`disagg.operator.hma`), asked for or needed by the model's other layers: refused, since one prompt
+    length in every block size would decode wrong."""
+    spec = given.spec
+    if not hma_enabled(spec) or not window_edge_defect(spec):
+        return []
+    return [
+        Violation(
+            "SlidingWindowLoadDefect",
+            f"vLLM {spec.engine.version} with the hybrid KV cache manager: "
+            f"{releases.DEFECT_TEXT['sliding_window_load_edge']}. Set spec.engine.hybridKvCacheManager to "
+            "Auto or Disabled (a model whose sliding-window layers sit beside Mamba or MLA layers cannot run "
+            "without it: serve it without disaggregation until a release fixes this)",
+        )
+    ]
 
 
 def required_capabilities(

@@ -14,6 +14,13 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 VALID_EXAMPLE = EXAMPLES / "pp2-hma.yaml"
 DELETE = object()
 """Marks a key to remove in `patched`."""
+HMA_ENABLED: dict[str, Any] = {"engine": {"hybridKvCacheManager": "Enabled"}}
+"""A patch that asks for the hybrid KV cache manager explicitly: what the connector's own rules (the
+compatibility chain) judge for a hybrid model with HMA on. The full refusal chain refuses it for the example's
+sliding-window model on every supported release (SlidingWindowLoadDefect)."""
+HMA_ON: dict[str, Any] = {"model": {"layerPattern": DELETE}}
+"""A patch that leaves the example's vLLM engines with the hybrid KV cache manager on: its model without
+sliding-window layers (with them, `Auto` turns it off on every supported release, `disagg.operator.hma`)."""
 
 
 def load(path: Path) -> dict[str, Any]:

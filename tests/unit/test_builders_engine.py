@@ -6,7 +6,7 @@ import json
 
 import pytest
 from built import container, env, flag, objects
-from dd_specs import spec
+from dd_specs import HMA_ON, spec
 
 from disagg.operator.builders.engine import arg_violations, engine_container, is_vllm_image
 from disagg.operator.builders.pod_template import ENGINE_CONTAINER
@@ -78,7 +78,7 @@ class TestVllmEngine:
         ],
     )
     def test_contradicting_args_are_refused_with_the_field_to_use(self, extra: list[str], field: str) -> None:
-        model = spec({"prefill": {"extraArgs": extra}})
+        model = spec({**HMA_ON, "prefill": {"extraArgs": extra}})
         (violation,) = arg_violations(model)
         assert violation.reason == "EngineArgumentConflict"
         assert field in violation.message and "spec.prefill.extraArgs" in violation.message

@@ -43,9 +43,11 @@ def test_check_a_compatible_file(capsys: pytest.CaptureFixture[str]) -> None:
     assert lines[0] == f"{VALID_EXAMPLE}: DisaggDeployment default/gemma-pp2 is compatible"
     assert lines[1] == "  prefill: 1 replica x 2 stages x TP 2, block size 32"
     assert lines[2] == "  decode:  2 replicas x TP 2, block size 32"
-    assert "push connector, hybrid KV cache (HMA), layer-name routing, 2 completion notifications" in lines[3]
-    assert lines[4] == "  engine: vLLM 0.33.0 (NIXL connector version 15) (prefill and decode)"
-    assert lines[5].startswith("  compatibility hash vLLM computes: ") and lines[5].endswith(
+    assert "push connector, uniform KV cache, region-index routing, 2 completion notifications" in lines[3]
+    # The example's sliding-window model on vLLM 0.33: the operator turns HMA off, and says why.
+    assert lines[4].startswith("  hybrid KV cache manager off: Auto: the model has sliding-window layers")
+    assert lines[5] == "  engine: vLLM 0.33.0 (NIXL connector version 15) (prefill and decode)"
+    assert lines[6].startswith("  compatibility hash vLLM computes: ") and lines[6].endswith(
         "(prefill and decode)"
     )
 
@@ -79,7 +81,7 @@ def test_check_json_output(capsys: pytest.CaptureFixture[str]) -> None:
     assert result["valid"] is True and result["compatible"] is False
     assert [v["reason"] for v in result["violations"]] == ["BlockSizeMismatch"]
     assert "prefill blockSize 32 and decode blockSize 16" in result["violations"][0]["message"]
-    assert result["topology"]["routingMode"] == "layer-name"
+    assert result["topology"]["routingMode"] == "region-index" and result["topology"]["hma"] is False
     assert [s["startLayer"] for s in result["topology"]["stages"]] == [0, 31]
     assert set(result["compatibilityHashes"]) == {"prefill", "decode"}
 
@@ -144,10 +146,10 @@ def test_plan_prints_stages_with_layer_names(capsys: pytest.CaptureFixture[str])
     assert code == 0
     lines = out.splitlines()
     assert lines[0] == "# DisaggDeployment default/gemma-pp2 (compatible)"
-    assert "# prefill stage 0: layers 0-30 (31 layers), layer-name routing" in lines
-    assert "# prefill stage 1: layers 31-61 (31 layers), layer-name routing" in lines
+    assert "# prefill stage 0: layers 0-30 (31 layers), region-index routing" in lines
+    assert "# prefill stage 1: layers 31-61 (31 layers), region-index routing" in lines
     assert "# decode: every layer (0-61), region-index routing" in lines
-    stage1 = lines.index("# prefill stage 1: layers 31-61 (31 layers), layer-name routing")
+    stage1 = lines.index("# prefill stage 1: layers 31-61 (31 layers), region-index routing")
     assert lines[stage1 + 1].startswith(
         "#     model.layers.31.self_attn.attn, model.layers.32.self_attn.attn"
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from dd_specs import EXAMPLES, load, spec
+from dd_specs import EXAMPLES, HMA_ENABLED, load, spec
 
 from disagg.operator.api import DisaggDeployment, RoutingMode
 from disagg.operator.policies.compat import evaluate, role_factors
@@ -17,7 +17,7 @@ PP2 = {"prefill": {"pipelineParallelSize": 2}}
 # (Gemma-style 62 layers, 5:1 sliding/full, push, prefill PP2 TP2, decode TP2, block size 32).
 BROKEN: dict[str, tuple[dict[str, Any], list[str]]] = {
     "decode-pp": ({"decode": {"pipelineParallelSize": 2}}, ["DecodePipelineParallel"]),
-    "pull-hma-pp": ({"kvTransfer": {"connector": "Pull"}}, ["PullConnectorWithHybridPP"]),
+    "pull-hma-pp": ({**HMA_ENABLED, "kvTransfer": {"connector": "Pull"}}, ["PullConnectorWithHybridPP"]),
     "mamba-pp": (
         {"model": {"layerPattern": {"fullEvery": 8, "otherKind": "Mamba"}}},
         ["MambaUnderPipelineParallel", "MambaStateNotSupported"],
@@ -30,7 +30,10 @@ BROKEN: dict[str, tuple[dict[str, Any], list[str]]] = {
         ["MambaStateNotSupported"],
     ),
     "block-size": ({"decode": {"blockSize": 16}}, ["BlockSizeMismatch"]),
-    "decode-tp-above-prefill": ({"decode": {"tensorParallelSize": 4}}, ["DecodeTPExceedsPrefillTP"]),
+    "decode-tp-above-prefill": (
+        {**HMA_ENABLED, "decode": {"tensorParallelSize": 4}},
+        ["DecodeTPExceedsPrefillTP"],
+    ),
     "tp-not-divisible": (
         {"prefill": {"tensorParallelSize": 4}, "decode": {"tensorParallelSize": 3}},
         ["TensorParallelNotDivisible", "KVHeadsNotDivisible"],
@@ -145,15 +148,27 @@ def test_messages_say_what_to_change() -> None:
 
 def test_several_broken_rules_are_all_reported() -> None:
     report = evaluate(
-        spec({"decode": {"pipelineParallelSize": 2, "blockSize": 16}, "kvTransfer": {"connector": "Pull"}})
+        spec(
+            {
+                **HMA_ENABLED,
+                "decode": {"pipelineParallelSize": 2, "blockSize": 16},
+                "kvTransfer": {"connector": "Pull"},
+            }
+        )
     )
     # pull cannot remap the blocks of a hybrid KV cache, so the unequal block sizes are refused as well
     assert report.reasons == ["DecodePipelineParallel", "PullConnectorWithHybridPP", "BlockSizeMismatch"]
     assert report.plan is not None and report.plan.routing_mode is RoutingMode.REGION_INDEX
 
 
-def test_plan_of_the_pp2_hma_example() -> None:
-    report = evaluate(spec())
+def test_the_pp2_hma_example_runs_without_hma_on_the_releases_with_the_window_defect() -> None:
+    plan = evaluate(spec()).plan
+    assert plan is not None and not plan.hma and plan.routing_mode is RoutingMode.REGION_INDEX
+    assert [(s.stage, s.layers) for s in plan.stages] == [(0, range(0, 31)), (1, range(31, 62))]
+
+
+def test_plan_of_the_pp2_hma_example_with_hma() -> None:
+    report = evaluate(spec(HMA_ENABLED))
     plan = report.plan
     assert plan is not None
     assert plan.routing_mode is RoutingMode.LAYER_NAME and plan.hma and plan.transfer_mode == "push"
@@ -168,7 +183,8 @@ def test_plan_of_the_pp2_hma_example() -> None:
 @pytest.mark.parametrize(
     ("patch", "mode"),
     [
-        ({}, RoutingMode.LAYER_NAME),
+        (HMA_ENABLED, RoutingMode.LAYER_NAME),
+        ({}, RoutingMode.REGION_INDEX),
         ({"prefill": {"pipelineParallelSize": 1}}, RoutingMode.REGION_INDEX),
         ({"model": {"layerPattern": {"fullEvery": 1}}}, RoutingMode.REGION_INDEX),
         (

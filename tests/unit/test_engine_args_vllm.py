@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from dd_specs import spec, spec_dict, valid_document
+from dd_specs import HMA_ON, spec, spec_dict, valid_document
 
 from disagg.operator.builders.engine import ARG_CONFLICT_REASON, arg_violations
 from disagg.operator.control.reconcile import judge
@@ -38,7 +38,7 @@ OWNED = {
         "--config",
     )
 }
-# The example spec leaves the hybrid KV cache manager on: these spellings agree with it.
+# With HMA_ON the example spec leaves the hybrid KV cache manager on: these spellings agree with it.
 AGREEING = {"--enable-hybrid-kv-cache-manager", "--no-disable-hybrid-kv-cache-manager"}
 
 
@@ -57,7 +57,7 @@ def argparse_reads(token: str) -> set[ServeAction]:
 
 
 def refused(*extra: str) -> bool:
-    model = spec({"prefill": {"extraArgs": list(extra)}})
+    model = spec({**HMA_ON, "prefill": {"extraArgs": list(extra)}})
     return any(violation.reason == ARG_CONFLICT_REASON for violation in arg_violations(model))
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
-from dd_specs import spec, spec_dict, valid_document
+from dd_specs import HMA_ON, spec, spec_dict, valid_document
 
 from disagg.operator.cli.main import main
 from disagg.operator.control.reconcile import judge
@@ -135,7 +135,7 @@ def test_the_chain_runs_the_build() -> None:
     ],
 )
 def test_engine_arguments_are_read_as_vllm_reads_them(extra: list[str]) -> None:
-    found = judge(valid_document({"prefill": {"extraArgs": extra}})["spec"], INSTALLED).violations
+    found = judge(valid_document({**HMA_ON, "prefill": {"extraArgs": extra}})["spec"], INSTALLED).violations
     assert [v.reason for v in found] == ["EngineArgumentConflict"], extra
 
 
@@ -146,8 +146,8 @@ def test_disabling_hma_is_refused_both_ways() -> None:
     )
     for negation in ("--enable-hybrid-kv-cache-manager", "--no-disable-hybrid-kv-cache-manager"):
         assert "EngineArgumentConflict" in reasons({**disabled, "decode": {"extraArgs": [negation]}})
-        assert reasons({"decode": {"extraArgs": [negation]}}) == []
-    assert "EngineArgumentConflict" in reasons({"decode": {"extraArgs": ["--disable-hybrid-kv"]}})
+        assert reasons({**HMA_ON, "decode": {"extraArgs": [negation]}}) == []
+    assert "EngineArgumentConflict" in reasons({**HMA_ON, "decode": {"extraArgs": ["--disable-hybrid-kv"]}})
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ def test_the_chain_reads_top_to_bottom() -> None:
         "handshake_factors_match",
         "kv_pool_is_valid",
         "engine_release_is_supported",
+        "sliding_window_kv_loads_whole",
         "engine_arguments_agree",
         "engine_arguments_parse",
         "prefill_context_is_not_split",
@@ -112,24 +113,43 @@ def test_an_unknown_release_is_refused_naming_the_supported_ones() -> None:
         assert verdict.reasons == [], version
     patch = {"decode": {"overrides": {"version": "0.29.1"}}}
     reasons = evaluate(spec(patch), REFUSAL_CHAIN, Installation(worker_image="w:1")).reasons
+    # HMA is off for this model (Auto), so PP push without it is all 0.29 must run: it has that.
+    assert reasons == ["CompatibilityHashMismatch", "UnsupportedEngineVersion"]
+    with_hma = {**patch, "engine": {"hybridKvCacheManager": "Enabled"}}
+    reasons = evaluate(spec(with_hma), REFUSAL_CHAIN, Installation(worker_image="w:1")).reasons
     assert reasons == [
         "CompatibilityHashMismatch",
         "UnsupportedEngineVersion",
         "EngineVersionCannotRunTopology",
+        "SlidingWindowLoadDefect",
     ]
 
 
 def test_a_release_that_cannot_run_the_topology_is_refused_naming_those_that_can() -> None:
-    # The example is PP2 + HMA push: 0.30 has push and PP push, but not PP + HMA push.
+    # The example with HMA is PP2 + HMA push: 0.30 has push and PP push, but not PP + HMA push.
     report = evaluate(
-        spec({"engine": {"version": "0.30.0"}}), REFUSAL_CHAIN, Installation(worker_image="w:1")
+        spec({"engine": {"version": "0.30.0", "hybridKvCacheManager": "Enabled"}}),
+        REFUSAL_CHAIN,
+        Installation(worker_image="w:1"),
     )
-    assert report.reasons == ["UnsupportedEngineVersion", "EngineVersionCannotRunTopology"]
+    assert report.reasons == [
+        "UnsupportedEngineVersion",
+        "EngineVersionCannotRunTopology",
+        "SlidingWindowLoadDefect",
+    ]
     message = report.violations[1].message
     assert "vLLM before 0.31 has no pipeline-parallel push with the hybrid KV cache manager" in message
     assert "0.31, 0.32, 0.33" in message
-    old = evaluate(spec({"engine": {"version": "0.23.2"}}), REFUSAL_CHAIN, Installation(worker_image="w:1"))
-    assert old.reasons == ["UnsupportedEngineVersion", *["EngineVersionCannotRunTopology"] * 3]
+    old = evaluate(
+        spec({"engine": {"version": "0.23.2", "hybridKvCacheManager": "Enabled"}}),
+        REFUSAL_CHAIN,
+        Installation(worker_image="w:1"),
+    )
+    assert old.reasons == [
+        "UnsupportedEngineVersion",
+        *["EngineVersionCannotRunTopology"] * 3,
+        "SlidingWindowLoadDefect",
+    ]
     # PP1 needs only push: 0.30 lacks nothing but support.
     pp1 = spec({"engine": {"version": "0.30.0"}, "prefill": {"pipelineParallelSize": 1}})
     assert evaluate(pp1, REFUSAL_CHAIN, Installation(worker_image="w:1")).reasons == [

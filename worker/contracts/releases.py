@@ -39,6 +39,22 @@ FIRST_LINE_WITH: Final[dict[Capability, tuple[int, int]]] = {
     "packed_layouts": (0, 31),
 }
 
+Defect = Literal["sliding_window_load_edge"]
+
+DEFECT_TEXT: Final[dict[Defect, str]] = {
+    "sliding_window_load_edge": (
+        "a decoder that loads a whole prompt's KV recomputes the last prompt token, whose sliding window "
+        "reaches one token further back than the blocks vLLM's sliding-window manager allocated for the "
+        "load: a prompt of L tokens with (L - window + 1) a multiple of the block size decodes with a wrong "
+        "key and value in every sliding-window layer, and answers 200 (docs/vllm-sliding-window-load.md)"
+    ),
+}
+
+# The first vLLM minor line that fixes each known engine defect; None: no release fixes it yet.
+FIXED_IN_LINE: Final[dict[Defect, tuple[int, int] | None]] = {
+    "sliding_window_load_edge": None,
+}
+
 _VERSION: Final = re.compile(r"^v?(?P<major>0|[1-9]\d*)\.(?P<minor>0|[1-9]\d*)\.(?P<patch>0|[1-9]\d*)$")
 
 
@@ -69,6 +85,15 @@ class Release:
 
     def can(self, capability: Capability) -> bool:
         return self.line >= FIRST_LINE_WITH[capability]
+
+    def has(self, defect: Defect) -> bool:
+        return line_has(self.line, defect)
+
+
+def line_has(line: tuple[int, int], defect: Defect) -> bool:
+    """Whether the vLLM minor line `line` has the known `defect`."""
+    fixed = FIXED_IN_LINE[defect]
+    return fixed is None or line < fixed
 
 
 def _row(version: wire.ConnectorVersion) -> Release:
