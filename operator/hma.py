@@ -5,10 +5,12 @@ sliding-window layer's KV incompletely (`releases.DEFECT_TEXT`, docs/vllm-slidin
 HMA a decoder allocates no block for the first key of the window of the last prompt token, which it
 recomputes, so one prompt length in every block size decodes wrong with a 200. Without HMA every layer keeps
 every block, which costs KV memory and transfer bytes in the sliding-window layers (the doc sizes it), and no
-prompt loses a key. Auto is Enabled everywhere else: the reference engine, models without sliding-window
+prompt loses a key. Where the spec gives the model's sliding window and the deployment has its router, HMA
+stays on instead and the router is told which prompt lengths lose a key (`window_edges`): it serves those on
+the decoder alone. Auto is Enabled everywhere else: the reference engine, models without sliding-window
 layers, a release that fixes the defect, and models that cannot run without HMA (sliding-window layers beside
-Mamba or MLA ones), which `policies.engine_release.sliding_window_kv_loads_whole` refuses, as it refuses an
-explicit Enabled where the defect applies.
+Mamba or MLA ones). `policies.engine_release.sliding_window_kv_loads_whole` refuses HMA on where the defect
+applies and no router guards it.
 """
 
 from __future__ import annotations
@@ -46,10 +48,24 @@ def window_edge_defect(spec: DisaggDeploymentSpec) -> bool:
     return False
 
 
+def router_guards_window_edges(spec: DisaggDeploymentSpec) -> bool:
+    """Whether the deployment's router can serve the prompt lengths that lose a key on the decoder alone: it
+    has a router, and the spec gives the window those lengths follow from."""
+    return spec.router.enabled and spec.model.sliding_window is not None
+
+
 def hma_choice(spec: DisaggDeploymentSpec) -> HmaChoice:
     asked = spec.engine.hybrid_kv_cache_manager
     if asked is not HybridKVCacheManager.AUTO:
         return HmaChoice(asked is HybridKVCacheManager.ENABLED, "spec", f"hybridKvCacheManager is {asked}")
+    if window_edge_defect(spec) and router_guards_window_edges(spec):
+        return HmaChoice(
+            True,
+            "operator",
+            "Auto: under HMA this vLLM release's decoders load a sliding window's KV without its first key "
+            "for some prompt lengths (docs/vllm-sliding-window-load.md); the router serves those on the "
+            "decoder alone (spec.model.slidingWindow)",
+        )
     if window_edge_defect(spec) and set(spec.model.layer_kinds()) <= _PROMOTABLE:
         return HmaChoice(
             False,
@@ -63,3 +79,12 @@ def hma_choice(spec: DisaggDeploymentSpec) -> HmaChoice:
 
 def hma_enabled(spec: DisaggDeploymentSpec) -> bool:
     return hma_choice(spec).enabled
+
+
+def window_edges(spec: DisaggDeploymentSpec) -> tuple[tuple[int, int], ...]:
+    """The (sliding window, block size) whose prompt lengths the router must serve on the decoder alone
+    (`--recompute-window-edge`): the decoder's block size, since its allocation is what skips the block."""
+    window = spec.model.sliding_window
+    if window is None or not hma_enabled(spec) or not window_edge_defect(spec):
+        return ()
+    return ((window, spec.decode.block_size),)

@@ -144,6 +144,17 @@ class ModelSpec(ApiModel):
         max_length=MAX_LAYERS,
         description="Attention kind of each layer, one entry per layer; exclusive with layerPattern.",
     )
+    sliding_window: int | None = Field(
+        default=None,
+        ge=1,
+        le=1 << 24,
+        description=(
+            "The sliding window of the model's sliding-window layers, in tokens (the model config's "
+            "sliding_window). With it a vLLM release whose decoders load a sliding window's KV incompletely "
+            "under the hybrid KV cache manager keeps that manager on: the router serves the prompt lengths "
+            "that would lose a key on the decoder alone (docs/vllm-sliding-window-load.md)."
+        ),
+    )
     layer_name_template: str = Field(
         default=layout.DEFAULT_LAYER_NAME_TEMPLATE,
         max_length=layout.MAX_LAYER_NAME_TEMPLATE,

@@ -27,6 +27,7 @@ from disagg.operator.builders.objects import (
     json_copy,
     owned_object,
 )
+from disagg.operator.hma import window_edges
 from disagg.operator.naming import (
     COMPONENT_LABEL,
     DEPLOYMENT_ANNOTATION,
@@ -137,6 +138,7 @@ def _pod_template(spec: DisaggDeploymentSpec, owner: Owner, installation: Instal
             owner.namespace,
             "--port",
             str(router.port),
+            *(f"--recompute-window-edge={window}:{block}" for window, block in window_edges(spec)),
         ],
         "ports": [{"name": ROUTER_PORT_NAME, "containerPort": router.port, "protocol": "TCP"}],
         # Ready once it has listed the pods (it routes nothing before); alive while its server answers.

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from disagg.operator.api import ROLES, DisaggDeploymentSpec, KVCacheLayout
-from disagg.operator.hma import hma_enabled, window_edge_defect
+from disagg.operator.hma import hma_enabled, router_guards_window_edges, window_edge_defect
 from disagg.operator.policies.policy import PolicyInput
 from disagg.worker.contracts import releases
 from disagg.worker.kv.errors import Violation
@@ -25,15 +25,15 @@ def sliding_window_kv_loads_whole(given: PolicyInput) -> Sequence[Violation]:
     (`disagg.operator.hma`), asked for or needed by the model's other layers: refused, since one prompt
     length in every block size would decode wrong."""
     spec = given.spec
-    if not hma_enabled(spec) or not window_edge_defect(spec):
+    if not hma_enabled(spec) or not window_edge_defect(spec) or router_guards_window_edges(spec):
         return []
     return [
         Violation(
             "SlidingWindowLoadDefect",
             f"vLLM {spec.engine.version} with the hybrid KV cache manager: "
             f"{releases.DEFECT_TEXT['sliding_window_load_edge']}. Set spec.engine.hybridKvCacheManager to "
-            "Auto or Disabled (a model whose sliding-window layers sit beside Mamba or MLA layers cannot run "
-            "without it: serve it without disaggregation until a release fixes this)",
+            "Auto or Disabled, or give spec.model.slidingWindow and keep spec.router enabled: the router "
+            "then serves the prompt lengths that lose a key on the decoder alone",
         )
     ]
 

@@ -2,10 +2,11 @@
 what they received. The router is the thing under test; these stand in for the engines on the other side of
 its sockets, and each can be told to misbehave (fail, stall, answer garbage) on one leg.
 
-A fake prefill answers with the `kv_transfer_params` vLLM's `request_finished` returns; a fake decoder answers
-with a text derived from the prompt, once "its KV has arrived": the prefill leg of the same request id has
-finished. A fake prefill can also wait for the decoder's registration first (`wait_for_decode`), which a
-router that sent the legs one after the other would never satisfy.
+A fake prefill answers with the `kv_transfer_params` vLLM's `request_finished` returns and the prompt's
+length in words as its `usage.prompt_tokens`; a fake decoder answers with a text derived from the prompt,
+once "its KV has arrived": the prefill leg of the same request id has finished (at once for a request without
+`kv_transfer_params`, which it computes alone). A fake prefill can also wait for the decoder's registration
+first (`wait_for_decode`), which a router that sent the legs one after the other would never satisfy.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class FakeEngine:
         self.finished: list[str] = []
         self.behaviour: Behaviour | None = None
         self.wait_for_decode = False
+        self.says_prompt_length = True
         self.port = 0
         self._runner: web.AppRunner | None = None
 
@@ -132,20 +134,22 @@ class FakeEngine:
             "transfer_mode": "push",
         }
         self.exchange.event(self.exchange.prefilled, request_id).set()
-        return web.json_response(
-            {
-                "id": f"{prefix}-{request_id}",
-                "object": "text_completion",
-                "choices": [{"text": "x"}],
-                "kv_transfer_params": params,
-            }
-        )
+        answer: dict[str, Any] = {
+            "id": f"{prefix}-{request_id}",
+            "object": "text_completion",
+            "choices": [{"text": "x"}],
+            "kv_transfer_params": params,
+        }
+        if self.says_prompt_length:
+            answer["usage"] = {"prompt_tokens": len(str(body.get("prompt", "")).split())}
+        return web.json_response(answer)
 
     async def _decode(
         self, request: web.Request, body: dict[str, Any], request_id: str
     ) -> web.StreamResponse:
-        self.exchange.event(self.exchange.registered, request_id).set()
-        await self.exchange.event(self.exchange.prefilled, request_id).wait()
+        if "kv_transfer_params" in body:
+            self.exchange.event(self.exchange.registered, request_id).set()
+            await self.exchange.event(self.exchange.prefilled, request_id).wait()
         text = completion_text(body)
         chat = request.path.endswith("chat/completions")
         if not body.get("stream"):

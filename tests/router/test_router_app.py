@@ -490,3 +490,61 @@ def test_a_prefill_that_restarted_with_another_engine_id_is_refused() -> None:
             assert status == 502 and "tiny-prefill-0@new" in json.loads(raw)["error"]["message"]
 
     run(go())
+
+
+# --- prompts whose transferred KV is known to be wrong (issue 42) -------------------------------------------
+
+# A window of 4 tokens in blocks of 2: a prompt of L tokens loses a key when (L - 3) is a whole number of
+# blocks (`releases.loses_window_edge`). COMPLETION's prompt is 5 words, which the fake prefill counts as 5.
+EDGES = RouterConfig(window_edges=((4, 2),))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompt_that_loses_a_window_key_is_served_again_by_the_decoder_alone(stream: bool) -> None:
+    async def go() -> None:
+        async with rig(EDGES) as r:
+            status, _, raw = await r.post("/v1/completions", {**COMPLETION, "stream": stream})
+            assert status == 200, raw
+            text = (
+                "".join(e["choices"][0]["text"] for e in sse_events(raw) if e != "[DONE]")
+                if stream
+                else json.loads(raw)["choices"][0]["text"]
+            )
+            assert text == completion_text(COMPLETION)
+            transferred, alone = r.decode.received
+            assert "kv_transfer_params" in transferred.body and "kv_transfer_params" not in alone.body
+            assert alone.body == {**COMPLETION, "stream": stream}
+            assert alone.headers["X-Request-Id"] == transferred.headers["X-Request-Id"] + "-alone"
+            assert len(r.prefill.received) == 1
+            metrics = r.router.metrics.render().decode()
+            assert (
+                'disagg_router_recomputed_requests_total{endpoint="/v1/completions",reason="WindowEdge"} 1.0'
+                in metrics
+            )
+
+    run(go())
+
+
+def test_a_prompt_that_keeps_its_window_keys_is_served_by_the_transfer() -> None:
+    async def go() -> None:
+        async with rig(EDGES) as r:
+            body = {**COMPLETION, "prompt": "The capital of France is Paris"}
+            status, _, raw = await r.post("/v1/completions", body)
+            assert status == 200 and json.loads(raw)["choices"][0]["text"] == completion_text(body)
+            [decode_leg] = r.decode.received
+            assert "kv_transfer_params" in decode_leg.body
+            assert "disagg_router_recomputed_requests_total{" not in r.router.metrics.render().decode()
+
+    run(go())
+
+
+def test_a_prefill_that_does_not_say_the_prompt_length_is_not_trusted_where_lengths_matter() -> None:
+    async def go() -> None:
+        async with rig(EDGES) as r:
+            r.prefill.says_prompt_length = False
+            body = {**COMPLETION, "prompt": "The capital of France is Paris"}
+            status, _, raw = await r.post("/v1/completions", body)
+            assert status == 200 and json.loads(raw)["choices"][0]["text"] == completion_text(body)
+            assert [("kv_transfer_params" in leg.body) for leg in r.decode.received] == [True, False]
+
+    run(go())

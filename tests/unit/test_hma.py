@@ -5,11 +5,11 @@ from __future__ import annotations
 from built import objects
 from dd_specs import DELETE, HMA_ENABLED, spec
 
-from disagg.operator.hma import hma_choice, window_edge_defect
+from disagg.operator.hma import hma_choice, window_edge_defect, window_edges
 from disagg.operator.naming import Installation
 from disagg.operator.policies.chain import REFUSAL_CHAIN
 from disagg.operator.policies.compat import evaluate
-from disagg.worker.contracts.releases import RELEASES
+from disagg.worker.contracts.releases import RELEASES, loses_window_edge
 
 REFERENCE = {"engine": {"image": "ghcr.io/disagg/disagg-transfer:0.1.0", "extraArgs": []}}
 
@@ -64,3 +64,39 @@ def test_a_model_that_cannot_run_without_hma_is_refused_rather_than_served_wrong
     mixed = {"model": {"attentionKinds": ["SlidingWindow", "MLA"] * 31, "layerPattern": DELETE}}
     assert hma_choice(spec(mixed)).enabled
     assert "SlidingWindowLoadDefect" in reasons(mixed)
+
+
+# The prompt lengths real vLLM 0.32 engines of the 8-layer, window-64 model answered wrong with HMA on (block
+# size 32; docs/vllm-sliding-window-load.md): every one, and none of the lengths around them, loses a key.
+SEEN_WRONG = (95, 127, 255, 415, 511, 703, 735, 831, 927)
+
+
+def test_the_lengths_that_lose_a_key_are_the_ones_real_engines_answered_wrong() -> None:
+    assert all(loses_window_edge(n, 64, 32) for n in SEEN_WRONG)
+    right = (96, 128, 200, 256, 416, 512, 63, 64, 94)
+    assert not any(loses_window_edge(n, 64, 32) for n in right)
+    assert [n for n in range(1, 200) if loses_window_edge(n, 64, 32)] == [95, 127, 159, 191]
+    # A window that is no multiple of the block: (L - 48 + 1) % 32 == 0.
+    assert [n for n in range(1, 160) if loses_window_edge(n, 48, 32)] == [79, 111, 143]
+
+
+WITH_WINDOW = {"model": {"slidingWindow": 1024}}
+
+
+def test_a_sliding_window_the_router_knows_keeps_hma_and_the_router_serves_the_lost_lengths_alone() -> None:
+    choice = hma_choice(spec(WITH_WINDOW))
+    assert choice.enabled and choice.chosen_by == "operator" and "router" in choice.why
+    assert reasons(WITH_WINDOW) == [] and reasons({**WITH_WINDOW, **HMA_ENABLED}) == []
+    assert window_edges(spec(WITH_WINDOW)) == ((1024, 32),)
+    router = objects(spec(WITH_WINDOW))["Deployment", "gemma-pp2-router"]["spec"]["template"]["spec"]
+    assert "--recompute-window-edge=1024:32" in router["containers"][0]["args"]
+    assert "--disable-hybrid-kv-cache-manager" not in engine_args(WITH_WINDOW)
+    # Without HMA, or without the defect, the router has nothing to serve alone.
+    assert window_edges(spec({**WITH_WINDOW, "engine": {"hybridKvCacheManager": "Disabled"}})) == ()
+    assert window_edges(spec()) == ()
+
+
+def test_without_a_router_no_one_guards_the_lost_lengths() -> None:
+    no_router = {**WITH_WINDOW, "router": {"enabled": False}}
+    assert not hma_choice(spec(no_router)).enabled
+    assert reasons({**no_router, **HMA_ENABLED}) == ["SlidingWindowLoadDefect"]

@@ -17,7 +17,9 @@ from disagg.worker.router.protocol import (
     RouterError,
     build_legs,
     engine_error,
+    loses_window_edge,
     parse_client_request,
+    parse_prefill_answer,
     parse_prefill_response,
 )
 from disagg.worker.router.upstream import SseEvents
@@ -305,3 +307,30 @@ def test_sse_garbage_is_the_decoders_failure(chunk: bytes) -> None:
     with pytest.raises(RouterError) as caught:
         SseEvents(1024).feed(chunk)
     assert caught.value.reason == "DecodeInvalidStream" and caught.value.fault is Fault.UPSTREAM
+
+
+@pytest.mark.parametrize(
+    ("usage", "tokens"),
+    [
+        ({"prompt_tokens": 255, "total_tokens": 256}, 255),
+        ({"prompt_tokens": 0}, 0),
+        ({"prompt_tokens": -1}, None),
+        ({"prompt_tokens": True}, None),
+        ({"prompt_tokens": "255"}, None),
+        ({}, None),
+        ([255], None),
+        (None, None),
+    ],
+)
+def test_the_prefill_answer_carries_the_prompt_length_only_as_a_count(usage: Any, tokens: int | None) -> None:
+    answer = json.loads(prefill_answer())
+    answer["usage"] = usage
+    assert parse_prefill_answer(200, json.dumps(answer).encode(), pair()).prompt_tokens == tokens
+
+
+def test_which_prompt_lengths_lose_a_window_key() -> None:
+    # The router judges nothing where no engine has the defect, and distrusts an unknown length where one has.
+    assert not loses_window_edge((), 255) and not loses_window_edge((), None)
+    assert loses_window_edge(((64, 32),), 255) and not loses_window_edge(((64, 32),), 256)
+    assert loses_window_edge(((64, 32),), None)
+    assert loses_window_edge(((1024, 16), (64, 32)), 127)

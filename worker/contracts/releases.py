@@ -90,6 +90,17 @@ class Release:
         return line_has(self.line, defect)
 
 
+def loses_window_edge(prompt_tokens: int, window: int, block_size: int) -> bool:
+    """Whether a decoder under HMA on a release with the sliding-window load defect loads a prompt of
+    `prompt_tokens` tokens without the first key of its last token's window: the decoder's sliding-window
+    manager leaves the first `(prompt_tokens - window + 1) // block_size` blocks unallocated (vLLM
+    `SlidingWindowManager.get_num_skipped_tokens`), and the recomputed last prompt token reads key
+    `prompt_tokens - window`, which lies in the last of them exactly when that count of skipped tokens is a
+    whole number of blocks."""
+    skipped = prompt_tokens - window + 1
+    return skipped >= block_size and skipped % block_size == 0
+
+
 def line_has(line: tuple[int, int], defect: Defect) -> bool:
     """Whether the vLLM minor line `line` has the known `defect`."""
     fixed = FIXED_IN_LINE[defect]

@@ -32,7 +32,6 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from disagg.worker.contracts.kv_transfer_params import PrefillHandoff
 from disagg.worker.contracts.pairing import Pair, Routing
 from disagg.worker.router.admission import Admission
 from disagg.worker.router.balance import Balancer, Ticket
@@ -47,12 +46,14 @@ from disagg.worker.router.protocol import (
     ClientRequest,
     Fault,
     Legs,
+    PrefillAnswer,
     RouterError,
     build_legs,
     engine_error,
     error_body,
+    loses_window_edge,
     parse_client_request,
-    parse_prefill_response,
+    parse_prefill_answer,
 )
 from disagg.worker.router.server import ConnectionGate, Serving, serve
 from disagg.worker.router.upstream import SseEvents, describe, read_bounded, unreachable_or, url_host
@@ -310,8 +311,12 @@ class Router:
                         for task in done:
                             # The first leg to fail decides the error; `finally` closes the other.
                             task.result()
-                    prefill.result()
+                    answer = prefill.result()
                     response, started = decode.result()
+                    if loses_window_edge(self.config.window_edges, answer.prompt_tokens):
+                        legs, (response, started) = await self._serve_alone(
+                            pair, client_request, legs, response, "WindowEdge", clock
+                        )
                     if not client_request.stream:
                         body = await self._decode_body(response, legs, started, clock)
             except TimeoutError:
@@ -338,9 +343,50 @@ class Router:
             self.balancer.decode_done(ticket)
             self.admission.release()
 
+    async def _serve_alone(
+        self,
+        pair: Pair,
+        client_request: ClientRequest,
+        legs: Legs,
+        transferred: aiohttp.ClientResponse,
+        reason: str,
+        clock: RequestClock,
+    ) -> tuple[Legs, tuple[aiohttp.ClientResponse, float]]:
+        """The request again on the decoder alone, without the transfer, whose answer is known to be wrong
+        (`reason`). The transferred decode leg is read until the decoder has answered (a stream's first data
+        event, or the whole body) and only then closed: vLLM schedules a request once its KV has arrived, so
+        no WRITE of the prefill can land in its blocks after the decoder frees them for another request."""
+        try:
+            async with asyncio.timeout(self.config.decode_timeout_s):
+                if client_request.stream:
+                    events = SseEvents(self.config.max_sse_event_bytes)
+                    while events.data_events == 0:
+                        chunk = await transferred.content.readany()
+                        if not chunk or any(done for _, done, _ in events.feed(chunk)):
+                            break
+                else:
+                    await read_bounded(transferred, self.config.max_response_bytes, "decode")
+        except Exception as exc:
+            # The discarded answer's failure is no reason to fail a request the decoder can serve alone.
+            log.info(
+                "%s %s: the transferred answer broke off: %s", legs.endpoint, legs.request_id, describe(exc)
+            )
+        finally:
+            transferred.close()
+        self.metrics.recomputed(clock, reason)
+        log.info(
+            "%s %s: %s: served by the decoder %s alone",
+            legs.endpoint,
+            legs.request_id,
+            reason,
+            pair.decode.pod,
+        )
+        alone = Legs(legs.endpoint, f"{legs.request_id}-alone", {}, dict(client_request.body))
+        return alone, await self._decode_start(pair, alone, client_request.stream)
+
     async def _prefill(
         self, pair: Pair, legs: Legs, ticket: Ticket, clock: RequestClock | None = None
-    ) -> PrefillHandoff:
+    ) -> PrefillAnswer:
         """The prefill leg to its checked answer; a client request's (`clock`) is timed, a canary's not."""
         target = pair.prefill
         url = f"http://{url_host(target.host)}:{target.http_port}{legs.endpoint}"
@@ -354,7 +400,7 @@ class Router:
                     timeout=aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s),
                 ) as response:
                     raw = await read_bounded(response, self.config.max_prefill_response_bytes, "prefill")
-                    result = parse_prefill_response(response.status, raw, pair)
+                    result = parse_prefill_answer(response.status, raw, pair)
         except RouterError:
             raise
         except TimeoutError:

@@ -140,6 +140,18 @@ def register(subparsers: Any) -> None:
         help="seconds between canaries of a pair whose last one failed; the pair is excluded meanwhile, "
         "with the failure as its reason (default %(default)s)",
     )
+    run.add_argument(
+        "--recompute-window-edge",
+        dest="window_edges",
+        action="append",
+        type=_window_edge,
+        default=[],
+        metavar="WINDOW:BLOCK",
+        help="a sliding window and block size (tokens) of engines that load a prompt's KV without its "
+        "window's first key when (prompt tokens - WINDOW + 1) is a whole number of BLOCKs (vLLM with the "
+        "hybrid KV cache manager, docs/vllm-sliding-window-load.md): such a prompt is served again by the "
+        "decoder alone, its transferred answer discarded; repeatable (the operator sets it)",
+    )
     run.add_argument("--log-level", default="INFO")
     run.set_defaults(func=_run)
 
@@ -192,8 +204,18 @@ async def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _window_edge(text: str) -> tuple[int, int]:
+    window, sep, block = text.partition(":")
+    if not sep or not window.isdigit() or not block.isdigit() or int(window) < 1 or int(block) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not WINDOW:BLOCK (two positive whole numbers of tokens)"
+        )
+    return int(window), int(block)
+
+
 def config_from(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
+        window_edges=tuple(args.window_edges),
         prefill_timeout_s=args.prefill_timeout,
         decode_timeout_s=args.decode_timeout,
         stall_timeout_s=args.stall_timeout,

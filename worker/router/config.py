@@ -42,6 +42,11 @@ class RouterConfig:
     # keep-alives, do not count: a decoder sending only those is stalled).
     stall_timeout_s: float = 60.0
     models_timeout_s: float = 10.0
+    # --- prompts whose transferred KV the engines are known to get wrong: (sliding window, block size) of a
+    # vLLM deployment with HMA on a release with the sliding-window load defect. A prompt whose length loses
+    # a window's first key (`releases.loses_window_edge`) is served again by the decoder alone, without the
+    # transfer, and its first answer discarded (`--recompute-window-edge`).
+    window_edges: tuple[tuple[int, int], ...] = ()
     # --- the KV canary (`canary`): a pair is routed to only after a request of the router's own crossed it
     kv_canary: bool = True
     canary_timeout_s: float = 60.0

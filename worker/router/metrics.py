@@ -145,6 +145,14 @@ class RouterMetrics(Collector):
             buckets=DURATION_BUCKETS,
             registry=r,
         )
+        self.recomputed_requests = Counter(
+            "disagg_router_recomputed_requests",
+            "Client requests served again by the decoder alone because their transferred KV is known to be "
+            "wrong, by endpoint and CamelCase reason (WindowEdge: the prompt's length loses a sliding "
+            "window's first key on engines with that defect).",
+            ["endpoint", "reason"],
+            registry=r,
+        )
         r.register(self)
 
     # --- one request's clock --------------------------------------------------------------------------------
@@ -166,6 +174,9 @@ class RouterMetrics(Collector):
         else:
             self.itl.labels(clock.endpoint).observe(now - clock.last_token)
         clock.last_token = now
+
+    def recomputed(self, clock: RequestClock, reason: str) -> None:
+        self.recomputed_requests.labels(clock.endpoint, reason).inc()
 
     def decode_complete(self, clock: RequestClock, sent: float) -> None:
         self.decode_leg.labels(clock.endpoint).observe(time.monotonic() - sent)

@@ -22,12 +22,13 @@ Errors reach the client as OpenAI's error JSON; the status says whose fault it w
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Final
 
 from disagg.worker.contracts import kv_transfer_params as kv_params
+from disagg.worker.contracts import releases
 from disagg.worker.contracts.pairing import Pair
 
 COMPLETIONS: Final = "/v1/completions"
@@ -236,7 +237,21 @@ def build_legs(request: ClientRequest, pair: Pair, request_id: str) -> Legs:
     return Legs(request.endpoint, request_id, prefill, decode)
 
 
+@dataclass(frozen=True)
+class PrefillAnswer:
+    """The prefill leg's checked answer: the KV handoff, and the prompt's length in tokens where the engine
+    said it (`usage.prompt_tokens`; None otherwise)."""
+
+    handoff: kv_params.PrefillHandoff
+    prompt_tokens: int | None
+
+
 def parse_prefill_response(status: int, raw: bytes, pair: Pair) -> kv_params.PrefillHandoff:
+    """The prefill leg's KV handoff (`parse_prefill_answer`)."""
+    return parse_prefill_answer(status, raw, pair).handoff
+
+
+def parse_prefill_answer(status: int, raw: bytes, pair: Pair) -> PrefillAnswer:
     """The prefill leg's answer, accepted only when it is what vLLM's `request_finished` returns for a request
     whose KV it holds for the decoder. Anything else is a prefill failure (`RouterError`), which closes the
     decode leg: a decoder waiting for KV that no prefill holds would wait out its registration timeout."""
@@ -275,7 +290,21 @@ def parse_prefill_response(status: int, raw: bytes, pair: Pair) -> kv_params.Pre
             f"the prefill engine answered as {handoff.remote_engine_id!r}, "
             f"the decode leg was sent to {pair.prefill.engine_id!r}",
         )
-    return handoff
+    usage = body.get("usage")
+    tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    valid = isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0
+    return PrefillAnswer(handoff, tokens if valid else None)
+
+
+def loses_window_edge(window_edges: Sequence[tuple[int, int]], prompt_tokens: int | None) -> bool:
+    """Whether a prompt of `prompt_tokens` tokens reaches its decoder without a window's first key on engines
+    with these (sliding window, block size) pairs (`releases.loses_window_edge`). A prompt whose length the
+    prefill did not say is taken to, where there are any: the decoder alone answers it right either way."""
+    if not window_edges:
+        return False
+    if prompt_tokens is None:
+        return True
+    return any(releases.loses_window_edge(prompt_tokens, window, block) for window, block in window_edges)
 
 
 def engine_error(leg: str, status: int, raw: bytes) -> RouterError:
