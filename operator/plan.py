@@ -14,6 +14,7 @@ import msgspec
 
 from disagg.operator.api import (
     DisaggDeploymentSpec,
+    HybridKVCacheManager,
     KVCacheLayout,
     RoutingMode,
     StageStatus,
@@ -38,12 +39,15 @@ class StagePlan:
 @dataclass(frozen=True)
 class TopologyPlan:
     transfer_mode: Literal["push", "pull"]
+    # Whether the KV cache is hybrid (HMA on and some layer not full attention), and whether the engines run
+    # the hybrid KV cache manager at all (`disagg.operator.hma`).
     hma: bool
     packed: bool
     prefill_tp: int
     decode_tp: int
     stages: tuple[StagePlan, ...]
     routing_mode: RoutingMode
+    hma_manager: bool = True
 
     @property
     def pp_size(self) -> int:
@@ -57,6 +61,9 @@ class TopologyPlan:
     def to_status(self) -> TopologyStatus:
         return TopologyStatus(
             routing_mode=self.routing_mode,
+            hybrid_kv_cache_manager=(
+                HybridKVCacheManager.ENABLED if self.hma_manager else HybridKVCacheManager.DISABLED
+            ),
             stages=[
                 StageStatus(
                     stage=stage.stage,
@@ -133,4 +140,5 @@ def plan_topology(spec: DisaggDeploymentSpec, geometry: ModelGeometry | None = N
         decode_tp=spec.decode.tensor_parallel_size,
         stages=stages,
         routing_mode=mode,
+        hma_manager=geometry.hma,
     )

@@ -141,6 +141,7 @@ def op_config_hash(
         "engine_id": None if ktc is None else ktc.engine_id,
         "kv_role": None if ktc is None else ktc.kv_role,
         "kv_connector": None if ktc is None else ktc.kv_connector,
+        "kv_load_failure_policy": None if ktc is None else ktc.kv_load_failure_policy,
         "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
         "pipeline_parallel_size": config.parallel_config.pipeline_parallel_size,
         "block_size": config.cache_config.block_size,

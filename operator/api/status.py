@@ -13,6 +13,7 @@ from pydantic import (
 )
 
 from disagg.operator.api.fields import REASON_PATTERN, ApiModel
+from disagg.operator.api.model import HybridKVCacheManager
 from disagg.operator.api.spec import DisaggDeploymentSpec
 
 
@@ -92,6 +93,11 @@ class TopologyStatus(ApiModel):
     """The computed prefill-to-decode topology."""
 
     routing_mode: RoutingMode = Field(description="Routing mode of the prefill stages.")
+    hybrid_kv_cache_manager: HybridKVCacheManager | None = Field(
+        default=None,
+        description="Whether the engines run the hybrid KV cache manager: spec.engine.hybridKvCacheManager, "
+        "with Auto resolved to what the operator chose (`disagg check` says why).",
+    )
     stages: list[StageStatus] = Field(default_factory=list, description="Prefill stages in rank order.")
 
 

@@ -152,6 +152,9 @@ def kv_transfer_config(spec: DisaggDeploymentSpec, role: Role) -> dict[str, Any]
         "kv_connector": kv.connector.vllm_class,
         "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
         "engine_id": ENGINE_ID_PLACEHOLDER,
+        # A decoder whose KV did not arrive whole fails the request rather than answering from what it has
+        # (vLLM's default in 0.31-0.34, written out so that no release's other default can answer wrong).
+        "kv_load_failure_policy": "fail",
         "kv_connector_extra_config": {
             "backends": [backend.value for backend in kv.backends],
             "kv_lease_duration": kv.lease_seconds,

@@ -46,6 +46,8 @@ def test_every_generated_argv_builds_a_vllm_config(vllm_peer: VllmPeer, tmp_path
             assert built["block_size"] == role.block_size
         assert built["attention_backend"] == spec.engine.attention_backend
         assert built["kv_role"] == ("kv_producer" if pod.role == "prefill" else "kv_consumer")
+        # A decoder whose KV did not arrive whole fails the request (issue 42), as vLLM reads the argv.
+        assert built["kv_load_failure_policy"] == "fail"
         # The pinned engine id: the stable prefix (the sidecar's engine id) plus a per-start suffix.
         prefix = pod.pod.rsplit("-", 1)[0] if pod.role == "prefill" else pod.pod
         assert built["engine_id"].startswith(prefix) and SUFFIX.fullmatch(built["engine_id"][len(prefix) :])

@@ -22,6 +22,7 @@ class TestVllmEngine:
             "kv_connector": "NixlPushConnector",
             "kv_role": "kv_producer",
             "engine_id": "@DISAGG_ENGINE_ID@",
+            "kv_load_failure_policy": "fail",
             "kv_connector_extra_config": {"backends": ["UCX"], "kv_lease_duration": 120},
         }
         assert (flag(args, "--tensor-parallel-size"), flag(args, "--pipeline-parallel-size")) == ("2", "2")
