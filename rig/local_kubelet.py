@@ -40,7 +40,8 @@ from typing import Any, Final
 
 from kubernetes import client
 
-from disagg.operator.builders.engine import HTTP_PORT, is_vllm_image
+from disagg.operator.builders.engine import HTTP_PORT
+from disagg.operator.engine_kind import is_vllm_image
 from disagg.rig.local import free_port
 from disagg.rig.vllm_node import core_for, engine_process, pinned, serves_http
 from disagg.worker.connector.transport import LOOPBACK_UCX_ENV

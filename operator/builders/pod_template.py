@@ -18,8 +18,6 @@ from disagg.operator.api import DisaggDeploymentSpec, KVPoolMedium, Role
 from disagg.operator.builders.engine import (
     HTTP_PORT,
     engine_container,
-    is_reference_engine_image,
-    is_vllm_image,
     role_image,
 )
 from disagg.operator.builders.objects import (
@@ -33,6 +31,7 @@ from disagg.operator.builders.objects import (
     revision_labels,
 )
 from disagg.operator.builders.topology import TOPOLOGY_DIR, TOPOLOGY_KEY, revision
+from disagg.operator.engine_kind import is_reference_engine_image, is_vllm_image
 from disagg.operator.naming import (
     DEPLOYMENT_ANNOTATION,
     HASH_ANNOTATION,

@@ -10,10 +10,11 @@ import json
 from typing import Any
 
 from disagg.operator.api import DisaggDeploymentSpec
-from disagg.operator.builders.engine import is_vllm_image, role_image, stage_dns
+from disagg.operator.builders.engine import role_image, stage_dns
 from disagg.operator.builders.objects import owned_object, revision_labels
 from disagg.operator.builders.pod_template import engine_pod_template
 from disagg.operator.builders.topology import revision
+from disagg.operator.engine_kind import is_vllm_image
 from disagg.operator.naming import SLOTS, Installation, Owner, prefill_name, selector_labels
 from disagg.operator.plan import TopologyPlan
 from disagg.worker.contracts.pod_contract import ENGINE_SIDE_CHANNEL_HOST_ENV, ENGINE_WORKERS_ENV

@@ -177,7 +177,8 @@ def _router_text(dd: DisaggDeployment) -> str:
 
 
 def _engine_text(spec: DisaggDeploymentSpec, role: Role) -> str:
-    from disagg.operator.builders.engine import is_reference_engine_image, role_image
+    from disagg.operator.builders.engine import role_image
+    from disagg.operator.engine_kind import is_reference_engine_image
     from disagg.worker.contracts.releases import release_of
 
     version = spec.effective(role, "version", spec.engine.version)

@@ -22,7 +22,8 @@ from disagg.operator.api import (
     KVCacheLayout,
     ModelDType,
 )
-from disagg.operator.builders.engine import is_reference_engine_image, role_image, user_args
+from disagg.operator.builders.engine import role_image, user_args
+from disagg.operator.engine_kind import is_reference_engine_image
 from disagg.operator.policies.policy import PolicyInput
 from disagg.worker.kv.errors import Violation
 from disagg.worker.kv.layout import DEFAULT_LAYER_NAME_TEMPLATE, AttentionKind, pp_partition

@@ -8,8 +8,9 @@ import pytest
 from built import container, env, flag, objects
 from dd_specs import HMA_ON, spec
 
-from disagg.operator.builders.engine import arg_violations, engine_container, is_vllm_image
+from disagg.operator.builders.engine import arg_violations, engine_container
 from disagg.operator.builders.pod_template import ENGINE_CONTAINER
+from disagg.operator.engine_kind import is_vllm_image
 from disagg.operator.policies.compat import evaluate
 
 

@@ -16,11 +16,12 @@ from pydantic import ValidationError
 
 from disagg.operator.api import DisaggDeployment, DisaggDeploymentSpec, RouterSpec
 from disagg.operator.builders.children import build
-from disagg.operator.builders.engine import HTTP_PORT, MASTER_PORT, is_reference_engine_image, stage_dns
+from disagg.operator.builders.engine import HTTP_PORT, MASTER_PORT, stage_dns
 from disagg.operator.builders.pod_template import ENGINE_CONTAINER
 from disagg.operator.builders.router import ROUTER_CONTAINER, endpoint_of, router_objects
 from disagg.operator.builders.topology import TOPOLOGY_KEY
 from disagg.operator.control.k8s_apply import CHILD_APIS, _owned_by
+from disagg.operator.engine_kind import is_reference_engine_image
 from disagg.operator.naming import Installation, Owner
 from disagg.operator.plan import model_geometry
 from disagg.operator.policies.chain import REFUSAL_CHAIN
