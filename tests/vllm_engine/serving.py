@@ -80,6 +80,9 @@ class Serving:
 
 
 @contextmanager
-def serving(document: dict[str, Any]) -> Iterator[Serving]:
-    with VllmEngines(document) as engines, LocalRouter(engines.routing()) as router:
+def serving(document: dict[str, Any], run_refused: frozenset[str] = frozenset()) -> Iterator[Serving]:
+    with (
+        VllmEngines(document, run_refused=run_refused) as engines,
+        LocalRouter(engines.routing(), args=engines.router_args) as router,
+    ):
         yield Serving(engines, router)

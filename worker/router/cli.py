@@ -144,7 +144,7 @@ def register(subparsers: Any) -> None:
         "--recompute-window-edge",
         dest="window_edges",
         action="append",
-        type=_window_edge,
+        type=window_edge,
         default=[],
         metavar="WINDOW:BLOCK",
         help="a sliding window and block size (tokens) of engines that load a prompt's KV without its "
@@ -204,7 +204,8 @@ async def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _window_edge(text: str) -> tuple[int, int]:
+def window_edge(text: str) -> tuple[int, int]:
+    """`--recompute-window-edge`'s value, WINDOW:BLOCK."""
     window, sep, block = text.partition(":")
     if not sep or not window.isdigit() or not block.isdigit() or int(window) < 1 or int(block) < 1:
         raise argparse.ArgumentTypeError(

@@ -1,0 +1,114 @@
+"""Fail closed on real vLLM engines (issue 42): a request is answered 200 only with its whole answer. A dead
+prefill engine or a decoder killed mid-stream ends its requests with an error that names the leg, never with
+wrong or silently cut tokens, and the surviving engine frees what it held for them.
+
+One dense PP1 deployment with two decoders, as the operator generates it (`kv_load_failure_policy: fail` in
+the generated `--kv-transfer-config`, checked here in vLLM's own log of its config). The router of each case
+routes one pair, so that which engine dies is the case's choice.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from serving import MAX_TOKENS, PROMPTS
+
+from disagg.rig.local_router import LocalRouter
+from disagg.rig.vllm_engines import EnginePod, VllmEngines, metric, tiny_deployment
+
+LEASE_S = 10
+RUNNING = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[VllmEngines]:
+    with VllmEngines(tiny_deployment("tiny-faults", "dense", decoders=2, lease_s=LEASE_S)) as started:
+        yield started
+
+
+def router_for(engines: VllmEngines, decoder: EnginePod) -> LocalRouter:
+    return LocalRouter(engines.routing([decoder]))
+
+
+def request(url: str, body: dict[str, Any]) -> tuple[int, bytes]:
+    req = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=180) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def holds_nothing(pod: EnginePod) -> bool:
+    with urllib.request.urlopen(pod.url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return all(metric(text, name) == 0 for name in RUNNING) and metric(text, "vllm:kv_cache_usage_perc") == 0
+
+
+def wait_until(probe: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not probe():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.5)
+
+
+def test_the_generated_config_fails_a_load_that_did_not_arrive_whole(engines: VllmEngines) -> None:
+    for pod in engines.heads("decode"):
+        assert "kv_load_failure_policy='fail'" in engines.log_text(pod)
+
+
+def test_a_decoder_killed_mid_stream_ends_the_stream_with_an_error_and_the_prefill_frees_its_blocks(
+    engines: VllmEngines,
+) -> None:
+    decoder = engines.heads("decode")[0]
+    with router_for(engines, decoder) as router:
+        model = engines.deployment.spec.model.name
+        body = {"model": model, "prompt": PROMPTS[4], "max_tokens": 1500, "temperature": 0, "stream": True}
+        req = urllib.request.Request(
+            router.url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=180) as response:
+            assert response.status == 200
+            first = response.readline()
+            assert first.startswith(b"data: {"), first
+            engines.kill(decoder)
+            rest = response.read()
+    events = [line[len(b"data: ") :] for line in (first + rest).split(b"\n") if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "upstream_error" and "decoder" in error["message"], error
+    # The prefill holds nothing for the request (its KV had crossed before the first token; otherwise its
+    # lease would return the blocks).
+    prefill = engines.heads("prefill")[0]
+    wait_until(lambda: holds_nothing(prefill), LEASE_S + 60, "the prefill still holds the request's KV")
+
+
+def test_a_dead_prefill_fails_the_request_naming_it_and_the_decoder_holds_nothing(
+    engines: VllmEngines,
+) -> None:
+    decoder = engines.heads("decode")[1]
+    with router_for(engines, decoder) as router:
+        model = engines.deployment.spec.model.name
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": PROMPTS[3],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+        }
+        status, raw = request(router.url, body)
+        assert status == 200, raw
+        engines.kill(engines.heads("prefill")[0])
+        for stream in (False, True):
+            status, raw = request(router.url, {**body, "stream": stream})
+            assert status == 502, raw
+            error = json.loads(raw)["error"]
+            assert error["type"] == "upstream_error" and "prefill engine" in error["message"], error
+    wait_until(lambda: holds_nothing(decoder), 60, "the decoder still holds the failed requests")
