@@ -311,6 +311,24 @@ def serve_option_samples(model: str, config_file: str) -> dict[str, Any]:
     return {"values": values, "dotted": dotted}
 
 
+@contextlib.contextmanager
+def _triton_gate_open() -> Iterator[None]:
+    """vLLM 0.34's CPU platform refuses to build any VllmConfig on x86 without triton-cpu ("vLLM on x86 CPUs
+    requires Triton (triton-cpu)", platforms/cpu.py check_and_update_config): a serving requirement, since its
+    CPU kernels are Triton's. Nothing here runs a kernel and PyPI has no triton-cpu, so the config is built as
+    on a machine that has it: `vllm.triton_utils.HAS_TRITON`, which that check reads when it runs, is True for
+    the build and restored after. Releases without the check (0.31-0.33) never read it; every hashed factor
+    still comes from the release's own config code."""
+    import vllm.triton_utils as triton_utils
+
+    had = triton_utils.HAS_TRITON
+    triton_utils.HAS_TRITON = True
+    try:
+        yield
+    finally:
+        triton_utils.HAS_TRITON = had
+
+
 def build_vllm_config(argv: list[str] | str, *, restore_repo_id: bool = True):
     """VllmConfig from a `vllm serve` argv, offline. Writes the model's config.json into the HF cache if it is
     one of MODEL_CONFIGS (write_hf_cache first for others). With restore_repo_id, model_config.model is set back to the repo id (what a pod
@@ -325,7 +343,8 @@ def build_vllm_config(argv: list[str] | str, *, restore_repo_id: bool = True):
     from vllm.usage.usage_lib import UsageContext
 
     engine_args = AsyncEngineArgs.from_cli_args(args)
-    config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    with _triton_gate_open():
+        config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     if restore_repo_id and config.model_config.model != repo_id:
         config.model_config.model = repo_id
     return config
@@ -420,6 +439,8 @@ def handshake_worker(
     enforce_compat_hash: bool = True,
     worker_cls=None,
     record_full_add: bool = True,
+    block_size: int = 16,
+    physical_blocks_per_logical: int = 1,
 ):
     """A NixlPushConnectorWorker (or worker_cls) made with object.__new__ and only the attributes that
     _nixl_handshake reads. Calling w._nixl_handshake(host, port, remote_tp_size, expected_engine_id,
@@ -441,10 +462,13 @@ def handshake_worker(
     w.enforce_compat_hash = enforce_compat_hash
     w.pcp_size = 1  # _validate_remote_parallel_config
     w.dcp_size = 1
+    # 0.34's push _validate_remote_parallel_config: (kernel block size, kernel blocks per logical block) equal.
+    w.block_size = block_size
+    w._physical_blocks_per_logical_kv_block = physical_blocks_per_logical
     w.transfer_topo = TransferTopology(  # handshake_target_ranks, register_remote_engine
         tp_rank=tp_rank,
         tp_size=tp_size,
-        block_size=16,
+        block_size=block_size,
         engine_id=local_engine_id,
         is_mla=False,
         is_mamba=False,

@@ -94,7 +94,7 @@ def test_decode_context_parallelism_is_refused_before_any_pod() -> None:
 
 
 def test_an_unknown_release_is_refused_naming_the_supported_ones() -> None:
-    for version in ("0.30.0", "0.34.0", "0.33.0.dev12+g1a2b3c", "latest"):
+    for version in ("0.30.0", "0.35.0", "0.34.0.dev12+g1a2b3c", "latest"):
         report = evaluate(
             spec({"engine": {"version": version}}), REFUSAL_CHAIN, Installation(worker_image="w:1")
         )
@@ -102,10 +102,10 @@ def test_an_unknown_release_is_refused_naming_the_supported_ones() -> None:
         (violation,) = [v for v in report.violations if v.reason == "UnsupportedEngineVersion"]
         assert f"spec.engine.version is {version!r}" in violation.message
         assert (
-            "0.31.x (connector version 13), 0.32.x (connector version 14), 0.33.x (connector version 15)"
-            in (violation.message)
+            "0.31.x (connector version 13), 0.32.x (connector version 14), 0.33.x (connector version 15), "
+            "0.34.x (connector version 16)" in (violation.message)
         )
-    for version in ("0.31.0", "0.32.0", "0.33.0", "0.33.1"):
+    for version in ("0.31.0", "0.32.0", "0.33.0", "0.33.1", "0.34.0"):
         verdict = evaluate(
             spec({"engine": {"version": version}}), REFUSAL_CHAIN, Installation(worker_image="w:1")
         )
