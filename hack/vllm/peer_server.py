@@ -286,6 +286,35 @@ def op_handshake(
     }
 
 
+def op_pair_regions(
+    data: bytes,
+    local_members: list[list[str]],
+    group_by_layer: dict[str, int],
+    block_lens: list[int],
+    pp_size: int = 1,
+) -> dict[str, Any]:
+    """vLLM's own `_pair_regions` (0.34 and later) pairing a peer's encoded metadata with a worker whose regions
+    hold `local_members` (cache group of each layer `group_by_layer`, one block length per region, no MLA, no
+    packed rows, no Mamba): the pairs it returns, or its refusal. The worker is made with object.__new__ and
+    only the attributes `_pair_regions` reads; the metadata is decoded by vLLM's typed decoder."""
+    import types
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
+
+    if not hasattr(NixlPushConnectorWorker, "_pair_regions"):
+        raise NotImplementedError(f"vLLM {vllm.__version__} pairs regions without _pair_regions")
+    worker = object.__new__(NixlPushConnectorWorker)
+    worker._set_region_layers(local_members)
+    worker.kv_cache_config = types.SimpleNamespace(transfer_group_index_by_layer=group_by_layer)
+    worker.pp_size = pp_size
+    worker.block_len_per_layer = block_lens
+    worker._region_is_mla = []
+    worker._packed_member_layouts = {}
+    worker._has_mamba = False
+    meta = msgspec.msgpack.Decoder(M.NixlAgentMetadata).decode(data)
+    return to_json(dataclasses.asdict(worker._pair_regions(meta)))
+
+
 def op_push_round_trip(
     prefill_argv: list[str],
     decode_argv: list[str],

@@ -14,9 +14,8 @@ from types import MappingProxyType
 from typing import Any
 
 from disagg.operator.api import ROLES, DisaggDeploymentSpec, HybridKVCacheManager, Role
-from disagg.operator.builders.engine import role_release
 from disagg.operator.naming import Installation
-from disagg.operator.plan import TopologyPlan
+from disagg.operator.plan import TopologyPlan, role_release
 from disagg.operator.policies.chain import COMPATIBILITY_CHAIN
 from disagg.operator.policies.policy import Policy, PolicyInput, evaluate_chain
 from disagg.worker.kv.errors import Violation

@@ -143,10 +143,22 @@ class LocalKV:
         self.transport = transport
         self.packed = layout.kv_cache_layout == "BLHNC"
         model = config.model
-        # vLLM `_tracks_region_layers` and `_requires_layer_name_routing` (push connector).
-        self.tracks_region_layers = (model.hma_required or self.packed) and not model.has_mamba
+        # vLLM `_tracks_region_layers` and `_requires_layer_name_routing` (push connector) before connector
+        # version 16; from it, every worker advertises its layers and pairs by them.
+        self.tracks_region_layers = rules.tracks_region_layers(
+            rules.PUSH,
+            model.hma_required,
+            self.packed,
+            model.has_mamba,
+            connector_version=config.connector_version,
+        )
         self.layer_routing = rules.requires_layer_name_routing(
-            rules.PUSH, model.hma_required, self.packed, model.has_mamba, layout.pp_size
+            rules.PUSH,
+            model.hma_required,
+            self.packed,
+            model.has_mamba,
+            layout.pp_size,
+            connector_version=config.connector_version,
         )
         if layer_routing is not None:
             if layer_routing and not self.tracks_region_layers:
@@ -200,7 +212,16 @@ class LocalKV:
             region_names=g.region_names,
             region_mem_types=g.region_mem_types,
             region_members=g.region_members,
+            layer_group_ids=self.layer_group_ids(),
         )
+
+    def layer_group_ids(self) -> dict[str, int]:
+        """The transfer group of each advertised layer, where the connector version has the field (v16): a
+        0.34 peer pairs a layer only within its group."""
+        if "layer_group_ids" not in wire.metadata_fields(self.config.connector_version):
+            return {}
+        groups = self.layout.group_index_by_layer
+        return {name: groups[name] for members in self.geometry.region_members for name in members}
 
     def handshake_payload(self) -> bytes:
         """Reply frame 0 for this worker's `(pp_rank, tp_rank)` on the engine's side channel."""
