@@ -2,9 +2,9 @@
 by layer name, PP1 and dense models included; each of 0.34's new handshake refusals is made by the pure
 checks a prefill rank runs before any NIXL agent is added (`decode_checks`).
 
-Both sides are built from `build_stage_layout` and `RegionGeometry.from_layout`, as the workers advertise them;
-expected pairings come from the decoder's own layout, never from the code under test. The same refusals made
-by vLLM 0.34's own `_pair_regions` on the same metadata are in tests/interop/test_pairing_interop.py.
+Both sides are built from `build_stage_layout` and `RegionGeometry.from_layout`, as the workers advertise
+them; expected pairings come from the decoder's own layout, never from the code under test. vLLM 0.34's own
+`_pair_regions` on the project's metadata is in tests/interop/test_pairing_interop.py.
 """
 
 from __future__ import annotations

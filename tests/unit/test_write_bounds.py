@@ -203,8 +203,8 @@ def test_no_write_descriptor_leaves_its_destination_block(
                     targeted[d].add(block)
                     for byte in range(addr, addr + length):
                         covered[d][byte] += 1
-    # Without layer-name routing, and for a PP1 stage with it (v16), every pairing is accepted (nothing here is
-    # refused by rule); only a PP stage routing by layer name refuses decode TP above its own.
+    # Without layer-name routing, and for a PP1 stage with it (v16), every pairing is accepted (nothing here
+    # is refused by rule); only a PP stage routing by layer name refuses decode TP above its own.
     assert planned or (routed and pp > 1)
     # Prefill ranks holding the same heads (MLA, or more prefill ranks than heads) write the same bytes.
     shared_heads = geometry.is_mla or p_tp > geometry.num_kv_heads
