@@ -315,6 +315,27 @@ def op_pair_regions(
     return to_json(dataclasses.asdict(worker._pair_regions(meta)))
 
 
+def op_kernel_blocks(backend: str, block_sizes: list[int]) -> dict[str, Any]:
+    """What vLLM's attention backend `backend` declares (`get_supported_kernel_block_sizes()`, without a KV
+    spec) and the kernel block size vLLM's `select_common_block_size` picks for each logical block size
+    (None where it finds none)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.worker.utils import select_common_block_size
+
+    cls = AttentionBackendEnum[backend].get_class()
+    declared = [
+        size if isinstance(size, int) else {"multiple_of": size.base}
+        for size in cls.get_supported_kernel_block_sizes()
+    ]
+    picked: dict[str, int | None] = {}
+    for block_size in block_sizes:
+        try:
+            picked[str(block_size)] = select_common_block_size(block_size, [cls])
+        except ValueError:
+            picked[str(block_size)] = None
+    return {"declared": declared, "picked": picked}
+
+
 def op_push_round_trip(
     prefill_argv: list[str],
     decode_argv: list[str],

@@ -119,6 +119,7 @@ def _report_json(path: Path, dd: DisaggDeployment, report: CompatReport) -> dict
         "namespace": dd.metadata.namespace,
         "compatible": report.compatible,
         "violations": [{"reason": v.reason, "message": v.message} for v in report.violations],
+        "notes": list(report.notes),
         "topology": report.plan.to_dict() if report.plan is not None else None,
         "compatibilityHashes": dict(report.hashes),
     }
@@ -203,6 +204,8 @@ def run_check(args: argparse.Namespace) -> int:
         out.write(f"{path}: DisaggDeployment {_object_name(dd)} is incompatible ({count})\n")
         for violation in report.violations:
             out.write(f"  {violation.reason}: {violation.message}\n")
+    for note in report.notes:
+        out.write(f"  note: {note}\n")
     for line in _summary_lines(dd, report):
         out.write(line + "\n")
     return code

@@ -18,6 +18,7 @@ from disagg.operator.naming import Installation
 from disagg.operator.plan import TopologyPlan, role_release
 from disagg.operator.policies.chain import COMPATIBILITY_CHAIN
 from disagg.operator.policies.policy import Policy, PolicyInput, evaluate_chain
+from disagg.operator.policies.topology import kernel_blocks_note
 from disagg.worker.kv.errors import Violation
 from disagg.worker.kv.wire import compat_factors, compat_hash
 
@@ -31,6 +32,9 @@ class CompatReport:
     plan: TopologyPlan | None
     factors: Mapping[Role, Mapping[str, Any]] = field(repr=False)
     hashes: Mapping[Role, str]
+    notes: tuple[str, ...] = ()
+    """What the verdict cannot decide and leaves to the live handshake (the kernel block sizes of a push
+    pair whose attention backend picks them by the GPU)."""
 
     @property
     def compatible(self) -> bool:
@@ -86,4 +90,5 @@ def evaluate(
         plan=given.plan,
         factors=MappingProxyType({role: MappingProxyType(f) for role, f in factors.items()}),
         hashes=hashes,
+        notes=tuple(note for note in (kernel_blocks_note(given),) if note is not None),
     )

@@ -25,6 +25,7 @@ def test_the_chain_reads_top_to_bottom() -> None:
         "handshake_factors_match",
         "kv_pool_is_valid",
         "engine_release_is_supported",
+        "kernel_blocks_match",
         "engine_arguments_agree",
         "engine_arguments_parse",
         "prefill_context_is_not_split",

@@ -126,6 +126,7 @@ def prefill_rank(
         is_mla=geometry.is_mla,
         kv_cache_layout=layout.kv_cache_layout,
         region_group_ids=tuple(layout.region_group_ids),
+        blocks_per_logical=layout.physical_blocks_per_logical,
         whole_model=whole_model,
     )
 

@@ -495,6 +495,7 @@ def _prefill_rank(local: LocalKV) -> PrefillRank:
         is_mla=config.model.is_mla,
         kv_cache_layout=layout.kv_cache_layout,
         region_group_ids=tuple(layout.region_group_ids),
+        blocks_per_logical=layout.physical_blocks_per_logical,
         whole_model=layers is not None and layout.pp_size == 1,
     )
 

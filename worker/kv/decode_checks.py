@@ -19,6 +19,7 @@ from disagg.worker.kv import rules
 from disagg.worker.kv.errors import (
     BlockSizeMismatch,
     HandshakeError,
+    KernelBlockSizeMismatch,
     KVCacheLayoutMismatch,
     PackedRowsNotSupported,
     RegionGeometryMismatch,
@@ -92,6 +93,8 @@ class PrefillRank:
     kv_cache_layout: str = "LBHNC"
     region_group_ids: tuple[int, ...] | None = None
     """The KV cache group of each local region (None when unknown, so the decoder's are not compared)."""
+    blocks_per_logical: int = 1
+    """Kernel blocks per logical block (vLLM's `physical_blocks_per_logical_kv_block`)."""
     whole_model: bool = False
     """A PP1 worker pairing by layer name as vLLM 0.34 (connector version 16) does: it holds every layer, so a
     decoder's layer with no counterpart here is refused, not skipped as a PP stage skips other stages'."""
@@ -149,6 +152,12 @@ def _check_decode_rank(
             f"prefill block size {rank.block_size} and decode block size {remote.block_size} differ; "
             "this connector moves whole blocks: use equal block sizes"
         )
+    violation = rules.kernel_block_mismatch(
+        (rank.block_size, rank.blocks_per_logical),
+        (remote.block_size, remote.physical_blocks_per_logical_kv_block),
+    )
+    if violation is not None:
+        raise KernelBlockSizeMismatch(violation.message)
     aligned, local_regions, pairing = _align(rank, RegionGeometry.from_metadata(remote))
     if len(aligned.kv_caches_base_addr) != len(local_regions):
         raise RegionGeometryMismatch(

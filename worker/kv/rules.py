@@ -93,6 +93,21 @@ def unequal_block_sizes(
     )
 
 
+def kernel_block_mismatch(prefill: tuple[int, int], decode: tuple[int, int]) -> Violation | None:
+    """Push moves whole kernel blocks, block id for block id: vLLM 0.34's push connector refuses a peer whose
+    `(kernel block size, kernel blocks per logical block)` differs ("NixlPushConnector requires identical
+    P/D block sizes"), and so does the push sidecar. The kernel block size follows from the attention
+    backend (`contracts.attention_backends`)."""
+    if prefill == decode:
+        return None
+    return Violation(
+        "KernelBlockSizeMismatch",
+        f"push needs the same (kernel block size, kernel blocks per logical block) on both sides, but "
+        f"prefill has {prefill} and decode {decode}: run both roles with the same attention backend and "
+        "blockSize",
+    )
+
+
 def decode_tp_exceeds_prefill_tp(
     is_mla: bool, prefill_tp: int, decode_tp: int, layer_routing: bool
 ) -> Violation | None:

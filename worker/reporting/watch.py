@@ -205,6 +205,7 @@ def _own_prefill_rank(config: SidecarConfig, own: wire.NixlAgentMetadata, tp_ran
         is_mla=model.is_mla,
         kv_cache_layout=own.kv_cache_layout,
         region_group_ids=None if own.region_group_ids is None else tuple(own.region_group_ids),
+        blocks_per_logical=own.physical_blocks_per_logical_kv_block,
         whole_model=layer_routing and config.pp_size == 1,
     )
 
