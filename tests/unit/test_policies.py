@@ -160,3 +160,22 @@ def test_a_policy_that_raises_is_a_named_refusal_not_an_exception() -> None:
     found = evaluate_chain((COMPATIBILITY_CHAIN[0], broken), given)
     assert [v.reason for v in found] == ["PolicyFailed"]
     assert "broken" in found[0].message and "ZeroDivisionError: a gap" in found[0].message
+
+
+def test_a_033_034_pair_is_refused_before_any_pod_naming_the_connector_versions() -> None:
+    """vLLM 0.34 (connector version 16) and 0.33 (15) never pass each other's hash, and a 0.34 prefill
+    refuses a 0.33 decoder's regions anyway (no layers advertised): refused before any pod, with both."""
+    for prefill, decode in (("0.33.0", "0.34.0"), ("0.34.0", "0.33.0")):
+        patch = {
+            "engine": {"version": decode, "image": f"vllm/vllm-openai:v{decode}"},
+            "prefill": {"overrides": {"version": prefill, "image": f"vllm/vllm-openai:v{prefill}"}},
+        }
+        report = evaluate(spec(patch), REFUSAL_CHAIN, Installation(worker_image="w:1"))
+        assert report.reasons == ["CompatibilityHashMismatch"], report.reasons
+        (violation,) = report.violations
+        versions = {"0.33.0": 15, "0.34.0": 16}
+        assert f"nixl_connector_version (prefill {versions[prefill]}, decode {versions[decode]})" in (
+            violation.message
+        )
+        assert f"version (prefill '{prefill}', decode '{decode}')" in violation.message
+        assert report.hashes["prefill"] != report.hashes["decode"]
