@@ -179,6 +179,11 @@ def op_serve_options() -> dict[str, Any]:
     return peer.serve_option_table()
 
 
+def op_release_facts(backends: list[str]) -> dict[str, Any]:
+    """The release's NIXL P/D facts (hack/vllm/peer.py `release_facts`), for hack/vllm/release.py."""
+    return peer.release_facts(backends)
+
+
 def op_serve_option_samples(model: str, config_file: str) -> dict[str, Any]:
     """A value (and a dotted key) for each option with which the release's parser accepts it."""
     return peer.serve_option_samples(model, config_file)

@@ -17,15 +17,9 @@ PYTHON=${PYTHON:-python3}
 RELEASES=(0.31.0 0.32.0 0.34.0)
 # shellcheck source=hack/vllm/lib.sh
 source "$ROOT/hack/vllm/lib.sh"
+# shellcheck source=hack/vllm/extract.sh
+source "$ROOT/hack/vllm/extract.sh"
 
 for version in "${RELEASES[@]}"; do
-    target=$WHEEL_CACHE/x/$version
-    # Extraction goes to a temporary folder first, so a vllm/ folder there is a whole release.
-    [[ -d $target/vllm ]] && continue
-    vllm_wheel "$WHEEL_CACHE" "$version" "$PYTHON" -m pip --disable-pip-version-check
-    rm -rf "$target.tmp"
-    mkdir -p "$target.tmp"
-    "$PYTHON" -m zipfile -e "$WHEEL" "$target.tmp"
-    rm -rf "$target"
-    mv "$target.tmp" "$target"
+    extract_release "$WHEEL_CACHE" "$version" "$PYTHON"
 done
