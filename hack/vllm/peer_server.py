@@ -266,11 +266,19 @@ def op_handshake(
     tp_size: int = 1,
     notif_agents_only: bool = False,
     enforce_compat_hash: bool = True,
+    block_size: int = 16,
+    physical_blocks_per_logical: int = 1,
 ) -> dict[str, Any]:
-    """vLLM's real `_nixl_handshake` client on a minimal NixlPushConnectorWorker; the NIXL agent calls are
+    """vLLM's real `_nixl_handshake` client on a minimal NixlPushConnectorWorker whose kernel block size and
+    kernel blocks per logical block are the given ones (0.34's push checks them); the NIXL agent calls are
     recorded (NIXL is not installed in the vLLM venv)."""
     worker = peer.handshake_worker(
-        compat_hash, tp_rank=tp_rank, tp_size=tp_size, enforce_compat_hash=enforce_compat_hash
+        compat_hash,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        enforce_compat_hash=enforce_compat_hash,
+        block_size=block_size,
+        physical_blocks_per_logical=physical_blocks_per_logical,
     )
     agents, clock_offset = worker._nixl_handshake(
         host,
