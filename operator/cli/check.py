@@ -204,10 +204,11 @@ def run_check(args: argparse.Namespace) -> int:
         out.write(f"{path}: DisaggDeployment {_object_name(dd)} is incompatible ({count})\n")
         for violation in report.violations:
             out.write(f"  {violation.reason}: {violation.message}\n")
-    for note in report.notes:
-        out.write(f"  note: {note}\n")
     for line in _summary_lines(dd, report):
         out.write(line + "\n")
+    # What the verdict leaves to the live handshake, after what it decided.
+    for note in report.notes:
+        out.write(f"  note: {note}\n")
     return code
 
 
