@@ -16,11 +16,13 @@ from disagg.operator.api import (
     DisaggDeploymentSpec,
     HybridKVCacheManager,
     KVCacheLayout,
+    Role,
     RoutingMode,
     StageStatus,
     TopologyStatus,
 )
 from disagg.operator.hma import hma_enabled
+from disagg.worker.contracts.releases import LATEST, Release, release_of
 from disagg.worker.contracts.topology import StageDocument
 from disagg.worker.kv.layout import ModelGeometry, pp_partition
 from disagg.worker.kv.rules import requires_layer_name_routing
@@ -117,14 +119,26 @@ def model_geometry(spec: DisaggDeploymentSpec) -> ModelGeometry:
     )
 
 
+def role_release(spec: DisaggDeploymentSpec, role: Role) -> Release:
+    """The row of `releases.RELEASES` the role's version selects; the newest for a version no row has
+    (pre-flight refuses that spec as UnsupportedEngineVersion, so its hash is never relied on)."""
+    return release_of(spec.effective(role, "version", spec.engine.version)) or LATEST
+
+
 def plan_topology(spec: DisaggDeploymentSpec, geometry: ModelGeometry | None = None) -> TopologyPlan:
     """Stage → layers and routing mode; raises `LayoutError` when the layer partition is invalid."""
     geometry = geometry if geometry is not None else model_geometry(spec)
     prefill = spec.prefill
     transfer_mode = spec.kv_transfer.connector.transfer_mode
     packed = spec.engine.kv_cache_layout is KVCacheLayout.BLOCK_OUTERMOST
+    # The prefill stages pair regions: by layer name always from vLLM 0.34 (connector version 16).
     routing = requires_layer_name_routing(
-        transfer_mode, geometry.hma_required, packed, geometry.has_mamba, prefill.pipeline_parallel_size
+        transfer_mode,
+        geometry.hma_required,
+        packed,
+        geometry.has_mamba,
+        prefill.pipeline_parallel_size,
+        connector_version=role_release(spec, "prefill").connector_version,
     )
     mode = RoutingMode.LAYER_NAME if routing else RoutingMode.REGION_INDEX
     ranges = pp_partition(geometry.num_layers, prefill.pipeline_parallel_size, prefill.layer_partition)

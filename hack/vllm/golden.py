@@ -183,6 +183,15 @@ def gemma_hma_regions(layers: range) -> tuple[list[list[str]], list[int]]:
     return regions, gids
 
 
+def gemma_layer_groups(regions: list[list[str]]) -> dict[str, int]:
+    """The cache group of each listed layer (v16 `layer_group_ids`): group 0 holds the full-attention layers,
+    group 1 + k the k-th chunk of 4 sliding-window layers, as `gemma_hma_regions` pools them."""
+    full = [i for i in range(26) if (i + 1) % 6 == 0]
+    swa = [i for i in range(26) if (i + 1) % 6 != 0]
+    group = {L(i): 0 for i in full} | {L(i): 1 + k // 4 for k, i in enumerate(swa)}
+    return {name: group[name] for members in regions for name in members}
+
+
 def metadata_cases(pp_stage1_layers: range) -> list[dict[str, Any]]:
     base_addr = 0x7F3A40000000
     cases = []
@@ -220,6 +229,7 @@ def metadata_cases(pp_stage1_layers: range) -> list[dict[str, Any]]:
                 dcp_size=1,
                 pcp_size=1,
                 region_members=regions,
+                layer_group_ids=gemma_layer_groups(regions),
             ),
         )
     )
@@ -255,6 +265,7 @@ def metadata_cases(pp_stage1_layers: range) -> list[dict[str, Any]]:
                 dcp_size=1,
                 pcp_size=1,
                 region_members=regions,
+                layer_group_ids=gemma_layer_groups(regions),
             ),
         )
     )
@@ -281,6 +292,40 @@ def metadata_cases(pp_stage1_layers: range) -> list[dict[str, Any]]:
                 ssm_sizes=(0, 0),
                 attn_backend_name="FLASH_ATTN",
                 physical_blocks_per_logical_kv_block=1,
+            ),
+        )
+    )
+
+    # (iii b) v16: a dense model's worker lists its layers too, each region one layer of group 0.
+    cases.append(
+        dict(
+            id="dense_pp1_layers",
+            note="Dense Llama-8B-like TP2 decode (non-HMA), as a v16 worker advertises it: region_members names the"
+            " layer of each of its 4 regions and layer_group_ids its cache group (0), which 0.34 requires of every"
+            " peer before it pairs regions by layer name",
+            pp_rank=0,
+            tp_rank=0,
+            requires=["layer_group_ids"],
+            compat_case="llama8b_pull_tp2_push",
+            values=dict(
+                engine_id="llama-decode-0",
+                agent_metadata=b"agent-blob-llama-decode",
+                kv_caches_base_addr=[base_addr + k * 0x4000000 for k in range(4)],
+                device_id=0,
+                num_blocks=2048,
+                block_lens=[2 * 16 * 4 * 128 * 2] * 4,
+                block_strides=[2 * 16 * 4 * 128 * 2] * 4,
+                kv_cache_layout="LBHNC",
+                block_size=16,
+                ssm_sizes=(0, 0),
+                attn_backend_name="FLASH_ATTN",
+                physical_blocks_per_logical_kv_block=1,
+                region_num_blocks=[2048] * 4,
+                region_group_ids=[0] * 4,
+                region_names=[L(i) for i in range(4)],
+                region_mem_types=["VRAM"] * 4,
+                region_members=[[L(i)] for i in range(4)],
+                layer_group_ids={L(i): 0 for i in range(4)},
             ),
         )
     )
@@ -509,6 +554,37 @@ def hash_case(cid: str, factors: dict[str, Any], digest: str, how: dict[str, Any
     }
 
 
+SPECULATIVE_INPUT = (
+    "method eagle3, draft yuhuili/EAGLE3-LLaMA3.1-Instruct-8B, revisions None, no draft kv_cache_dtype, cache"
+    " dtype auto, eagle_aux_hidden_state_layer_ids [1, 15, 28], parallel_drafting False"
+)
+
+
+def release_speculative_factors() -> dict[str, Any]:
+    """The release's own `_get_speculative_compatibility_factors` on the attributes it reads (SPECULATIVE_INPUT):
+    0.34 hashes every speculator that uses the target's hidden states and drops parallel_drafting, 0.33 asked
+    use_eagle() and kept it, so the sub-dict comes from each release's function, never a copy of it."""
+    draft = types.SimpleNamespace(
+        model="yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
+        revision=None,
+        code_revision=None,
+        hf_config=types.SimpleNamespace(eagle_aux_hidden_state_layer_ids=[1, 15, 28]),
+    )
+    speculative = types.SimpleNamespace(
+        method="eagle3",
+        draft_model_config=draft,
+        kv_cache_dtype=None,
+        parallel_drafting=False,
+        uses_target_hidden_states=True,
+        use_eagle=lambda: True,
+    )
+    config = types.SimpleNamespace(
+        speculative_config=speculative, cache_config=types.SimpleNamespace(cache_dtype="auto")
+    )
+    factors: dict[str, Any] = M._get_speculative_compatibility_factors(config)
+    return factors
+
+
 def compat_hash_cases(with_configs: bool) -> tuple[list[dict[str, Any]], list[str]]:
     from vllm.config.utils import hash_factors
 
@@ -586,15 +662,7 @@ def compat_hash_cases(with_configs: bool) -> tuple[list[dict[str, Any]], list[st
         "attn_backend_name": "FLASH_ATTN",
         "cache_dtype": "auto",
         "is_hma_enabled": True,
-        "speculative_config": {
-            "method": "eagle3",
-            "model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
-            "revision": None,
-            "code_revision": None,
-            "parallel_drafting": False,
-            "kv_cache_dtype": "auto",
-            "auxiliary_layer_ids": (1, 15, 28),
-        },
+        "speculative_config": release_speculative_factors(),
         "transfer_mode": "push",
     }
     factors = json.loads(json.dumps(base))
@@ -604,8 +672,9 @@ def compat_hash_cases(with_configs: bool) -> tuple[list[dict[str, Any]], list[st
             factors,
             hash_factors(base),
             {
-                "how": "vllm.config.utils.hash_factors(factors) (no offline draft model config); speculative_config as"
-                " _get_speculative_compatibility_factors returns it (auxiliary_layer_ids a tuple -> JSON array)",
+                "how": "vllm.config.utils.hash_factors(factors) (no offline draft model config); speculative_config is"
+                " what the release's _get_speculative_compatibility_factors returns for an EAGLE3 draft"
+                f" ({SPECULATIVE_INPUT}) (auxiliary_layer_ids a tuple -> JSON array)",
             },
         )
     )
@@ -850,7 +919,7 @@ def main() -> int:
                 "encoding": f"msgpack map, {len(field_names)} entries (header {mb[:3].hex() if mb[0] == 0xDE else mb[:1].hex()}),"
                 " keys = field names in declaration order, every default written; bytes as bin, tuples as"
                 " arrays, None as nil",
-                "fields_given": list(m["case"]["values"].keys()),
+                "fields_given": [k for k in m["case"]["values"] if k in field_names],
                 "decoded": plain(meta),
                 "source": {
                     "vllm_version": version,

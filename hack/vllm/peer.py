@@ -311,6 +311,24 @@ def serve_option_samples(model: str, config_file: str) -> dict[str, Any]:
     return {"values": values, "dotted": dotted}
 
 
+@contextlib.contextmanager
+def _triton_gate_open() -> Iterator[None]:
+    """vLLM 0.34's CPU platform refuses to build any VllmConfig on x86 without triton-cpu ("vLLM on x86 CPUs
+    requires Triton (triton-cpu)", platforms/cpu.py check_and_update_config): a serving requirement, since its
+    CPU kernels are Triton's. Nothing here runs a kernel and PyPI has no triton-cpu, so the config is built as
+    on a machine that has it: `vllm.triton_utils.HAS_TRITON`, which that check reads when it runs, is True for
+    the build and restored after. Releases without the check (0.31-0.33) never read it; every hashed factor
+    still comes from the release's own config code."""
+    import vllm.triton_utils as triton_utils
+
+    had = triton_utils.HAS_TRITON
+    triton_utils.HAS_TRITON = True
+    try:
+        yield
+    finally:
+        triton_utils.HAS_TRITON = had
+
+
 def build_vllm_config(argv: list[str] | str, *, restore_repo_id: bool = True):
     """VllmConfig from a `vllm serve` argv, offline. Writes the model's config.json into the HF cache if it is
     one of MODEL_CONFIGS (write_hf_cache first for others). With restore_repo_id, model_config.model is set back to the repo id (what a pod
@@ -325,7 +343,8 @@ def build_vllm_config(argv: list[str] | str, *, restore_repo_id: bool = True):
     from vllm.usage.usage_lib import UsageContext
 
     engine_args = AsyncEngineArgs.from_cli_args(args)
-    config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    with _triton_gate_open():
+        config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     if restore_repo_id and config.model_config.model != repo_id:
         config.model_config.model = repo_id
     return config
@@ -420,6 +439,8 @@ def handshake_worker(
     enforce_compat_hash: bool = True,
     worker_cls=None,
     record_full_add: bool = True,
+    block_size: int = 16,
+    physical_blocks_per_logical: int = 1,
 ):
     """A NixlPushConnectorWorker (or worker_cls) made with object.__new__ and only the attributes that
     _nixl_handshake reads. Calling w._nixl_handshake(host, port, remote_tp_size, expected_engine_id,
@@ -441,10 +462,13 @@ def handshake_worker(
     w.enforce_compat_hash = enforce_compat_hash
     w.pcp_size = 1  # _validate_remote_parallel_config
     w.dcp_size = 1
+    # 0.34's push _validate_remote_parallel_config: (kernel block size, kernel blocks per logical block) equal.
+    w.block_size = block_size
+    w._physical_blocks_per_logical_kv_block = physical_blocks_per_logical
     w.transfer_topo = TransferTopology(  # handshake_target_ranks, register_remote_engine
         tp_rank=tp_rank,
         tp_size=tp_size,
-        block_size=16,
+        block_size=block_size,
         engine_id=local_engine_id,
         is_mla=False,
         is_mamba=False,
@@ -461,6 +485,114 @@ def handshake_worker(
 
         w.add_remote_agent = add_remote_agent
     return w
+
+
+# The release's files that make the NIXL push protocol, whose digests `release_facts` reports.
+PROTOCOL_FILES = (
+    "metadata.py",
+    "base_scheduler.py",
+    "base_worker.py",
+    "push_scheduler.py",
+    "push_worker.py",
+    "pull_scheduler.py",
+    "pull_worker.py",
+    "stats.py",
+)
+
+
+def _stub_config(speculative: Any = None) -> Any:
+    """The attributes of a VllmConfig that vLLM's compatibility-hash code reads, with made-up values: so that
+    a release's own compute_nixl_compatibility_hash runs without a model, and the factors it hashes are
+    captured. A release that reads more fails here, which `release_facts` reports."""
+    import types
+
+    model = types.SimpleNamespace(
+        model="example/model",
+        dtype="torch.bfloat16",
+        get_total_num_kv_heads=lambda: 8,
+        get_head_size=lambda: 128,
+        get_total_num_hidden_layers=lambda: 32,
+    )
+    return types.SimpleNamespace(
+        model_config=model,
+        cache_config=types.SimpleNamespace(cache_dtype="auto"),
+        scheduler_config=types.SimpleNamespace(disable_hybrid_kv_cache_manager=False),
+        speculative_config=speculative,
+    )
+
+
+def _eagle3() -> Any:
+    import types
+
+    draft = types.SimpleNamespace(
+        model="example/eagle3",
+        revision=None,
+        code_revision=None,
+        hf_config=types.SimpleNamespace(eagle_aux_hidden_state_layer_ids=[1, 2]),
+    )
+    return types.SimpleNamespace(
+        method="eagle3",
+        draft_model_config=draft,
+        kv_cache_dtype=None,
+        parallel_drafting=False,
+        uses_target_hidden_states=True,
+        use_eagle=lambda: True,
+    )
+
+
+def release_facts(backends: list[str]) -> dict[str, Any]:
+    """What a release says about NIXL P/D interoperability, from its own code: connector version, metadata
+    fields in order (with type and default), the compatibility-hash factor keys and the speculative sub-dict
+    keys (its own compute_nixl_compatibility_hash on a stub config, factors captured), the sha256 of each
+    push protocol file, the `vllm serve` option table, and each of `backends`' declared kernel block sizes."""
+    import importlib
+
+    import vllm
+
+    meta = importlib.import_module(f"{NIXL_PKG}.metadata")
+    facts: dict[str, Any] = {
+        "vllm_version": vllm.__version__,
+        "connector_version": meta.NIXL_CONNECTOR_VERSION,
+        "metadata_fields": [
+            {"name": f.name, "type": str(f.type).replace("typing.", "")}
+            for f in dataclasses.fields(meta.NixlAgentMetadata)
+        ],
+    }
+    problems: list[str] = []
+    try:
+        with captured_hash_factors() as seen:
+            meta.compute_nixl_compatibility_hash(_stub_config(_eagle3()), "FLASH_ATTN", transfer_mode="push")
+        facts["hash_factor_keys"] = list(seen[-1])
+        speculative = seen[-1].get("speculative_config")
+        facts["speculative_keys"] = sorted(speculative) if isinstance(speculative, dict) else None
+    except Exception as exc:  # a release that reads more of the config: say what, do not stop
+        problems.append(f"compute_nixl_compatibility_hash on the stub config: {type(exc).__name__}: {exc}")
+        facts["hash_factor_keys"] = facts["speculative_keys"] = None
+    nixl_dir = Path(meta.__file__).resolve().parent
+    facts["protocol_files"] = {
+        name: hashlib.sha256((nixl_dir / name).read_bytes()).hexdigest()
+        if (nixl_dir / name).exists()
+        else None
+        for name in PROTOCOL_FILES
+    }
+    facts["serve_options"] = serve_option_table()
+    kernel: dict[str, Any] = {}
+    try:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        for name in backends:
+            try:
+                sizes = AttentionBackendEnum[name].get_class().get_supported_kernel_block_sizes()
+                kernel[name] = [
+                    size if isinstance(size, int) else {"multiple_of": size.base} for size in sizes
+                ]
+            except Exception as exc:
+                kernel[name] = f"{type(exc).__name__}: {exc}"
+    except Exception as exc:
+        problems.append(f"attention backend registry: {type(exc).__name__}: {exc}")
+    facts["kernel_block_sizes"] = kernel
+    facts["problems"] = problems
+    return facts
 
 
 def known_env_names() -> set[str]:

@@ -180,6 +180,11 @@ def op_serve_options() -> dict[str, Any]:
     return peer.serve_option_table()
 
 
+def op_release_facts(backends: list[str]) -> dict[str, Any]:
+    """The release's NIXL P/D facts (hack/vllm/peer.py `release_facts`), for hack/vllm/release.py."""
+    return peer.release_facts(backends)
+
+
 def op_serve_option_samples(model: str, config_file: str) -> dict[str, Any]:
     """A value (and a dotted key) for each option with which the release's parser accepts it."""
     return peer.serve_option_samples(model, config_file)
@@ -262,11 +267,19 @@ def op_handshake(
     tp_size: int = 1,
     notif_agents_only: bool = False,
     enforce_compat_hash: bool = True,
+    block_size: int = 16,
+    physical_blocks_per_logical: int = 1,
 ) -> dict[str, Any]:
-    """vLLM's real `_nixl_handshake` client on a minimal NixlPushConnectorWorker; the NIXL agent calls are
+    """vLLM's real `_nixl_handshake` client on a minimal NixlPushConnectorWorker whose kernel block size and
+    kernel blocks per logical block are the given ones (0.34's push checks them); the NIXL agent calls are
     recorded (NIXL is not installed in the vLLM venv)."""
     worker = peer.handshake_worker(
-        compat_hash, tp_rank=tp_rank, tp_size=tp_size, enforce_compat_hash=enforce_compat_hash
+        compat_hash,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        enforce_compat_hash=enforce_compat_hash,
+        block_size=block_size,
+        physical_blocks_per_logical=physical_blocks_per_logical,
     )
     agents, clock_offset = worker._nixl_handshake(
         host,
@@ -285,6 +298,56 @@ def op_handshake(
             for m, r, s, d in worker.added_full
         ],
     }
+
+
+def op_pair_regions(
+    data: bytes,
+    local_members: list[list[str]],
+    group_by_layer: dict[str, int],
+    block_lens: list[int],
+    pp_size: int = 1,
+) -> dict[str, Any]:
+    """vLLM's own `_pair_regions` (0.34 and later) pairing a peer's encoded metadata with a worker whose regions
+    hold `local_members` (cache group of each layer `group_by_layer`, one block length per region, no MLA, no
+    packed rows, no Mamba): the pairs it returns, or its refusal. The worker is made with object.__new__ and
+    only the attributes `_pair_regions` reads; the metadata is decoded by vLLM's typed decoder."""
+    import types
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
+
+    if not hasattr(NixlPushConnectorWorker, "_pair_regions"):
+        raise NotImplementedError(f"vLLM {vllm.__version__} pairs regions without _pair_regions")
+    worker = object.__new__(NixlPushConnectorWorker)
+    worker._set_region_layers(local_members)
+    worker.kv_cache_config = types.SimpleNamespace(transfer_group_index_by_layer=group_by_layer)
+    worker.pp_size = pp_size
+    worker.block_len_per_layer = block_lens
+    worker._region_is_mla = []
+    worker._packed_member_layouts = {}
+    worker._has_mamba = False
+    meta = msgspec.msgpack.Decoder(M.NixlAgentMetadata).decode(data)
+    return to_json(dataclasses.asdict(worker._pair_regions(meta)))
+
+
+def op_kernel_blocks(backend: str, block_sizes: list[int]) -> dict[str, Any]:
+    """What vLLM's attention backend `backend` declares (`get_supported_kernel_block_sizes()`, without a KV
+    spec) and the kernel block size vLLM's `select_common_block_size` picks for each logical block size
+    (None where it finds none)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.worker.utils import select_common_block_size
+
+    cls = AttentionBackendEnum[backend].get_class()
+    declared = [
+        size if isinstance(size, int) else {"multiple_of": size.base}
+        for size in cls.get_supported_kernel_block_sizes()
+    ]
+    picked: dict[str, int | None] = {}
+    for block_size in block_sizes:
+        try:
+            picked[str(block_size)] = select_common_block_size(block_size, [cls])
+        except ValueError:
+            picked[str(block_size)] = None
+    return {"declared": declared, "picked": picked}
 
 
 def op_push_round_trip(

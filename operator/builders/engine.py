@@ -55,7 +55,6 @@ from disagg.operator.engine_kind import is_reference_engine_image, is_vllm_image
 from disagg.operator.hma import hma_enabled
 from disagg.operator.plan import TopologyPlan
 from disagg.worker.contracts.pod_contract import POD_IP_ENV, POD_NAME_ENV
-from disagg.worker.contracts.releases import LATEST, Release, release_of
 from disagg.worker.kv.errors import Violation
 
 HTTP_PORT: Final = 8000
@@ -134,12 +133,6 @@ def reference_engine_args(spec: DisaggDeploymentSpec, role: Role, master: str | 
 
 def role_image(spec: DisaggDeploymentSpec, role: Role) -> str:
     return spec.effective(role, "image", spec.engine.image)
-
-
-def role_release(spec: DisaggDeploymentSpec, role: Role) -> Release:
-    """The row of `releases.RELEASES` the role's version selects; the newest for a version no row has
-    (pre-flight refuses that spec as UnsupportedEngineVersion, so its hash is never relied on)."""
-    return release_of(spec.effective(role, "version", spec.engine.version)) or LATEST
 
 
 def user_args(spec: DisaggDeploymentSpec, role: Role) -> tuple[str, ...]:

@@ -11,10 +11,9 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from disagg.operator.api import DisaggDeploymentSpec, Role
-from disagg.operator.builders.engine import role_release
 from disagg.operator.builders.objects import owned_object, revision_labels
 from disagg.operator.naming import SLOTS, Owner, topology_name
-from disagg.operator.plan import TopologyPlan
+from disagg.operator.plan import TopologyPlan, role_release
 from disagg.worker.contracts.topology import ModelDocument, TopologyDocument, encode_topology
 
 TOPOLOGY_KEY: Final = "topology.json"

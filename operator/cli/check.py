@@ -119,6 +119,7 @@ def _report_json(path: Path, dd: DisaggDeployment, report: CompatReport) -> dict
         "namespace": dd.metadata.namespace,
         "compatible": report.compatible,
         "violations": [{"reason": v.reason, "message": v.message} for v in report.violations],
+        "notes": list(report.notes),
         "topology": report.plan.to_dict() if report.plan is not None else None,
         "compatibilityHashes": dict(report.hashes),
     }
@@ -211,6 +212,9 @@ def run_check(args: argparse.Namespace) -> int:
             out.write(f"  {violation.reason}: {violation.message}\n")
     for line in _summary_lines(dd, report):
         out.write(line + "\n")
+    # What the verdict leaves to the live handshake, after what it decided.
+    for note in report.notes:
+        out.write(f"  note: {note}\n")
     return code
 
 

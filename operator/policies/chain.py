@@ -30,6 +30,7 @@ from disagg.operator.policies.pods import kv_pool_is_valid, worker_image_is_name
 from disagg.operator.policies.policy import Policy, PolicyInput, evaluate_chain
 from disagg.operator.policies.reference_engine import reference_engine_can_run
 from disagg.operator.policies.topology import (
+    kernel_blocks_match,
     kv_heads_divide_over_tp,
     model_geometry_is_valid,
     transfer_sidecar_moves_the_model,
@@ -94,6 +95,8 @@ _BEFORE_BUILD: Final[tuple[Policy, ...]] = (
     # Not mirrored in CEL: the table of releases grows with every vLLM release, the CRD should not.
     engine_release_is_supported,
     sliding_window_kv_loads_whole,
+    # Not in CEL either: the table of backends' kernel block sizes is vLLM's and grows with it.
+    kernel_blocks_match,
     engine_arguments_agree,
     engine_arguments_parse,
     prefill_context_is_not_split,

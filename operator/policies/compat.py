@@ -14,12 +14,12 @@ from types import MappingProxyType
 from typing import Any
 
 from disagg.operator.api import ROLES, DisaggDeploymentSpec, Role
-from disagg.operator.builders.engine import role_release
 from disagg.operator.hma import hma_enabled
 from disagg.operator.naming import Installation
-from disagg.operator.plan import TopologyPlan
+from disagg.operator.plan import TopologyPlan, role_release
 from disagg.operator.policies.chain import COMPATIBILITY_CHAIN
 from disagg.operator.policies.policy import Policy, PolicyInput, evaluate_chain
+from disagg.operator.policies.topology import kernel_blocks_note
 from disagg.worker.kv.errors import Violation
 from disagg.worker.kv.wire import compat_factors, compat_hash
 
@@ -33,6 +33,9 @@ class CompatReport:
     plan: TopologyPlan | None
     factors: Mapping[Role, Mapping[str, Any]] = field(repr=False)
     hashes: Mapping[Role, str]
+    notes: tuple[str, ...] = ()
+    """What the verdict cannot decide and leaves to the live handshake (the kernel block sizes of a push
+    pair whose attention backend picks them by the GPU)."""
 
     @property
     def compatible(self) -> bool:
@@ -88,4 +91,5 @@ def evaluate(
         plan=given.plan,
         factors=MappingProxyType({role: MappingProxyType(f) for role, f in factors.items()}),
         hashes=hashes,
+        notes=tuple(note for note in (kernel_blocks_note(given),) if note is not None),
     )

@@ -19,7 +19,7 @@ VENV_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 SERVER = ROOT / "hack" / "vllm" / "peer_server.py"
 # The release .venv-vllm has installed; the others import from an extracted wheel (hack/vllm/wheels.sh).
 INSTALLED_RELEASE = "0.33.0"
-RELEASES = ("0.31.0", "0.32.0", "0.33.0")
+RELEASES = ("0.31.0", "0.32.0", "0.33.0", "0.34.0")
 # The first VllmConfig of a model architecture makes vLLM inspect the model class in a subprocess (~15 s).
 REPLY_TIMEOUT_S = 240.0
 

@@ -54,9 +54,14 @@ def vllm_hash(peer: VllmPeer, argv: list[str]) -> dict[str, Any]:
     return result
 
 
+@pytest.mark.parametrize("version", ["0.33.0", "0.34.0"])
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_the_predicted_hash_is_vllm_own(vllm_peer: VllmPeer, tmp_path: Path, model: str) -> None:
-    spec = example_spec(MODELS[model])
+def test_the_predicted_hash_is_vllm_own(
+    vllm_peers: PeerFactory, tmp_path: Path, model: str, version: str
+) -> None:
+    vllm_peer = vllm_peers(version)
+    engine = {**MODELS[model].get("engine", {}), "version": version, "image": f"vllm/vllm-openai:v{version}"}
+    spec = example_spec({**MODELS[model], "engine": engine})
     report = judged(spec)
     pods = engine_pods(spec, tmp_path)
     assert [p.role for p in pods] == ["prefill", "prefill", "decode"]

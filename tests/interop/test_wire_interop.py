@@ -21,7 +21,8 @@ LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
 
 
 def metadata(connector_version: int) -> wire.NixlAgentMetadata:
-    """A packed metadata with every optional field away from its default (ple_block_len from v14)."""
+    """A packed metadata with every optional field away from its default (ple_block_len from v14,
+    layer_group_ids from v16)."""
     return wire.NixlAgentMetadata(
         engine_id="prefill-7f3c2a-1a2b3c4d",
         agent_metadata=b"\x00\x01opaque-agent",
@@ -43,6 +44,7 @@ def metadata(connector_version: int) -> wire.NixlAgentMetadata:
         pcp_size=1,
         ple_block_len=24576 if connector_version >= 14 else None,
         region_members=[LAYERS, ["model.ple.conv"]],
+        layer_group_ids={**dict.fromkeys(LAYERS, 0), "model.ple.conv": 1} if connector_version >= 16 else {},
         packed_member_layouts={name: (i * 16384, 16384) for i, name in enumerate(LAYERS)},
     )
 
@@ -72,6 +74,7 @@ def test_metadata_is_byte_for_byte_vllm_encoding(vllm_peers: PeerFactory, versio
         k: list(v) for k, v in meta.packed_member_layouts.items()
     }
     assert decoded["fields"].get("ple_block_len") == meta.ple_block_len
+    assert decoded["fields"].get("layer_group_ids", {}) == meta.layer_group_ids
     assert wire.encode_agent_metadata(wire.decode_agent_metadata(theirs), peer.connector_version) == theirs
 
 

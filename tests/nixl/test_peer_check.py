@@ -217,19 +217,28 @@ def test_a_pod_without_peers_reports_unknown(tmp_path: Path, role: str) -> None:
     assert (outcome.status, outcome.reason) == ("Unknown", "NoPeers")
 
 
-def test_a_decoder_with_other_cache_groups_is_refused_without_layer_name_routing(tmp_path: Path) -> None:
-    # A PP1 stage does not route by layer name: its regions pair with the decoder's by index, so both must
-    # lay out the same KV cache groups (the producer's plan, `routing.plan_transfer`, refuses otherwise).
+@pytest.mark.parametrize("connector_version", [15, 16])
+def test_a_decoder_with_other_cache_groups_is_refused_without_layer_name_routing(
+    tmp_path: Path, connector_version: int
+) -> None:
+    # Before connector version 16 a PP1 stage does not route by layer name: its regions pair with the
+    # decoder's by index, so both must lay out the same KV cache groups (the producer's plan,
+    # `routing.plan_transfer`, refuses otherwise). From 16 (vLLM 0.34) every stage pairs by layer name, so
+    # the decoder's region order and group layout no longer decide the pairing.
     one_stage = [{"stage": 0, "startLayer": 0, "endLayer": 6}]
-    prefill = config(tmp_path, "prefill", PREFILL_POD, topology(stages=one_stage), DISAGG_PP_RANK="0")
-    decode = config(tmp_path, "decode", DECODE_POD, topology(stages=one_stage))
+    doc = topology(stages=one_stage, connectorVersion=connector_version)
+    prefill = config(tmp_path, "prefill", PREFILL_POD, doc, DISAGG_PP_RANK="0")
+    decode = config(tmp_path, "decode", DECODE_POD, doc)
     with worker(prefill) as (local, _), worker(decode) as (remote, server):
         meta = remote.metadata()
         regrouped = msgspec.structs.replace(meta, region_group_ids=list(range(len(meta.kv_caches_base_addr))))
-        payload = wire.encode_handshake_payload(regrouped, decode.compat_hash or "")
+        payload = wire.encode_handshake_payload(regrouped, decode.compat_hash or "", connector_version)
         server.set_payload(decode.pp_rank, decode.tp_rank, payload)
         error = check_peer(prefill, local, peer_of(decode, DECODE_POD), timeout_s=2.0)
-    assert local.layer_routing is False
+    assert local.layer_routing is (connector_version == 16)
+    if connector_version == 16:
+        assert error is None
+        return
     assert error is not None
     assert error.reason == "RegionGeometryMismatch"
     assert "region group ids differ" in error.message

@@ -31,7 +31,7 @@ def test_probe_prints_every_rank_of_a_pp2_engine(procs: Cluster) -> None:
     out = done.stdout
     assert "rank (pp 0, tp 0): engine prefill" in out and "rank (pp 1, tp 0): engine prefill" in out
     assert out.count("c" * 64) == 2
-    assert "connector version: 14 or 15 (by the metadata's field set)" in out
+    assert "connector version: 16 (by the metadata's field set)" in out
     # Stage 1 pools layers 6-9 and 10-11; every layer of the model appears exactly once across both stages.
     assert "model.layers.6.self_attn.attn, model.layers.7.self_attn.attn" in out
     for layer in range(12):
@@ -107,7 +107,7 @@ def test_probe_takes_the_ranks_from_the_topology(tmp_path: Path) -> None:
         done = probe(f"{HOST}:{server.port}", "--topology", str(path))
         assert done.returncode == 0, done.stdout + done.stderr
         assert f"ranks: the topology {path} (prefill: PP 2 x TP 2)" in done.stdout
-        assert done.stdout.count("connector version: 14 or 15") == 4
+        assert done.stdout.count("connector version: 16") == 4
         assert (server.served, server.rejected) == (4, 0)
         decode = probe(f"{HOST}:{server.port}", "--topology", str(path), "--role", "decode")
         assert "(decode: PP 1 x TP 1)" in decode.stdout and server.served == 5

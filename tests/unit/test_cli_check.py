@@ -50,6 +50,8 @@ def test_check_a_compatible_file(capsys: pytest.CaptureFixture[str]) -> None:
     assert lines[6].startswith("  compatibility hash vLLM computes: ") and lines[6].endswith(
         "(prefill and decode)"
     )
+    # FLASH_ATTN picks its kernel block size by the GPU: the verdict says the handshake decides it.
+    assert lines[-1].startswith("  note: kernel block sizes undecided before pods exist (prefill: FLASH_ATTN")
 
 
 @pytest.mark.parametrize(

@@ -46,7 +46,7 @@ def prefill(
         model, pp_rank=pp_rank, pp_size=pp_size, tp_size=tp_size, block_size=block_size, num_blocks=64
     )
     routing = rules.requires_layer_name_routing(
-        rules.PUSH, model.hma_required, False, model.has_mamba, pp_size
+        rules.PUSH, model.hma_required, False, model.has_mamba, pp_size, connector_version=15
     )
     layers = TransferLayers.from_layout(layout)
     rank = PrefillRank(

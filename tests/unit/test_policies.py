@@ -26,6 +26,7 @@ def test_the_chain_reads_top_to_bottom() -> None:
         "kv_pool_is_valid",
         "engine_release_is_supported",
         "sliding_window_kv_loads_whole",
+        "kernel_blocks_match",
         "engine_arguments_agree",
         "engine_arguments_parse",
         "prefill_context_is_not_split",
@@ -95,7 +96,7 @@ def test_decode_context_parallelism_is_refused_before_any_pod() -> None:
 
 
 def test_an_unknown_release_is_refused_naming_the_supported_ones() -> None:
-    for version in ("0.30.0", "0.34.0", "0.33.0.dev12+g1a2b3c", "latest"):
+    for version in ("0.30.0", "0.35.0", "0.34.0.dev12+g1a2b3c", "latest"):
         report = evaluate(
             spec({"engine": {"version": version}}), REFUSAL_CHAIN, Installation(worker_image="w:1")
         )
@@ -103,10 +104,10 @@ def test_an_unknown_release_is_refused_naming_the_supported_ones() -> None:
         (violation,) = [v for v in report.violations if v.reason == "UnsupportedEngineVersion"]
         assert f"spec.engine.version is {version!r}" in violation.message
         assert (
-            "0.31.x (connector version 13), 0.32.x (connector version 14), 0.33.x (connector version 15)"
-            in (violation.message)
+            "0.31.x (connector version 13), 0.32.x (connector version 14), 0.33.x (connector version 15), "
+            "0.34.x (connector version 16)" in (violation.message)
         )
-    for version in ("0.31.0", "0.32.0", "0.33.0", "0.33.1"):
+    for version in ("0.31.0", "0.32.0", "0.33.0", "0.33.1", "0.34.0"):
         verdict = evaluate(
             spec({"engine": {"version": version}}), REFUSAL_CHAIN, Installation(worker_image="w:1")
         )
@@ -179,3 +180,22 @@ def test_a_policy_that_raises_is_a_named_refusal_not_an_exception() -> None:
     found = evaluate_chain((COMPATIBILITY_CHAIN[0], broken), given)
     assert [v.reason for v in found] == ["PolicyFailed"]
     assert "broken" in found[0].message and "ZeroDivisionError: a gap" in found[0].message
+
+
+def test_a_033_034_pair_is_refused_before_any_pod_naming_the_connector_versions() -> None:
+    """vLLM 0.34 (connector version 16) and 0.33 (15) never pass each other's hash, and a 0.34 prefill
+    refuses a 0.33 decoder's regions anyway (no layers advertised): refused before any pod, with both."""
+    for prefill, decode in (("0.33.0", "0.34.0"), ("0.34.0", "0.33.0")):
+        patch = {
+            "engine": {"version": decode, "image": f"vllm/vllm-openai:v{decode}"},
+            "prefill": {"overrides": {"version": prefill, "image": f"vllm/vllm-openai:v{prefill}"}},
+        }
+        report = evaluate(spec(patch), REFUSAL_CHAIN, Installation(worker_image="w:1"))
+        assert report.reasons == ["CompatibilityHashMismatch"], report.reasons
+        (violation,) = report.violations
+        versions = {"0.33.0": 15, "0.34.0": 16}
+        assert f"nixl_connector_version (prefill {versions[prefill]}, decode {versions[decode]})" in (
+            violation.message
+        )
+        assert f"version (prefill '{prefill}', decode '{decode}')" in violation.message
+        assert report.hashes["prefill"] != report.hashes["decode"]

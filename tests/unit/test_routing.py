@@ -113,7 +113,7 @@ def decoder(geometry: ModelGeometry = GEMMA_30) -> Side:
 
 def plan(stage: Side, dec: Side) -> TransferPlan:
     routing = requires_layer_name_routing(
-        "push", GEMMA_30.hma_required, False, GEMMA_30.has_mamba, stage.layout.pp_size
+        "push", GEMMA_30.hma_required, False, GEMMA_30.has_mamba, stage.layout.pp_size, connector_version=15
     )
     layers = TransferLayers.from_layout(stage.layout) if routing else None
     result, _ = plan_transfer(stage.meta, dec.meta, transfer_layers=layers)
@@ -176,7 +176,9 @@ def test_metadata_round_trip(case: str) -> None:
 
 @pytest.mark.parametrize("pp", [1, 2])
 def test_non_hma_path_is_unchanged(pp: int) -> None:
-    assert not requires_layer_name_routing("push", DENSE_8.hma_required, False, False, pp)
+    assert not requires_layer_name_routing(
+        "push", DENSE_8.hma_required, False, False, pp, connector_version=15
+    )
     dec = decoder(DENSE_8)
     assert dec.meta.region_members == []  # a non-HMA worker advertises no layers
     blocks = [[3, 1, 4, 15]]

@@ -107,7 +107,10 @@ def test_invalid_layer_partition(partition: tuple[int, ...], fragment: str) -> N
 def test_layer_name_routing_gate(
     mode: str, hma: bool, packed: bool, mamba: bool, pp: int, expected: bool
 ) -> None:
-    assert rules.requires_layer_name_routing(mode, hma, packed, mamba, pp) is expected
+    assert rules.requires_layer_name_routing(mode, hma, packed, mamba, pp, connector_version=15) is expected
+    assert rules.layer_routed_pp_push(mode, hma, packed, mamba, pp) is expected
+    # From vLLM 0.34 (connector version 16) every peer pairs by layer name.
+    assert rules.requires_layer_name_routing(mode, hma, packed, mamba, pp, connector_version=16)
 
 
 def test_check_topology_reports_every_violation() -> None:
@@ -153,10 +156,22 @@ def test_a_typed_error_raised_for_a_rule_gives_back_its_violation() -> None:
 
 
 def test_a_pp1_push_peer_advertises_layers_but_keeps_region_routing() -> None:
-    assert rules.tracks_region_layers("push", True, False, False)
-    assert not rules.requires_layer_name_routing("push", True, False, False, 1)
-    assert not rules.tracks_region_layers("push", True, False, True)
-    assert not rules.tracks_region_layers("pull", True, False, False)
+    assert rules.tracks_region_layers("push", True, False, False, connector_version=15)
+    assert not rules.requires_layer_name_routing("push", True, False, False, 1, connector_version=15)
+    assert not rules.tracks_region_layers("push", True, False, True, connector_version=15)
+    assert not rules.tracks_region_layers("pull", True, False, False, connector_version=15)
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize(("hma", "mamba"), [(False, False), (True, False), (True, True)])
+def test_from_connector_version_16_every_worker_advertises_and_pairs_by_layer(
+    mode: str, hma: bool, mamba: bool
+) -> None:
+    """vLLM 0.34's register_kv_caches fills region_members for every worker, and `_pair_regions` is its only
+    pairing; 0.33 (15) kept both to PP + HMA/packed push."""
+    assert rules.tracks_region_layers(mode, hma, False, mamba, connector_version=16)
+    assert rules.requires_layer_name_routing(mode, hma, False, mamba, 1, connector_version=16)
+    assert not rules.requires_layer_name_routing(mode, hma, False, mamba, 1, connector_version=15)
 
 
 def test_mamba_state_is_not_moved_by_the_push_sidecar() -> None:

@@ -163,8 +163,8 @@ def expected_error_text(case: dict[str, Any]) -> str:
 def test_agent_metadata_decoder_behavior(case: dict[str, Any]) -> None:
     data = bytes.fromhex(case["input_hex"])
     if case["accepted"]:
-        # Written by vLLM's v12 class: the decoder fills the defaults of the fields v13 and v14 added.
-        filled = {"ple_block_len": None, "packed_member_layouts": {}}
+        # Written by vLLM's v12 class: the decoder fills the defaults of the fields v13, v14 and v16 added.
+        filled = {"ple_block_len": None, "layer_group_ids": {}, "packed_member_layouts": {}}
         assert plain(wire.decode_agent_metadata(data)) == {**from_golden(case["value"]), **filled}
     else:
         with pytest.raises(WireFormatError) as info:

@@ -33,7 +33,7 @@ def decode_cli(path: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> t
 
 
 # The v12 vectors lack the fields v13 and v14 added; the decoder fills their defaults.
-V12_FILLED = {"ple_block_len": None, "packed_member_layouts": {}}
+V12_FILLED = {"ple_block_len": None, "layer_group_ids": {}, "packed_member_layouts": {}}
 
 
 def expected_decoded(entry: dict[str, Any]) -> Any:

@@ -42,7 +42,13 @@ from disagg.worker.connector.registrations import (
 from disagg.worker.connector.side_channel import PeerHandshake, handshake_targets
 from disagg.worker.connector.transport import LOCAL_AGENT, PreppedList, Xfer, XferState, merge_runs
 from disagg.worker.kv import wire
-from disagg.worker.kv.decode_checks import DecodeWrite, LocalRegion, PrefillRank, plan_decode_write
+from disagg.worker.kv.decode_checks import (
+    DecodeWrite,
+    LocalRegion,
+    PrefillRank,
+    check_same_layout,
+    plan_decode_write,
+)
 from disagg.worker.kv.errors import (
     DisaggError,
     HandshakeError,
@@ -283,6 +289,7 @@ class PushProducer(PushSide[_DecodeEngine]):
     ) -> list[str]:
         """Validate and align every decode rank; only when all pass are their NIXL agents added."""
         planned = [(p, plan_decode_rank(self.local, p.metadata, decode_tp, p.tp_rank)) for p in peers]
+        check_same_layout(engine_id, [write for _, write in planned])
         ranks = []
         try:
             for peer, write in planned:
@@ -488,6 +495,8 @@ def _prefill_rank(local: LocalKV) -> PrefillRank:
         is_mla=config.model.is_mla,
         kv_cache_layout=layout.kv_cache_layout,
         region_group_ids=tuple(layout.region_group_ids),
+        blocks_per_logical=layout.physical_blocks_per_logical,
+        whole_model=layers is not None and layout.pp_size == 1,
     )
 
 

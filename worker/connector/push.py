@@ -143,10 +143,22 @@ class LocalKV:
         self.transport = transport
         self.packed = layout.kv_cache_layout == "BLHNC"
         model = config.model
-        # vLLM `_tracks_region_layers` and `_requires_layer_name_routing` (push connector).
-        self.tracks_region_layers = (model.hma_required or self.packed) and not model.has_mamba
+        # vLLM `_tracks_region_layers` and `_requires_layer_name_routing` (push connector) before connector
+        # version 16; from it, every worker advertises its layers and pairs by them.
+        self.tracks_region_layers = rules.tracks_region_layers(
+            rules.PUSH,
+            model.hma_required,
+            self.packed,
+            model.has_mamba,
+            connector_version=config.connector_version,
+        )
         self.layer_routing = rules.requires_layer_name_routing(
-            rules.PUSH, model.hma_required, self.packed, model.has_mamba, layout.pp_size
+            rules.PUSH,
+            model.hma_required,
+            self.packed,
+            model.has_mamba,
+            layout.pp_size,
+            connector_version=config.connector_version,
         )
         if layer_routing is not None:
             if layer_routing and not self.tracks_region_layers:
@@ -181,26 +193,7 @@ class LocalKV:
         return self._prepped
 
     def metadata(self) -> wire.NixlAgentMetadata:
-        g = self.geometry
-        return wire.NixlAgentMetadata(
-            engine_id=self.config.engine_id,
-            agent_metadata=self.transport.metadata(),
-            kv_caches_base_addr=g.kv_caches_base_addr,
-            device_id=g.device_id,
-            num_blocks=g.num_blocks,
-            block_lens=g.block_lens,
-            block_strides=g.block_strides,
-            kv_cache_layout=self.layout.kv_cache_layout,
-            block_size=g.block_size,
-            ssm_sizes=(0, 0),
-            attn_backend_name=self.config.attn_backend_name,
-            physical_blocks_per_logical_kv_block=g.physical_blocks_per_logical_kv_block,
-            region_num_blocks=g.region_num_blocks,
-            region_group_ids=g.region_group_ids,
-            region_names=g.region_names,
-            region_mem_types=g.region_mem_types,
-            region_members=g.region_members,
-        )
+        return advertised_metadata(self.layout, self.geometry, self.config, self.transport.metadata())
 
     def handshake_payload(self) -> bytes:
         """Reply frame 0 for this worker's `(pp_rank, tp_rank)` on the engine's side channel."""
@@ -208,6 +201,39 @@ class LocalKV:
             self.metadata(), self.config.compat_hash or "", self.config.connector_version
         )
         return payload
+
+
+def advertised_metadata(
+    layout: StageLayout, geometry: RegionGeometry, config: PushConfig, agent_blob: bytes
+) -> wire.NixlAgentMetadata:
+    """What a worker with `layout`, registered as `geometry`, advertises at handshake. Where the connector
+    version has `layer_group_ids` (16, vLLM 0.34) it carries the transfer group of every advertised layer:
+    a 0.34 peer pairs a layer only within its group. Pure."""
+    groups = (
+        {name: layout.group_index_by_layer[name] for members in geometry.region_members for name in members}
+        if "layer_group_ids" in wire.metadata_fields(config.connector_version)
+        else {}
+    )
+    return wire.NixlAgentMetadata(
+        engine_id=config.engine_id,
+        agent_metadata=agent_blob,
+        kv_caches_base_addr=geometry.kv_caches_base_addr,
+        device_id=geometry.device_id,
+        num_blocks=geometry.num_blocks,
+        block_lens=geometry.block_lens,
+        block_strides=geometry.block_strides,
+        kv_cache_layout=layout.kv_cache_layout,
+        block_size=geometry.block_size,
+        ssm_sizes=(0, 0),
+        attn_backend_name=config.attn_backend_name,
+        physical_blocks_per_logical_kv_block=geometry.physical_blocks_per_logical_kv_block,
+        region_num_blocks=geometry.region_num_blocks,
+        region_group_ids=geometry.region_group_ids,
+        region_names=geometry.region_names,
+        region_mem_types=geometry.region_mem_types,
+        region_members=geometry.region_members,
+        layer_group_ids=groups,
+    )
 
 
 Clock = Callable[[], float]

@@ -19,6 +19,7 @@ from disagg.worker.kv import rules
 from disagg.worker.kv.errors import (
     BlockSizeMismatch,
     HandshakeError,
+    KernelBlockSizeMismatch,
     KVCacheLayoutMismatch,
     PackedRowsNotSupported,
     RegionGeometryMismatch,
@@ -36,6 +37,7 @@ from disagg.worker.kv.routing import (
     head_split,
     local_descs,
     local_strided,
+    pair_layers,
     plan_transfer,
     rank_offset_factor,
     remote_strided,
@@ -91,6 +93,11 @@ class PrefillRank:
     kv_cache_layout: str = "LBHNC"
     region_group_ids: tuple[int, ...] | None = None
     """The KV cache group of each local region (None when unknown, so the decoder's are not compared)."""
+    blocks_per_logical: int = 1
+    """Kernel blocks per logical block (vLLM's `physical_blocks_per_logical_kv_block`)."""
+    whole_model: bool = False
+    """A PP1 worker pairing by layer name as vLLM 0.34 (connector version 16) does: it holds every layer, so a
+    decoder's layer with no counterpart here is refused, not skipped as a PP stage skips other stages'."""
 
 
 def check_agent(local_layout: str, is_mla: bool, remote: AgentMetadata) -> None:
@@ -122,12 +129,22 @@ def check_decode_rank(
 ) -> tuple[RegionGeometry, list[int]]:
     """The decode rank's geometry aligned to `rank`'s transfer order, and the local region of each aligned
     remote region; raises the connector's typed refusal when `rank` cannot write to it."""
+    aligned, local_regions, _ = _check_decode_rank(rank, remote, remote_tp)
+    return aligned, local_regions
+
+
+def _check_decode_rank(
+    rank: PrefillRank, remote: RegionMetadata, remote_tp: int
+) -> tuple[RegionGeometry, list[int], tuple[int, ...]]:
+    """`check_decode_rank`, plus the decoder's region each aligned region came from (its pairing)."""
     layer_routing = rank.routed_layers is not None
     if layer_routing:
         violation = rules.block_size_mismatch(True, rank.block_size, remote.block_size)
         if violation is not None:
             raise BlockSizeMismatch(violation.message)
-        violation = rules.decode_tp_exceeds_prefill_tp(rank.is_mla, rank.tp_size, remote_tp, True)
+        # vLLM refuses it for a PP stage only (`_supports_pp_hma`, PP > 1); a PP1 worker pairing by layer
+        # name (connector version 16) splits heads as the index path did.
+        violation = rules.decode_tp_exceeds_prefill_tp(rank.is_mla, rank.tp_size, remote_tp, rank.pp_size > 1)
         if violation is not None:
             raise HandshakeError(violation.message, reason=violation.reason)
     elif remote.block_size != rank.block_size:
@@ -135,7 +152,13 @@ def check_decode_rank(
             f"prefill block size {rank.block_size} and decode block size {remote.block_size} differ; "
             "this connector moves whole blocks: use equal block sizes"
         )
-    aligned, local_regions = _align(rank, RegionGeometry.from_metadata(remote))
+    violation = rules.kernel_block_mismatch(
+        (rank.block_size, rank.blocks_per_logical),
+        (remote.block_size, remote.physical_blocks_per_logical_kv_block),
+    )
+    if violation is not None:
+        raise KernelBlockSizeMismatch(violation.message)
+    aligned, local_regions, pairing = _align(rank, RegionGeometry.from_metadata(remote))
     if len(aligned.kv_caches_base_addr) != len(local_regions):
         raise RegionGeometryMismatch(
             f"the decoder has {len(aligned.kv_caches_base_addr)} regions for this stage's "
@@ -152,14 +175,19 @@ def check_decode_rank(
             f"decode regions are {sorted(set(aligned.region_mem_types))}, TP rank {rank.tp_rank} of this "
             f"stage moves {sorted(rank.mem_types)} (mixed-memory caches are not supported by push)"
         )
+    _check_shared_regions(rank, pairing, local_regions)
     _check_block_lens(rank, aligned, local_regions, remote_tp)
-    return aligned, local_regions
+    return aligned, local_regions, pairing
 
 
-def _align(rank: PrefillRank, remote: RegionGeometry) -> tuple[RegionGeometry, list[int]]:
+def _align(rank: PrefillRank, remote: RegionGeometry) -> tuple[RegionGeometry, list[int], tuple[int, ...]]:
+    """The aligned remote geometry, the local region of each aligned region, and the remote region each
+    came from."""
     if rank.routed_layers is not None:
         names = [name for name, _ in rank.routed_layers]
-        return align_remote_regions(remote, names), [region for _, region in rank.routed_layers]
+        pairing = pair_layers(remote, names, whole_model=rank.whole_model)
+        aligned = align_remote_regions(remote, names, whole_model=rank.whole_model)
+        return aligned, [region for _, region in rank.routed_layers], tuple(pairing)
     local_regions = list(range(len(rank.regions)))
     if rank.pp_size > 1:
         sliced = slice_pp_regions(
@@ -168,8 +196,36 @@ def _align(rank: PrefillRank, remote: RegionGeometry) -> tuple[RegionGeometry, l
             num_local_layers=len(rank.stage_layers),
             num_local_regions=len(rank.regions),
         )
-        return sliced, local_regions
-    return remote, local_regions
+        start = len(rank.regions) // max(1, len(rank.stage_layers)) * rank.stage_layers.start
+        return sliced, local_regions, tuple(range(start, start + len(local_regions)))
+    return remote, local_regions, tuple(local_regions)
+
+
+def _check_shared_regions(rank: PrefillRank, pairing: Sequence[int], local_regions: Sequence[int]) -> None:
+    """One decoder region written from several local regions (a pooled decode region holding layers this
+    rank keeps apart) must take pages of one size from all of them: vLLM 0.34 refuses "KV region R of engine
+    X pairs with local regions of different block lengths"."""
+    first: dict[int, int] = {}
+    for remote_region, local in zip(pairing, local_regions, strict=True):
+        other = first.setdefault(remote_region, local)
+        a, b = rank.regions[other], rank.regions[local]
+        if (a.block_len, a.replicated) != (b.block_len, b.replicated):
+            raise RegionGeometryMismatch(
+                f"decode region {remote_region} pairs with local regions of different block lengths "
+                f"({a.name}: {a.block_len}, {b.name}: {b.block_len}); run the same KV cache plan on both "
+                "sides"
+            )
+
+
+def check_same_layout(engine_id: str, writes: Sequence[DecodeWrite]) -> None:
+    """Every TP rank of one decode engine pairs its regions with this rank's the same way: vLLM 0.34 refuses
+    "The TP ranks of engine X lay out their KV regions differently", since one pairing serves the engine."""
+    layouts = {write.pairing for write in writes}
+    if len(layouts) > 1:
+        raise RegionGeometryMismatch(
+            f"the TP ranks of decode engine {engine_id!r} lay out their KV regions differently "
+            f"({len(layouts)} different pairings with this rank's regions)"
+        )
 
 
 def _check_block_lens(
@@ -231,6 +287,9 @@ class DecodeWrite:
     head_slice: tuple[int, int]
     replicated: tuple[bool, ...]
     """Per local region: MLA, so the whole block goes to every decode rank."""
+    pairing: tuple[int, ...] = ()
+    """The decode rank's region each aligned region came from: equal on every TP rank of one engine
+    (`check_same_layout`)."""
 
     @property
     def remote_descs(self) -> DescArray:
@@ -267,7 +326,9 @@ def plan_decode_write(
 ) -> DecodeWrite:
     """Every check that can refuse decode rank `remote_tp_rank` (`check_decode_agent`, then `plan_transfer`),
     and what this rank writes to it. Pure: the producer, the peer check and the property tests run it."""
-    checked, _ = check_decode_agent(rank, remote, remote_tp)
+    check_agent(rank.kv_cache_layout, rank.is_mla, remote)
+    _refuse_packed_rows(rank, remote, remote_tp)
+    checked, _, pairing = _check_decode_rank(rank, remote, remote_tp)
     # Aligned (by layer name) or sliced (to this PP stage) already: aligning again changes nothing.
     plan, aligned = plan_transfer(local, checked, transfer_layers=transfer_layers)
     replicated = tuple(region.replicated for region in rank.regions)
@@ -283,4 +344,4 @@ def plan_decode_write(
         num_reads=count,
         rank_offset_factor=offset_factor,
     )
-    return DecodeWrite(plan, descs, (slot, count), replicated)
+    return DecodeWrite(plan, descs, (slot, count), replicated, pairing)

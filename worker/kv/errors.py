@@ -79,6 +79,13 @@ class BlockSizeMismatch(HandshakeError):
     reason = "BlockSizeMismatch"
 
 
+class KernelBlockSizeMismatch(HandshakeError):
+    """The peer's (kernel block size, kernel blocks per logical block) is not this worker's: push moves whole
+    kernel blocks, block id for block id (vLLM 0.34 refuses it too)."""
+
+    reason = "KernelBlockSizeMismatch"
+
+
 class RegionGeometryMismatch(HandshakeError):
     """Per-region lists of different lengths, block lengths or strides that cannot pair."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from disagg.worker.kv import wire
 from disagg.worker.kv.errors import Violation
 
 PUSH = "push"
@@ -89,6 +90,21 @@ def unequal_block_sizes(
         "BlockSizeMismatch",
         f"prefill blockSize {prefill_block_size} and decode blockSize {decode_block_size} differ and {why}: "
         "set both blockSize fields to the same value",
+    )
+
+
+def kernel_block_mismatch(prefill: tuple[int, int], decode: tuple[int, int]) -> Violation | None:
+    """Push moves whole kernel blocks, block id for block id: vLLM 0.34's push connector refuses a peer whose
+    `(kernel block size, kernel blocks per logical block)` differs ("NixlPushConnector requires identical
+    P/D block sizes"), and so does the push sidecar. The kernel block size follows from the attention
+    backend (`contracts.attention_backends`)."""
+    if prefill == decode:
+        return None
+    return Violation(
+        "KernelBlockSizeMismatch",
+        f"push needs the same (kernel block size, kernel blocks per logical block) on both sides, but "
+        f"prefill has {prefill} and decode {decode}: run both roles with the same attention backend and "
+        "blockSize",
     )
 
 
@@ -209,22 +225,37 @@ def kv_cache_layout_mismatch(prefill_layout: str, decode_layout: str, is_mla: bo
     )
 
 
-def tracks_region_layers(transfer_mode: str, hma: bool, packed: bool, has_mamba: bool) -> bool:
-    """vLLM's `_tracks_region_layers`: whether a worker advertises `region_members` (any PP size).
+def tracks_region_layers(
+    transfer_mode: str, hma: bool, packed: bool, has_mamba: bool, *, connector_version: int
+) -> bool:
+    """Whether a worker advertises `region_members` (any PP size): from connector version 16 (vLLM 0.34)
+    every worker, push or pull, any layout; before it vLLM's `_tracks_region_layers` (push, HMA or packed,
+    no Mamba).
 
     `hma` means the HMA layout is in use (`ModelGeometry.hma_required`).
     """
+    if wire.pairs_by_layer_name(connector_version):
+        return True
     return transfer_mode == PUSH and (hma or packed) and not has_mamba
 
 
+def layer_routed_pp_push(transfer_mode: str, hma: bool, packed: bool, has_mamba: bool, pp_size: int) -> bool:
+    """vLLM's PP push of an HMA or packed cache (`_supports_pp_hma`, PP > 1), the case whose rules hold in
+    every release: equal block sizes and no decode TP above the prefill's for a non-MLA model."""
+    return transfer_mode == PUSH and (hma or packed) and not has_mamba and pp_size > 1
+
+
 def requires_layer_name_routing(
-    transfer_mode: str, hma: bool, packed: bool, has_mamba: bool, pp_size: int
+    transfer_mode: str, hma: bool, packed: bool, has_mamba: bool, pp_size: int, *, connector_version: int
 ) -> bool:
-    """vLLM's `_requires_layer_name_routing`: push, an HMA or packed cache, no Mamba, and PP > 1.
+    """Whether regions pair by layer name: always from connector version 16 (vLLM 0.34's `_pair_regions`,
+    PP1 too); before it vLLM's `_requires_layer_name_routing` (`layer_routed_pp_push`).
 
     Every other case keeps the region-index path.
     """
-    return tracks_region_layers(transfer_mode, hma, packed, has_mamba) and pp_size > 1
+    return wire.pairs_by_layer_name(connector_version) or layer_routed_pp_push(
+        transfer_mode, hma, packed, has_mamba, pp_size
+    )
 
 
 @dataclass(frozen=True)
@@ -249,7 +280,7 @@ def check_topology(
     packed: bool = False,
 ) -> list[Violation]:
     """Every rule a prefill/decode pair breaks, so all problems can be reported at once."""
-    routing = requires_layer_name_routing(transfer_mode, hma, packed, has_mamba, prefill.pp_size)
+    routing = layer_routed_pp_push(transfer_mode, hma, packed, has_mamba, prefill.pp_size)
     found = [
         decode_pipeline_parallel(decode.pp_size),
         pull_connector_with_hma_pp(transfer_mode, hma, prefill.pp_size),

@@ -178,7 +178,12 @@ def _own_prefill_rank(config: SidecarConfig, own: wire.NixlAgentMetadata, tp_ran
     """TP rank `tp_rank` of this prefill stage, advertising `own`, as the decode checks read it."""
     model = config.topology.model
     layer_routing = rules.requires_layer_name_routing(
-        rules.PUSH, model.hma_required, own.kv_cache_layout == "BLHNC", model.has_mamba, config.pp_size
+        rules.PUSH,
+        model.hma_required,
+        own.kv_cache_layout == "BLHNC",
+        model.has_mamba,
+        config.pp_size,
+        connector_version=config.topology.connector_version,
     )
     routed = (
         tuple((name, region) for region, members in enumerate(own.region_members) for name in members)
@@ -200,6 +205,8 @@ def _own_prefill_rank(config: SidecarConfig, own: wire.NixlAgentMetadata, tp_ran
         is_mla=model.is_mla,
         kv_cache_layout=own.kv_cache_layout,
         region_group_ids=None if own.region_group_ids is None else tuple(own.region_group_ids),
+        blocks_per_logical=own.physical_blocks_per_logical_kv_block,
+        whole_model=layer_routing and config.pp_size == 1,
     )
 
 

@@ -4,7 +4,8 @@
   `RegionGeometry`, the same fields as a plain frozen value.
 - `TransferLayers`: the flattened transfer layers of a stage (a pooled region repeats once per member),
   their region indices and KV cache group ids.
-- `align_remote_regions`: reorder and subset every per-region field of a peer's metadata to the local
+- `pair_layers`: the remote region of each local transfer layer, with vLLM 0.34's refusals;
+  `align_remote_regions`: reorder and subset every per-region field of a peer's metadata to the local
   transfer-layer order; `slice_pp_regions`, the non-HMA PP slice. Either returns a new object of the
   input's type.
 """
@@ -200,33 +201,61 @@ def select_regions(meta: M, regions: Sequence[int]) -> M:
     return _replace(meta, changes)
 
 
-def align_remote_regions(meta: M, local_layers: Sequence[str]) -> M:
-    """The remote metadata re-expressed as one region per local transfer layer, in local order.
+def pair_layers(meta: RegionMetadata, local_layers: Sequence[str], *, whole_model: bool = False) -> list[int]:
+    """The remote region of each local transfer layer, in local order: how regions pair by layer name.
 
-    Layers the remote has but this stage does not own (other PP stages) are dropped; a local layer the remote
-    lacks, a layer advertised twice or no `region_members` at all is refused (never falling back to index
-    routing). The result advertises `region_members = [[name] ...]`, so aligning it again changes nothing.
+    Refused, as vLLM 0.34's `_pair_regions` refuses them: no `region_members` for every region (the peer did
+    not advertise the layers of its regions), a layer in several regions (it would span more NIXL regions
+    there than the one it has here), a local layer the remote does not hold, and with `whole_model` (a PP1
+    worker, which holds every layer) a remote layer with no counterpart here. A PP stage skips the remote's
+    layers it does not hold. Never falls back to index routing.
     """
     if not meta.region_members:
         raise MissingLayers(
-            "the remote advertised no region_members, so its regions cannot be routed by layer name; "
-            "the peer must run the push connector with layer tracking (vLLM 0.31, connector version 13, "
-            "or later)"
+            "the remote did not advertise the layers of its KV regions (no region_members), so its regions "
+            "cannot be routed by layer name; the peer must run the push connector with layer tracking "
+            "(vLLM 0.31, connector version 13, or later; every worker from vLLM 0.34, connector version 16)"
+        )
+    regions = len(meta.kv_caches_base_addr)
+    if len(meta.region_members) != regions:
+        raise MissingLayers(
+            f"the remote did not advertise the layers of its KV regions: region_members lists "
+            f"{len(meta.region_members)} regions of its {regions}"
         )
     _check_region_lists(meta)
-    region_by_layer: dict[str, int] = {}
-    duplicates: list[str] = []
+    regions_by_layer: dict[str, list[int]] = {}
     for region, members in enumerate(meta.region_members):
         for name in members:
-            if name in region_by_layer:
-                duplicates.append(name)
-            region_by_layer[name] = region
-    if duplicates:
-        raise MissingLayers(f"the remote advertises layers more than once: {sorted(set(duplicates))}")
-    missing = [name for name in local_layers if name not in region_by_layer]
+            regions_by_layer.setdefault(name, []).append(region)
+    spanning = {name: len(found) for name, found in regions_by_layer.items() if len(found) > 1}
+    if spanning:
+        name, count = next(iter(spanning.items()))
+        raise MissingLayers(
+            f"the remote advertises layers more than once: {sorted(spanning)} (KV layer {name!r} spans "
+            f"{count} NIXL regions there and 1 here)"
+        )
+    missing = [name for name in local_layers if name not in regions_by_layer]
     if missing:
         raise MissingLayers(f"the remote does not advertise local transfer layers {missing}")
-    aligned = select_regions(meta, [region_by_layer[name] for name in local_layers])
+    if whole_model:
+        local = set(local_layers)
+        extra = [name for name in regions_by_layer if name not in local]
+        if extra:
+            raise MissingLayers(
+                f"the remote holds KV layers {extra}, which have no counterpart here (this worker holds "
+                "every layer of the model, so both sides must hold the same layers)"
+            )
+    return [regions_by_layer[name][0] for name in local_layers]
+
+
+def align_remote_regions(meta: M, local_layers: Sequence[str], *, whole_model: bool = False) -> M:
+    """The remote metadata re-expressed as one region per local transfer layer, in local order.
+
+    Layers the remote has but this stage does not own (other PP stages) are dropped; every refusal is
+    `pair_layers`'. The result advertises `region_members = [[name] ...]`, so aligning it again changes
+    nothing.
+    """
+    aligned = select_regions(meta, pair_layers(meta, local_layers, whole_model=whole_model))
     return _replace(
         aligned,
         {"region_names": list(local_layers), "region_members": [[name] for name in local_layers]},

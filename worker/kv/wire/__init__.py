@@ -87,6 +87,7 @@ from disagg.worker.kv.wire.versions import (
     VERSIONS,
     ConnectorVersion,
     Since,
+    pairs_by_layer_name,
 )
 
 __all__ = [
@@ -145,6 +146,7 @@ __all__ = [
     "field_set_versions",
     "metadata_fields",
     "metadata_struct",
+    "pairs_by_layer_name",
     "parse_completion_notif",
     "parse_heartbeat_notif",
     "parse_notif",

@@ -3,7 +3,8 @@ version: each field that is not on the wire at every version says when it joined
 encoder, decoder, version check and field-set lookup derive from it and the version table (`versions`).
 
 The releases differ in the field set: 0.31 (v13) has 20 fields, 0.32 (v14) and 0.33 (v15) insert
-`ple_block_len` between `pcp_size` and `region_members`. Version 12 (`region_members` without
+`ple_block_len` between `pcp_size` and `region_members`, and 0.34 (v16) `layer_group_ids` between
+`region_members` and `packed_member_layouts` (22 fields). Version 12 (`region_members` without
 `packed_member_layouts`) was only ever on vLLM's main branch: it still decodes, because the decoder fills the
 missing field for free, but nothing here writes it. The golden vectors in `tests/golden/vllm/<release>/`,
 written by each release's own classes, pin the encoding.
@@ -43,9 +44,14 @@ class NixlAgentMetadata(msgspec.Struct, frozen=True):
     pcp_size: int = 1
     # The page length of a per-layer-embedding (PLE) state region, when the model has one.
     ple_block_len: Annotated[int | None, Since(14, needed_by="a PLE model")] = None
-    # Empty unless the peer tracks region layers (push + HMA or packed, no Mamba); routing decides whether
-    # an empty list is acceptable.
+    # Before v16 empty unless the peer tracks region layers (push + HMA or packed, no Mamba); from v16 every
+    # worker fills it. Routing decides whether an empty list is acceptable.
     region_members: Annotated[list[list[str]], Since(12)] = msgspec.field(default_factory=list)
+    # The KV cache (transfer) group of each layer in region_members: from v16 every worker sends both, and
+    # a peer's layer pairs only within the same group.
+    layer_group_ids: Annotated[dict[str, int], Since(16, needed_by="a layer's cache group")] = msgspec.field(
+        default_factory=dict
+    )
     # Per member layer of a packed (block-outermost) region, its (offset, length) inside the block.
     packed_member_layouts: Annotated[dict[str, tuple[int, int]], Since(13, needed_by="a packed layout")] = (
         msgspec.field(default_factory=dict)

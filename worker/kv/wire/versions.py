@@ -43,6 +43,11 @@ class ConnectorVersion:
     number: int
     release: str | None
     spoken: bool = True
+    layer_pairing: bool = False
+    """Every worker of this version advertises the layers of all its regions (`region_members`, and
+    `layer_group_ids` where the struct has it), push or pull, any layout, and regions pair by layer name with
+    every peer, PP1 included (vLLM 0.34's `_pair_regions`). Before it, only push workers with an HMA or
+    packed cache advertised their layers, and only a PP prefill paired by them."""
 
     @property
     def release_line(self) -> str | None:
@@ -58,6 +63,8 @@ VERSIONS: Final[tuple[ConnectorVersion, ...]] = (
     ConnectorVersion(13, "0.31.0"),
     ConnectorVersion(14, "0.32.0"),
     ConnectorVersion(15, "0.33.0"),
+    # layer_group_ids; layer-name pairing for every peer.
+    ConnectorVersion(16, "0.34.0", layer_pairing=True),
 )
 """Oldest first; the spoken ones are the releases this project supports (`contracts.releases`)."""
 
@@ -69,6 +76,12 @@ def spoken_numbers(table: Sequence[ConnectorVersion]) -> tuple[int, ...]:
 CONNECTOR_VERSIONS: Final = spoken_numbers(VERSIONS)
 """The NIXL connector versions this worker speaks, oldest first."""
 LATEST_CONNECTOR_VERSION: Final = CONNECTOR_VERSIONS[-1]
+
+
+def pairs_by_layer_name(connector_version: int, table: Sequence[ConnectorVersion] = VERSIONS) -> bool:
+    """Whether workers of that connector version always advertise their layers and pair regions by them
+    (`ConnectorVersion.layer_pairing`); False for a version the table does not have."""
+    return any(row.number == connector_version and row.layer_pairing for row in table)
 
 
 def check_table(table: Sequence[ConnectorVersion]) -> None:
