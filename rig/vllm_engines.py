@@ -178,6 +178,7 @@ class _Proc:
     pod: EnginePod
     popen: subprocess.Popen[bytes]
     log: Path
+    core: int
 
 
 @dataclass
@@ -238,7 +239,7 @@ class VllmEngines:
     def _spawn(self, pod: EnginePod, core: int) -> _Proc:
         argv, env = engine_process(pod.argv, pod.env, pod.ip, core)
         log = self.workdir / f"{pod.name}.log"
-        with log.open("wb") as out:
+        with log.open("ab") as out:
             popen = subprocess.Popen(
                 argv,
                 env=env,
@@ -249,7 +250,7 @@ class VllmEngines:
                 cwd=self.workdir,
                 preexec_fn=pinned(core),
             )
-        return _Proc(pod, popen, log)
+        return _Proc(pod, popen, log, core)
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
@@ -267,6 +268,14 @@ class VllmEngines:
         proc = next(p for p in self._procs if p.pod.name == pod.name)
         _signal_group(proc.popen, signal.SIGKILL)
         proc.popen.wait()
+
+    def restart(self, pod: EnginePod) -> None:
+        """The pod's engine killed and started again with its generated command, on its core; it draws a new
+        engine id, as every start of the operator's launcher does. Its log goes on in the same file."""
+        index = next(i for i, p in enumerate(self._procs) if p.pod.name == pod.name)
+        self.kill(pod)
+        self._procs[index] = self._spawn(pod, self._procs[index].core)
+        self.wait_ready()
 
     def check_alive(self) -> None:
         for proc in self._procs:

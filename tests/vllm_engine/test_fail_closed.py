@@ -1,6 +1,7 @@
 """Fail closed on real vLLM engines (issue 42): a request is answered 200 only with its whole answer. A dead
 prefill engine or a decoder killed mid-stream ends its requests with an error that names the leg, never with
-wrong or silently cut tokens, and the surviving engine frees what it held for them.
+wrong or silently cut tokens, and the surviving engine frees what it held for them; a decoder restarted
+between the legs answers right.
 
 One dense PP1 deployment with two decoders, as the operator generates it (`kv_load_failure_policy: fail` in
 the generated `--kv-transfer-config`, checked here in vLLM's own log of its config). The router of each case
@@ -13,16 +14,19 @@ import json
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from serving import MAX_TOKENS, PROMPTS
+from serving import MAX_TOKENS, PROMPTS, post
 
 from disagg.rig.local_router import LocalRouter
 from disagg.rig.vllm_engines import EnginePod, VllmEngines, metric, tiny_deployment
+from disagg.worker.router.protocol import COMPLETIONS, build_legs, parse_client_request
 
-LEASE_S = 10
+# Long enough to outlast a decoder's restart: the restarted decoder must still find the KV held for it.
+LEASE_S = 300
 RUNNING = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
@@ -36,10 +40,9 @@ def router_for(engines: VllmEngines, decoder: EnginePod) -> LocalRouter:
     return LocalRouter(engines.routing([decoder]))
 
 
-def request(url: str, body: dict[str, Any]) -> tuple[int, bytes]:
-    req = urllib.request.Request(
-        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
+def request(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    headers = headers or {"Content-Type": "application/json"}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), headers)
     try:
         with urllib.request.urlopen(req, timeout=180) as response:
             return response.status, response.read()
@@ -63,6 +66,28 @@ def wait_until(probe: Any, timeout_s: float, what: str) -> None:
 def test_the_generated_config_fails_a_load_that_did_not_arrive_whole(engines: VllmEngines) -> None:
     for pod in engines.heads("decode"):
         assert "kv_load_failure_policy='fail'" in engines.log_text(pod)
+
+
+def test_a_decoder_restarted_between_the_legs_gets_the_kv_and_answers_right(engines: VllmEngines) -> None:
+    # The router's two legs, sent one after the other with the decoder restarted between them: the restarted
+    # decoder (a new engine id) registers with the prefill, which still holds the KV within its lease, and
+    # either answers right or fails; it must not answer wrong.
+    decoder = engines.heads("decode")[1]
+    model = engines.deployment.spec.model.name
+    body = {"model": model, "prompt": PROMPTS[4], "max_tokens": MAX_TOKENS, "temperature": 0}
+    want = post(decoder.url, body)["choices"][0]["text"]
+    legs = build_legs(
+        parse_client_request(COMPLETIONS, json.dumps(body).encode()),
+        engines.routing([decoder]).pairs[0],
+        uuid.uuid4().hex,
+    )
+    prefill = engines.heads("prefill")[0]
+    status, raw = request(prefill.url, legs.prefill, legs.headers)
+    assert status == 200 and "kv_transfer_params" in json.loads(raw), raw
+    engines.restart(decoder)
+    status, raw = request(decoder.url, legs.decode, legs.headers)
+    assert status == 200, raw
+    assert json.loads(raw)["choices"][0]["text"] == want
 
 
 def test_a_decoder_killed_mid_stream_ends_the_stream_with_an_error_and_the_prefill_frees_its_blocks(
