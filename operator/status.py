@@ -17,6 +17,7 @@ from disagg.operator.api import (
     Condition,
     ConditionStatus,
     DisaggDeploymentStatus,
+    EngineKind,
     RevisionStatus,
     Role,
     RoleHashes,
@@ -104,13 +105,15 @@ def compute(
     desired: Mapping[Role, int | None] | None = None,
     selectors: Mapping[Role, str] | None = None,
     scaling: bool = False,
+    engine_kinds: Mapping[Role, EngineKind] | None = None,
 ) -> DisaggDeploymentStatus:
     """The whole status; `violations` are every refusal (pre-flight rules and engine-argument conflicts);
     `routing` is `pairing.routing_from_pods` of the pods, `reported` whether any pod has a peer report;
     `endpoint` is the router Service's URL, when one exists; `rollout` what `rollout.assess` makes of the
     workloads and pods (None for a refused spec); `desired` each role's replica target and `selectors` its
     pods' label selector (`scaling.targets`); `scaling` whether a role is autoscaled (else a `Scaling`
-    condition left from when one was goes)."""
+    condition left from when one was goes); `engine_kinds` the kind each role's engine was built as
+    (`builders.engine.engine_kind`)."""
     updates: list[Condition] = []
     applied = sorted({w.generation for w in workloads if w.generation is not None})
     if violations:
@@ -177,8 +180,8 @@ def compute(
     return DisaggDeploymentStatus(
         observed_generation=generation,
         conditions=cond.merge(carried, updates, generation=generation, now=now),
-        prefill=_role_status(workloads, "prefill", desired, selectors),
-        decode=_role_status(workloads, "decode", desired, selectors),
+        prefill=_role_status(workloads, "prefill", desired, selectors, engine_kinds),
+        decode=_role_status(workloads, "decode", desired, selectors, engine_kinds),
         topology=report.plan.to_status() if report.plan is not None else None,
         compatibility_hashes=RoleHashes(prefill=report.hashes["prefill"], decode=report.hashes["decode"]),
         routable_pairs=routable_pairs(routing),
@@ -251,6 +254,7 @@ def _role_status(
     role: Role,
     desired: Mapping[Role, int | None] | None,
     selectors: Mapping[Role, str] | None,
+    engine_kinds: Mapping[Role, EngineKind] | None,
 ) -> RoleStatus:
     mine = [w for w in workloads if w.role == role]
     return RoleStatus(
@@ -258,6 +262,7 @@ def _role_status(
         ready_replicas=sum(w.ready for w in mine),
         desired_replicas=(desired or {}).get(role),
         selector=(selectors or {}).get(role),
+        engine_kind=(engine_kinds or {}).get(role),
     )
 
 

@@ -52,6 +52,7 @@ from disagg.operator.api.fields import (
 from disagg.operator.api.model import (
     AttentionKind,
     Connector,
+    EngineKind,
     EngineSpec,
     HybridKVCacheManager,
     KVCacheDType,
@@ -128,6 +129,7 @@ __all__ = [
     "DisaggDeployment",
     "DisaggDeploymentSpec",
     "DisaggDeploymentStatus",
+    "EngineKind",
     "EngineSpec",
     "ExtraArg",
     "FreeForm",

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from disagg.operator.api import DisaggDeploymentSpec
-from disagg.operator.builders.engine import is_vllm_image, role_image, stage_dns
+from disagg.operator.api import DisaggDeploymentSpec, EngineKind
+from disagg.operator.builders.engine import engine_kind, stage_dns
 from disagg.operator.builders.objects import owned_object, revision_labels
 from disagg.operator.builders.pod_template import engine_pod_template
 from disagg.operator.builders.topology import revision
@@ -75,7 +75,7 @@ def _engine_side_channel_env(spec: DisaggDeploymentSpec, owner: Owner, name: str
     if pp == 1:
         return []
     port = spec.kv_transfer.side_channel_port
-    if is_vllm_image(role_image(spec, "prefill")):
+    if engine_kind(spec, "prefill") is EngineKind.VLLM:
         return [{"name": ENGINE_SIDE_CHANNEL_HOST_ENV, "value": stage_dns(name, name, owner.namespace)}]
     # One transfer sidecar per stage pod, serving TP rank 0 (the reference engine runs TP 1 per pod).
     workers = [

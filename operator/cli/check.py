@@ -172,14 +172,18 @@ def _router_text(dd: DisaggDeployment) -> str:
 
 
 def _engine_text(spec: DisaggDeploymentSpec, role: Role) -> str:
-    from disagg.operator.builders.engine import is_reference_engine_image, role_image
+    from disagg.operator.api import EngineKind
+    from disagg.operator.builders.engine import engine_kind
     from disagg.worker.contracts.releases import release_of
 
     version = spec.effective(role, "version", spec.engine.version)
     release = release_of(version)
     known = f"NIXL connector version {release.connector_version}" if release else "not a supported release"
-    if is_reference_engine_image(role_image(spec, role)):
+    kind = engine_kind(spec, role)
+    if kind is EngineKind.REFERENCE:
         return f"the reference engine (disagg engine serve) as vLLM {version} ({known})"
+    if kind is EngineKind.CUSTOM:
+        return f"a custom engine as vLLM {version} ({known})"
     return f"vLLM {version} ({known})"
 
 

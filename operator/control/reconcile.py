@@ -35,6 +35,7 @@ from pydantic import ValidationError
 from disagg.operator import conditions as cond
 from disagg.operator.api import ROLES, ConditionStatus, DisaggDeploymentSpec
 from disagg.operator.builders.children import build, revision_of
+from disagg.operator.builders.engine import engine_kind
 from disagg.operator.builders.router import endpoint_of
 from disagg.operator.control.k8s_apply import Kube
 from disagg.operator.kv_status import peers_reported, pod_kv
@@ -435,6 +436,7 @@ def _write_status(
         desired=None if spec is None else scaling_targets.targets(spec, current),
         selectors={role: scaling_targets.selector(metadata["name"], role) for role in ROLES},
         scaling=spec is not None and any(spec.autoscaling(role) for role in ROLES),
+        engine_kinds=None if spec is None else {role: engine_kind(spec, role) for role in ROLES},
     )
     rendered = to_json(status)
     if rendered == current:

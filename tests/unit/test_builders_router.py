@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from kubernetes.config import incluster_config
 from pydantic import ValidationError
 
-from disagg.operator.api import DisaggDeployment, DisaggDeploymentSpec, RouterSpec
+from disagg.operator.api import DisaggDeployment, DisaggDeploymentSpec, EngineKind, RouterSpec
 from disagg.operator.builders.children import build
-from disagg.operator.builders.engine import HTTP_PORT, MASTER_PORT, is_reference_engine_image, stage_dns
+from disagg.operator.builders.engine import HTTP_PORT, MASTER_PORT, kind_of_image, stage_dns
 from disagg.operator.builders.pod_template import ENGINE_CONTAINER
 from disagg.operator.builders.router import ROUTER_CONTAINER, endpoint_of, router_objects
 from disagg.operator.builders.topology import TOPOLOGY_KEY
@@ -305,7 +305,7 @@ def test_available_counts_the_engines_and_progressing_waits_for_the_router() -> 
     ],
 )
 def test_the_reference_engine_is_recognised_by_its_repository_name(image: str, expected: bool) -> None:
-    assert is_reference_engine_image(image) is expected
+    assert (kind_of_image(image) is EngineKind.REFERENCE) is expected
 
 
 def _reference_objects(patch: dict[str, Any] | None = None) -> dict[tuple[str, str], dict[str, Any]]:
@@ -468,9 +468,21 @@ def test_what_the_reference_engine_honours_is_accepted(patch: dict[str, Any]) ->
     assert reasons(reference(patch)) == []
 
 
-def test_the_same_spec_with_another_engine_image_is_not_judged_as_the_reference_engine() -> None:
-    other = {"engine": {"image": "registry.example/my-engine:1"}, "prefill": {"tensorParallelSize": 2}}
+def test_the_same_spec_of_another_engine_kind_is_not_judged_as_the_reference_engine() -> None:
+    other = {
+        "engine": {"image": "registry.example/my-engine:1", "kind": "Custom"},
+        "prefill": {"tensorParallelSize": 2},
+    }
     assert "ReferenceEngineUnsupported" not in reasons(reference(other))
+    # Without the kind, the image's name decides: one that names no engine is a custom one.
+    unnamed = {
+        "engine": {"image": "registry.example/my-engine:1", "kind": DELETE},
+        "prefill": {"tensorParallelSize": 2},
+    }
+    assert "ReferenceEngineUnsupported" not in reasons(reference(unnamed))
+    # The reference engine under a mirrored name is judged as one when the spec says so.
+    mirrored = {"engine": {"image": "registry.corp/ml/inference:1"}, "prefill": {"tensorParallelSize": 2}}
+    assert "ReferenceEngineUnsupported" in reasons(reference(mirrored))
     assert reference_tensor_parallel("prefill", 1) is None
 
 

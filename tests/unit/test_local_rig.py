@@ -7,8 +7,11 @@ import threading
 from typing import Any
 
 import pytest
+from built import container, objects
+from dd_specs import spec
 
-from disagg.rig.local_kubelet import Readiness, expand, is_project_image
+from disagg.operator.builders.pod_template import ENGINE_CONTAINER
+from disagg.rig.local_kubelet import Readiness, expand, is_project_image, runs_vllm
 from disagg.rig.local_serving import wait_until_served
 from disagg.rig.service_proxy import Backend, backends
 
@@ -19,6 +22,15 @@ def test_project_images_are_recognised_on_any_registry_and_tag() -> None:
     assert is_project_image("disagg")
     assert not is_project_image("vllm/vllm-openai:v0.33.0")
     assert not is_project_image("ghcr.io/disagg/disagg-tools:1")
+
+
+def test_a_vllm_engine_is_known_by_the_command_the_operator_gave_it_not_its_image() -> None:
+    def engine(kind: str) -> dict[str, Any]:
+        built = objects(spec({"engine": {"image": "registry.corp/ml/inference:0.33", "kind": kind}}))
+        return container(built["Deployment", "gemma-pp2-decode"], ENGINE_CONTAINER)
+
+    assert runs_vllm(engine("VLLM"))
+    assert not runs_vllm(engine("Custom"))
 
 
 def test_expansion_follows_kubernetes_rules() -> None:

@@ -10,7 +10,7 @@ from dd_specs import spec
 from test_pairing import D1, D2, STAGES, annotate, healthy, report, verdict
 
 from disagg.operator import conditions as cond
-from disagg.operator.api import ConditionStatus, DisaggDeploymentStatus
+from disagg.operator.api import ConditionStatus, DisaggDeploymentStatus, EngineKind
 from disagg.operator.kv_status import PodKV, peers_reported
 from disagg.operator.policies.compat import evaluate
 from disagg.operator.status import Workload, compute, incompatibility_message, to_json, workload
@@ -274,3 +274,21 @@ def test_each_role_shows_its_target_and_selector_and_scaling_goes_with_autoscali
     assert kept.decode is not None and (kept.decode.desired_replicas, kept.decode.selector) == (2, "d")
     assert by_type(kept)["Scaling"] == ("True", "ScaledUp")
     assert "Scaling" not in by_type(with_scaling(False))
+
+
+def test_each_role_says_which_engine_kind_it_was_built_as() -> None:
+    status = compute(
+        generation=1,
+        previous=[],
+        violations=(),
+        report=evaluate(spec()),
+        workloads=[sts(0), deploy(0)],
+        pods=[],
+        routing=routing_from_pods([]),
+        reported=False,
+        now=T0,
+        engine_kinds={"prefill": EngineKind.VLLM, "decode": EngineKind.VLLM},
+    )
+    assert status.prefill is not None and status.decode is not None
+    assert status.prefill.engine_kind is status.decode.engine_kind is EngineKind.VLLM
+    assert to_json(status)["prefill"]["engineKind"] == "VLLM"
