@@ -32,16 +32,16 @@ import kopf
 from disagg.operator.api import GROUP, KIND, PLURAL, VERSION
 from disagg.operator.control.backoffs import API_BACKOFFS
 from disagg.operator.control.diffbase import LeanDiffBaseStorage, LeanProgressStorage
-from disagg.operator.control.frozen import freeze, thaw, view
 from disagg.operator.control.k8s_apply import PARALLEL_REQUESTS, Kube, api_client
 from disagg.operator.control.reconcile import Observed, refresh_status
 from disagg.operator.control.scaling import Planners
 from disagg.operator.control.specs import spec_reconciles
-from disagg.operator.control.stores import Key, Store
-from disagg.operator.control.ticker import Ticker
 from disagg.operator.control.ticks import ticks
-from disagg.operator.control.work_queue import WorkQueue
 from disagg.operator.naming import DEPLOYMENT_ANNOTATION, FIELD_MANAGER, MANAGED_BY_LABEL, Installation
+from disagg.operator.runtime.frozen import freeze, thaw, view
+from disagg.operator.runtime.stores import Key, Store
+from disagg.operator.runtime.ticker import Ticker
+from disagg.operator.runtime.work_queue import WorkQueue
 from disagg.operator.status import Workload, workload
 from disagg.worker.contracts.engine_pods import essentials
 

@@ -13,9 +13,9 @@ from typing import Any
 from disagg.operator.control.k8s_apply import Kube
 from disagg.operator.control.reconcile import Observed, Outcome, reconcile
 from disagg.operator.control.scaling import Planners, plan_tick, tick_seconds
-from disagg.operator.control.ticker import Tick
-from disagg.operator.control.work_queue import WorkQueue
 from disagg.operator.naming import Installation
+from disagg.operator.runtime.ticker import Tick
+from disagg.operator.runtime.work_queue import WorkQueue
 
 # How often a rollout under way is reconciled again: how soon a new revision's first routable pairs start
 # the old one's drain, and how close to `drainSeconds` its children are pruned.
