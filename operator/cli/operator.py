@@ -79,7 +79,7 @@ def _run(args: argparse.Namespace) -> int:
     import disagg.operator.control.handlers  # noqa: F401  (registers the handlers)
     from disagg.operator.control import access
     from disagg.operator.control.k8s_apply import Kube, api_client
-    from disagg.operator.control.memories import ChildrenForgotten
+    from disagg.operator.control.kopf_tuning import ChildrenForgotten
     from disagg.operator.naming import Installation
 
     role = Installation.from_environ(os.environ).worker_cluster_role

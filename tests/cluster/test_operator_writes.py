@@ -13,7 +13,7 @@ from kubernetes.client import ApiException, RbacAuthorizationV1Api
 from operator_harness import Cluster, OperatorProcess, example, satisfied, wait_for
 
 from disagg.operator.api import GROUP, PLURAL, VERSION
-from disagg.operator.control.handlers import CHILD_SELECTOR
+from disagg.operator.control.kopf_tuning import CHILD_SELECTOR
 
 NAME = "gemma"
 KV = "disagg.io/kv-transfer-ready"
