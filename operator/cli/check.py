@@ -215,11 +215,11 @@ def run_check(args: argparse.Namespace) -> int:
 def judge(dd: DisaggDeployment) -> CompatReport:
     """The operator's verdict (`policies.REFUSAL_CHAIN`), with this environment as the installation: its
     DISAGG_WORKER_IMAGE is the sidecar image of a spec that names none."""
-    from disagg.operator.naming import Installation
     from disagg.operator.policies.chain import REFUSAL_CHAIN
     from disagg.operator.policies.compat import evaluate
+    from disagg.operator.settings import installation_from_environ
 
-    return evaluate(dd.spec, REFUSAL_CHAIN, Installation.from_environ(os.environ))
+    return evaluate(dd.spec, REFUSAL_CHAIN, installation_from_environ(os.environ))
 
 
 def _plan_namespace(dd: DisaggDeployment) -> str:
@@ -233,7 +233,8 @@ def plan_manifests(dd: DisaggDeployment, report: CompatReport) -> list[dict[str,
     would refuse the spec or the file names no object.
     """
     from disagg.operator.builders.children import build
-    from disagg.operator.naming import Installation, Owner
+    from disagg.operator.naming import Owner
+    from disagg.operator.settings import installation_from_environ
 
     if not report.compatible or report.plan is None or not dd.metadata.name:
         return None
@@ -244,7 +245,7 @@ def plan_manifests(dd: DisaggDeployment, report: CompatReport) -> list[dict[str,
         generation=dd.metadata.generation or 1,
     )
     return build(
-        dd.spec, owner, report.plan, report.hashes, Installation.from_environ(os.environ), report.factors
+        dd.spec, owner, report.plan, report.hashes, installation_from_environ(os.environ), report.factors
     )
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextvars
 import logging
-import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -36,25 +35,16 @@ from disagg.operator.control.reconcile import Observed, refresh_status
 from disagg.operator.control.scaling import Planners
 from disagg.operator.control.specs import spec_reconciles
 from disagg.operator.control.ticks import ticks
-from disagg.operator.naming import DEPLOYMENT_ANNOTATION, FIELD_MANAGER, MANAGED_BY_LABEL, Installation
+from disagg.operator.naming import DEPLOYMENT_ANNOTATION, FIELD_MANAGER, MANAGED_BY_LABEL
 from disagg.operator.runtime.frozen import freeze, thaw, view
 from disagg.operator.runtime.stores import Key, Store
 from disagg.operator.runtime.ticker import Ticker
 from disagg.operator.runtime.work_queue import WorkQueue
+from disagg.operator.settings import Settings
 from disagg.operator.status import Workload, workload
 from disagg.worker.contracts.engine_pods import essentials
 
 CHILD_LABELS = {MANAGED_BY_LABEL: FIELD_MANAGER}
-# The threads of the spec reconciles and of the status refreshes. Each thread is another malloc arena and
-# stack, and the API server, not Python, bounds the throughput.
-SPEC_WORKERS = 4
-REFRESH_WORKERS = 4
-# How long a status refresh waits after the request that queued it: a new child's events (its pods created,
-# its status updated two or three times by its controller) come within about a second when the API server
-# keeps up, and one refresh after them writes the status once, not once per event (measured: a lone
-# deployment's status is written twice, by its reconcile and one refresh). Under a loaded API server the pods
-# come seconds apart and each still changes, and is written to, the status.
-SETTLE_S = 1.0
 V = TypeVar("V")
 
 
@@ -173,14 +163,16 @@ def _keep(store: Store[V], key: Key | None, uid: str, value: Callable[[], V]) ->
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     tune(settings)
+    # `disagg operator run` read them at its start, and refused what it could not read.
+    ours: Settings = memo.settings
     webhook = getattr(memo, "webhook", None)
     if webhook is not None:
         settings.admission.server = webhook.server
         settings.admission.managed = webhook.managed
     # One connection per thread that may be in a request at once (the spec workers wait on the request
     # threads); urllib3's default, five per core, would drop and re-handshake the rest.
-    kube = Kube(api_client(connections=SPEC_WORKERS + REFRESH_WORKERS + PARALLEL_REQUESTS))
-    installation = Installation.from_environ(os.environ)
+    kube = Kube(api_client(connections=ours.spec_workers + ours.refresh_workers + PARALLEL_REQUESTS))
+    installation = ours.installation
     # Set here, before any watch starts: the indexers put into it from their first event.
     kept = Kept()
     observed = kept.observed()
@@ -192,18 +184,18 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         lambda key: refresh_status(kube, *key, installation, observed),
         what="Status refresh",
         logger=logging.getLogger("disagg.operator.status"),
-        workers=REFRESH_WORKERS,
-        settle=SETTLE_S,
+        workers=ours.refresh_workers,
+        settle=ours.settle_s,
     )
     # Set here, not in a handler: kopf gives each object's handlers a shallow copy of this memo.
     memo.events = KopfEvents()
     memo.specs = spec_reconciles(
-        kube, installation, observed, memo.refresh.holding, memo.events, workers=SPEC_WORKERS
+        kube, installation, observed, memo.refresh.holding, memo.events, workers=ours.spec_workers
     )
     memo.planners = Planners()
     memo.ticker = Ticker(
         kept.owner_views,
-        ticks(kube, installation, observed, memo.refresh, memo.planners),
+        ticks(kube, installation, observed, memo.refresh, memo.planners, ours.planner_interval_s),
         forget=memo.planners.forget,
     )
 

@@ -47,6 +47,7 @@ from disagg.operator.rollout import Rollout
 from disagg.operator.scaling import targets as scaling_targets
 from disagg.operator.scaling.retire import UNKNOWN, Busy
 from disagg.operator.scaling.steps import ScaleSteps
+from disagg.operator.settings import installation_from_environ
 from disagg.operator.status import Workload, compute, incompatibility_message, to_json
 from disagg.worker.contracts.pairing import routing_from_pods
 from disagg.worker.contracts.pod_contract import DRAINING_ANNOTATION
@@ -116,7 +117,7 @@ def judge(raw_spec: Mapping[str, Any], installation: Installation | None = None)
 
     Pure in the spec and the installation, so it is cached on them: every pod event of a deployment used to
     re-run the whole evaluation. The verdict is shared between callers and never mutated."""
-    installed = installation if installation is not None else Installation.from_environ(os.environ)
+    installed = installation if installation is not None else installation_from_environ(os.environ)
     try:
         # What the API serves is JSON, so this round trip is exact; a caller's odd mapping is judged as is.
         key = json.dumps(raw_spec, sort_keys=True, separators=(",", ":"), default=dict)

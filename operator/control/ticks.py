@@ -12,7 +12,7 @@ from typing import Any
 
 from disagg.operator.control.k8s_apply import Kube
 from disagg.operator.control.reconcile import Observed, Outcome, reconcile
-from disagg.operator.control.scaling import Planners, plan_tick, tick_seconds
+from disagg.operator.control.scaling import Planners, plan_tick
 from disagg.operator.naming import Installation
 from disagg.operator.runtime.ticker import Tick
 from disagg.operator.runtime.work_queue import WorkQueue
@@ -38,8 +38,16 @@ def planned(body: Mapping[str, Any]) -> bool:
 
 
 def ticks(
-    kube: Kube, installation: Installation, observed: Observed, refresh: WorkQueue, planners: Planners
+    kube: Kube,
+    installation: Installation,
+    observed: Observed,
+    refresh: WorkQueue,
+    planners: Planners,
+    planner_interval_s: float,
 ) -> list[Tick]:
+    """The rollout's step (every `ROLLOUT_TICK_S`) and the planner's (every `planner_interval_s`,
+    `Settings.planner_interval_s`)."""
+
     def post(body: Mapping[str, Any], outcome: Outcome | None) -> None:
         for type_, reason, message in outcome.news() if outcome is not None else ():
             kube.post_event(body, type_, reason, message)
@@ -75,5 +83,5 @@ def ticks(
 
     return [
         Tick("rollout", ROLLOUT_TICK_S, rolling_out, advance_rollout),
-        Tick("planner", tick_seconds(), planned, plan_replicas),
+        Tick("planner", planner_interval_s, planned, plan_replicas),
     ]

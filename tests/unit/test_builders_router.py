@@ -30,6 +30,7 @@ from disagg.operator.policies.reference_engine import (
     REFERENCE_QUERY_HEADS,
     reference_tensor_parallel,
 )
+from disagg.operator.settings import installation_from_environ
 from disagg.operator.status import Workload, compute
 from disagg.worker.contracts.pairing import routing_from_pods
 from disagg.worker.contracts.pod_contract import POD_CONDITION, ROLE_LABEL, SIDECAR_CONTAINER
@@ -239,8 +240,8 @@ def test_the_image_is_the_specs_then_the_installations_then_the_sidecars() -> No
     assert image(gemma({"router": {"image": "mine:2"}}), installed) == "mine:2"
     assert image(gemma(), installed) == "op:1"
     assert image(gemma(), Installation()) == "ghcr.io/disagg/disagg:0.1.0"  # the example's worker.image
-    assert Installation.from_environ({"DISAGG_ROUTER_IMAGE": "op:3"}).router_image == "op:3"
-    assert Installation.from_environ({"DISAGG_ROUTER_IMAGE": ""}).router_image is None
+    assert installation_from_environ({"DISAGG_ROUTER_IMAGE": "op:3"}).router_image == "op:3"
+    assert installation_from_environ({"DISAGG_ROUTER_IMAGE": ""}).router_image is None
 
 
 def test_a_disabled_router_builds_nothing_and_changes_nothing_else() -> None:
