@@ -18,6 +18,8 @@ from disagg.operator.api.autoscaling import (
     PrefillAutoscaling,
     PrefillTarget,
     ScalingMode,
+    old_spellings,
+    scaling_mode,
 )
 from disagg.operator.api.fields import (
     API_VERSION,
@@ -167,5 +169,7 @@ __all__ = [
     "TopologyStatus",
     "WorkerSpec",
     "nested_deeper_than",
+    "old_spellings",
     "quantity_bytes",
+    "scaling_mode",
 ]

@@ -231,7 +231,7 @@ class DecodeSpec(RoleSpec):
     autoscaling: DecodeAutoscaling | None = Field(
         default=None,
         description="Let the operator's planner set replicas within bounds from an inter-token latency, "
-        "KV-cache usage or running-requests target, or (mode external) leave the decode Deployment's "
+        "KV-cache usage or running-requests target, or (mode External) leave the decode Deployment's "
         "replicas to your own autoscaler; omitted: replicas is fixed.",
     )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from disagg.operator.api import ScalingMode, scaling_mode
 from disagg.operator.control.k8s_apply import Kube
 from disagg.operator.control.reconcile import Observed, Outcome, reconcile
 from disagg.operator.control.scaling import Planners, plan_tick
@@ -27,11 +28,12 @@ def rolling_out(body: Mapping[str, Any]) -> bool:
 
 
 def planned(body: Mapping[str, Any]) -> bool:
-    """Some role is autoscaled by the planner (`spec.<role>.autoscaling`, mode `planner`, the default)."""
+    """Some role is autoscaled by the planner (`spec.<role>.autoscaling`, mode `Planner`, the default; the
+    stored spec may spell it `planner`)."""
     spec = body.get("spec") or {}
     roles = (spec.get("prefill") or {}, spec.get("decode") or {})
     return any(
-        (role.get("autoscaling") or {}).get("mode", "planner") == "planner"
+        scaling_mode((role.get("autoscaling") or {}).get("mode", ScalingMode.PLANNER)) is ScalingMode.PLANNER
         for role in roles
         if role.get("autoscaling")
     )
