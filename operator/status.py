@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Final
 
 from disagg.operator import conditions as cond
 from disagg.operator.api import (
@@ -34,6 +34,10 @@ from disagg.operator.policies.compat import CompatReport
 from disagg.operator.rollout import STUCK, Rollout, parse_time, slot_of
 from disagg.worker.contracts.pairing import Routing
 from disagg.worker.kv.errors import Violation
+
+# Progressing's reasons while workloads are not yet ready: a new deployment's first ones, or any later change.
+CREATING: Final = "Creating"
+ROLLING_OUT: Final = "RollingOut"
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +160,7 @@ def compute(
                 cond.desired(
                     cond.PROGRESSING,
                     ConditionStatus.TRUE,
-                    "RollingOut",
+                    CREATING if _creating(previous, stale) else ROLLING_OUT,
                     "waiting for " + ", ".join(w.describe() for w in (pending or stale)),
                     now,
                 )
@@ -188,6 +192,14 @@ def compute(
         endpoint=endpoint,
         **_revisions(rollout),
     )
+
+
+def _creating(previous: Sequence[Condition], stale: Sequence[Workload]) -> bool:
+    """Whether the deployment's first workloads are still coming up: every workload is of this generation
+    and Progressing has never said anything but `Creating` (nothing to roll out from yet). Once it has
+    completed, or a spec change finds older workloads, the deployment rolls out."""
+    progressing = cond.find(previous, cond.PROGRESSING)
+    return not stale and (progressing is None or progressing.reason == CREATING)
 
 
 def _serving(workloads: Sequence[Workload], rollout: Rollout | None) -> list[Workload]:

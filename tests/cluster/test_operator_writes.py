@@ -165,7 +165,7 @@ def test_a_create_writes_its_status_once_before_any_child(cluster: Cluster, ns: 
     assert (conditions["Compatible"]["status"], conditions["Compatible"]["observedGeneration"]) == ("True", 1)
     assert (conditions["Available"]["reason"], conditions["Progressing"]["reason"]) == (
         "AwaitingPods",
-        "RollingOut",
+        "Creating",
     ), conditions
     assert first["endpoint"].startswith(f"http://{NAME}-router.{ns}.svc:"), first
     # The first apply wave's ConfigMap is never written again: its resourceVersion is its creation's.

@@ -283,7 +283,7 @@ def test_available_counts_the_engines_and_progressing_waits_for_the_router() -> 
     )
     conditions = {c.type: c for c in status.conditions or ()}
     assert (conditions["Available"].status, conditions["Available"].reason) == ("True", "AllReplicasReady")
-    assert conditions["Progressing"].reason == "RollingOut"
+    assert conditions["Progressing"].reason == "Creating"
     assert "gemma-pp2-router 0/1 ready" in conditions["Progressing"].message
     assert status.endpoint == "http://gemma-pp2-router.ns1.svc:8000"
     assert status.decode is not None and status.decode.replicas == 2

@@ -54,12 +54,12 @@ def by_type(status: DisaggDeploymentStatus) -> dict[str, tuple[str, str]]:
     return {c.type: (c.status.value, c.reason) for c in status.conditions or []}
 
 
-def test_fresh_compatible_deployment_is_rolling_out() -> None:
+def test_fresh_compatible_deployment_is_being_created() -> None:
     status = status_of([sts(0), deploy(0)])
     assert by_type(status) == {
         "Compatible": ("True", "Compatible"),
         "Available": ("False", "AwaitingPods"),
-        "Progressing": ("True", "RollingOut"),
+        "Progressing": ("True", "Creating"),
         "KVTransferReady": ("Unknown", "NoPods"),
         "Routable": ("Unknown", "NoPairs"),
     }
@@ -80,8 +80,15 @@ def test_everything_ready_is_available_and_done() -> None:
 def test_workloads_of_an_older_generation_are_still_progressing() -> None:
     status = status_of([sts(2, generation=1), deploy(2, generation=1)], generation=2)
     assert by_type(status)["Progressing"] == ("True", "RollingOut")
+    # Unsettled workloads of this generation: still the creation until it first completes, a rollout after.
     unsettled = status_of([sts(2, settled=False), deploy(2)])
-    assert by_type(unsettled)["Progressing"] == ("True", "RollingOut")
+    assert by_type(unsettled)["Progressing"] == ("True", "Creating")
+    creating = status_of([sts(2, settled=False), deploy(2)], previous=unsettled)
+    assert by_type(creating)["Progressing"] == ("True", "Creating")
+    complete = status_of([sts(2), deploy(2)])
+    assert by_type(complete)["Progressing"] == ("False", "RolloutComplete")
+    after = status_of([sts(2, settled=False), deploy(2)], previous=complete)
+    assert by_type(after)["Progressing"] == ("True", "RollingOut")
 
 
 def test_incompatible_create_names_every_rule() -> None:
