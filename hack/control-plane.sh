@@ -67,6 +67,21 @@ as_root() {
   fi
 }
 
+# Run a command with its output in $PREFIX/apt.log: apt's and dpkg's progress lines ("Selecting previously
+# unselected package", "dpkg-source: info: extracting") would fill the demo's and the tests' screens. On a
+# failure the log's tail is printed and the status returned.
+quietly() {
+  local log=$PREFIX/apt.log status=0
+  mkdir -p "$PREFIX"
+  printf '$ %s\n' "$*" >>"$log"
+  "$@" >>"$log" 2>&1 || status=$?
+  if ((status)); then
+    log "failed ($status): $*; the end of $log:"
+    tail -n 20 "$log" >&2
+  fi
+  return "$status"
+}
+
 apt_install_missing() {
   local missing=() p
   for p in "${APT_PACKAGES[@]}"; do
@@ -77,13 +92,13 @@ apt_install_missing() {
   for p in "${missing[@]}"; do
     if ! apt-cache show "$p" >/dev/null 2>&1; then
       log "apt-get update (the package lists lack $p)"
-      as_root apt-get -o DPkg::Lock::Timeout=600 update -qq
+      quietly as_root apt-get -o DPkg::Lock::Timeout=600 update -qq
       break
     fi
   done
   log "apt-get install ${missing[*]}"
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq \
-    --no-install-recommends "${missing[@]}" >&2
+  quietly as_root env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq \
+    --no-install-recommends "${missing[@]}"
 }
 
 # apt with a private source list and state, so /etc/apt is never changed and no deb-src entry leaks.
@@ -105,7 +120,7 @@ EOF
 PRIVATE_APT_UPDATED=0
 private_apt_update() {
   ((PRIVATE_APT_UPDATED)) && return 0
-  private_apt update -qq >&2
+  quietly private_apt update -qq
   PRIVATE_APT_UPDATED=1
 }
 
@@ -114,10 +129,10 @@ fetch_source() {
   rm -rf "$src"
   mkdir -p "$src"
   private_apt_update
-  (cd "$src" && private_apt source -qq "kubernetes=$K8S_DEB_VERSION" >&2) || {
+  (cd "$src" && quietly private_apt source -qq "kubernetes=$K8S_DEB_VERSION") || {
     log "kubernetes=$K8S_DEB_VERSION is gone from the archive; trying the current bookworm revision"
     rm -rf "${src:?}"/*
-    (cd "$src" && private_apt source -qq kubernetes/bookworm >&2)
+    (cd "$src" && quietly private_apt source -qq kubernetes/bookworm)
   }
   local tree
   tree=$(find "$src" -mindepth 1 -maxdepth 1 -type d -name 'kubernetes-*' | head -n1)
@@ -138,6 +153,24 @@ fix_reflect2() {
   cp -r "$debian_src" "$tree/vendor/github.com/modern-go/reflect2"
 }
 
+# Wait for process $1, saying every ${DISAGG_PROGRESS_S:-30} s that it still runs ($2), how long it has and how
+# much it has written to folder $3 (the Go build cache: compiled packages), so a long build never looks hung.
+# Returns the process's exit status.
+progress_while() {
+  local pid=$1 what=$2 dir=$3 every=${DISAGG_PROGRESS_S:-30} start=$SECONDS next
+  next=$((SECONDS + every))
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 1
+    if ((SECONDS >= next)) && kill -0 "$pid" 2>/dev/null; then
+      local took=$((SECONDS - start)) size
+      size=$(du -sm "$dir" 2>/dev/null | cut -f1)
+      log "$what: $((took / 60))m$(printf '%02d' $((took % 60)))s so far, ${size:-0} MiB compiled"
+      next=$((SECONDS + every))
+    fi
+  done
+  wait "$pid"
+}
+
 build_kubernetes() {
   local tree=$1 version_file=$WORK/version.env
   cat >"$version_file" <<EOF
@@ -153,7 +186,8 @@ EOF
     export PATH=/usr/lib/go-1.19/bin:$PATH GOPROXY=off GOTOOLCHAIN=local
     export KUBE_GIT_VERSION_FILE=$version_file GOCACHE=$WORK/gocache
     make WHAT="cmd/kube-apiserver cmd/kube-controller-manager cmd/kubectl"
-  ) >"$WORK/build.log" 2>&1 || die "the build failed; see $WORK/build.log"
+  ) >"$WORK/build.log" 2>&1 &
+  progress_while $! "building ${BUILT[*]}" "$WORK/gocache" || die "the build failed; see $WORK/build.log"
   local b
   for b in "${BUILT[@]}"; do
     install -m 0755 "$tree/_output/bin/$b" "$BIN/$b"
@@ -166,7 +200,7 @@ install_etcd() {
   mkdir -p "$dir/root"
   # apt-get download + dpkg -x: installing etcd-server would start a system etcd on port 2379.
   private_apt_update
-  (cd "$dir" && private_apt download -qq etcd-server etcd-client >&2)
+  (cd "$dir" && quietly private_apt download -qq etcd-server etcd-client)
   local deb
   for deb in "$dir"/*.deb; do dpkg -x "$deb" "$dir/root"; done
   install -m 0755 "$dir/root/usr/bin/etcd" "$BIN/etcd"

@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from disagg.operator.api import ROLES, AttentionKind, DisaggDeploymentSpec, HybridKVCacheManager
-from disagg.operator.engine_kind import is_reference_engine_image
+from disagg.operator.api import ROLES, AttentionKind, DisaggDeploymentSpec, EngineKind, HybridKVCacheManager
+from disagg.operator.engine_kind import engine_kind
 from disagg.worker.contracts.releases import line_has, parse_version
 
 # Without HMA vLLM promotes sliding-window layers to full attention and needs one spec for every layer.
@@ -35,13 +35,13 @@ class HmaChoice:
 
 def window_edge_defect(spec: DisaggDeploymentSpec) -> bool:
     """Whether, under HMA, this deployment's decoders would load a sliding-window layer's KV without the first
-    key of the last prompt token's window: a vLLM release with the defect (an unparsable version counts;
-    pre-flight refuses it anyway), on a model with sliding-window layers."""
-    if is_reference_engine_image(spec.engine.image):
-        return False
+    key of the last prompt token's window: a model with sliding-window layers, and a role whose engine is
+    vLLM on a release with the defect (an unparsable version counts; pre-flight refuses it anyway)."""
     if AttentionKind.SLIDING_WINDOW not in spec.model.layer_kinds():
         return False
     for role in ROLES:
+        if engine_kind(spec, role) is not EngineKind.VLLM:
+            continue
         parsed = parse_version(spec.effective(role, "version", spec.engine.version))
         if parsed is None or line_has(parsed[:2], "sliding_window_load_edge"):
             return True

@@ -9,7 +9,6 @@ through environment variables). Everything that builds, judges or reconciles a c
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -82,7 +81,8 @@ class Owner:
 
 @dataclass(frozen=True)
 class Installation:
-    """What the operator's installation (the Helm chart, through environment variables) decides."""
+    """What the operator's installation (the Helm chart, through environment variables) decides for the
+    children; read with the rest of the operator's settings (`settings.Settings.from_environ`)."""
 
     worker_cluster_role: str = DEFAULT_WORKER_CLUSTER_ROLE
     # The sidecar images of a spec that names none: the watch sidecar's, and the transfer sidecar's.
@@ -90,15 +90,6 @@ class Installation:
     # The router image of a spec that names none.
     router_image: str | None = None
     transfer_image: str | None = None
-
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str]) -> Installation:
-        return cls(
-            worker_cluster_role=environ.get(WORKER_CLUSTER_ROLE_ENV) or DEFAULT_WORKER_CLUSTER_ROLE,
-            worker_image=environ.get(WORKER_IMAGE_ENV) or None,
-            router_image=environ.get(ROUTER_IMAGE_ENV) or None,
-            transfer_image=environ.get(TRANSFER_IMAGE_ENV) or None,
-        )
 
     def sidecar_image(self, spec: DisaggDeploymentSpec, *, transfer: bool = False) -> str | None:
         """The spec's sidecar image, else this installation's default for the sidecar's mode (the other

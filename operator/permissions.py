@@ -5,8 +5,9 @@ the rendered chart with them), `disagg operator run` asks the API server about e
 (`control.access`), and the router's and sidecars' Roles may only hold what the operator holds itself.
 
 Why the check at start: kopf retries a request the API server refuses with 403 as if it were an outage, for
-ever (`control.backoffs`), so an installation that misses one rule (a hand-written ClusterRole, a chart of
-another version) would run and log retries while nothing converges. Asked first, it exits and names the rule.
+ever (`control.kopf_tuning.API_BACKOFFS`), so an installation that misses one rule (a hand-written
+ClusterRole, a chart of another version) would run and log retries while nothing converges. Asked first, it
+exits and names the rule.
 """
 
 from __future__ import annotations

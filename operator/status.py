@@ -10,13 +10,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Final
 
 from disagg.operator import conditions as cond
 from disagg.operator.api import (
     Condition,
     ConditionStatus,
     DisaggDeploymentStatus,
+    EngineKind,
     RevisionStatus,
     Role,
     RoleHashes,
@@ -33,6 +34,10 @@ from disagg.operator.policies.compat import CompatReport
 from disagg.operator.rollout import STUCK, Rollout, parse_time, slot_of
 from disagg.worker.contracts.pairing import Routing
 from disagg.worker.kv.errors import Violation
+
+# Progressing's reasons while workloads are not yet ready: a new deployment's first ones, or any later change.
+CREATING: Final = "Creating"
+ROLLING_OUT: Final = "RollingOut"
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,13 +109,15 @@ def compute(
     desired: Mapping[Role, int | None] | None = None,
     selectors: Mapping[Role, str] | None = None,
     scaling: bool = False,
+    engine_kinds: Mapping[Role, EngineKind] | None = None,
 ) -> DisaggDeploymentStatus:
     """The whole status; `violations` are every refusal (pre-flight rules and engine-argument conflicts);
     `routing` is `pairing.routing_from_pods` of the pods, `reported` whether any pod has a peer report;
     `endpoint` is the router Service's URL, when one exists; `rollout` what `rollout.assess` makes of the
     workloads and pods (None for a refused spec); `desired` each role's replica target and `selectors` its
     pods' label selector (`scaling.targets`); `scaling` whether a role is autoscaled (else a `Scaling`
-    condition left from when one was goes)."""
+    condition left from when one was goes); `engine_kinds` the kind each role's engine was built as
+    (`builders.engine.engine_kind`)."""
     updates: list[Condition] = []
     applied = sorted({w.generation for w in workloads if w.generation is not None})
     if violations:
@@ -153,7 +160,7 @@ def compute(
                 cond.desired(
                     cond.PROGRESSING,
                     ConditionStatus.TRUE,
-                    "RollingOut",
+                    CREATING if _creating(previous, stale) else ROLLING_OUT,
                     "waiting for " + ", ".join(w.describe() for w in (pending or stale)),
                     now,
                 )
@@ -177,14 +184,22 @@ def compute(
     return DisaggDeploymentStatus(
         observed_generation=generation,
         conditions=cond.merge(carried, updates, generation=generation, now=now),
-        prefill=_role_status(workloads, "prefill", desired, selectors),
-        decode=_role_status(workloads, "decode", desired, selectors),
+        prefill=_role_status(workloads, "prefill", desired, selectors, engine_kinds),
+        decode=_role_status(workloads, "decode", desired, selectors, engine_kinds),
         topology=report.plan.to_status() if report.plan is not None else None,
         compatibility_hashes=RoleHashes(prefill=report.hashes["prefill"], decode=report.hashes["decode"]),
         routable_pairs=routable_pairs(routing),
         endpoint=endpoint,
         **_revisions(rollout),
     )
+
+
+def _creating(previous: Sequence[Condition], stale: Sequence[Workload]) -> bool:
+    """Whether the deployment's first workloads are still coming up: every workload is of this generation
+    and Progressing has never said anything but `Creating` (nothing to roll out from yet). Once it has
+    completed, or a spec change finds older workloads, the deployment rolls out."""
+    progressing = cond.find(previous, cond.PROGRESSING)
+    return not stale and (progressing is None or progressing.reason == CREATING)
 
 
 def _serving(workloads: Sequence[Workload], rollout: Rollout | None) -> list[Workload]:
@@ -251,6 +266,7 @@ def _role_status(
     role: Role,
     desired: Mapping[Role, int | None] | None,
     selectors: Mapping[Role, str] | None,
+    engine_kinds: Mapping[Role, EngineKind] | None,
 ) -> RoleStatus:
     mine = [w for w in workloads if w.role == role]
     return RoleStatus(
@@ -258,6 +274,7 @@ def _role_status(
         ready_replicas=sum(w.ready for w in mine),
         desired_replicas=(desired or {}).get(role),
         selector=(selectors or {}).get(role),
+        engine_kind=(engine_kinds or {}).get(role),
     )
 
 

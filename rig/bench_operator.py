@@ -60,7 +60,7 @@ EXAMPLE = REPO / "examples" / "pp2-hma.yaml"
 FINAL = {
     "Compatible": ("True", "Compatible"),
     "Available": ("False", "AwaitingPods"),
-    "Progressing": ("True", "RollingOut"),
+    "Progressing": ("True", "Creating"),
     "KVTransferReady": ("Unknown", "AwaitingHandshake"),
     "Routable": ("Unknown", "AwaitingPeerReports"),
 }

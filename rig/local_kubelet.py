@@ -40,8 +40,7 @@ from typing import Any, Final
 
 from kubernetes import client
 
-from disagg.operator.builders.engine import HTTP_PORT
-from disagg.operator.engine_kind import is_vllm_image
+from disagg.operator.builders.engine import ENGINE_LAUNCHER_NAME, HTTP_PORT
 from disagg.rig.local import free_port
 from disagg.rig.vllm_node import core_for, engine_process, pinned, serves_http
 from disagg.worker.connector.transport import LOOPBACK_UCX_ENV
@@ -123,6 +122,13 @@ DEFAULT_ENTRYPOINT: Final = ("disagg",)
 STAND_IN_LOG: Final = "sidecar.log"
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)|\$\$")
 _POD_DNS = re.compile(r"\b([a-z0-9]([-a-z0-9]*[a-z0-9])?)\.[a-z0-9-]+\.[a-z0-9-]+\.svc(\.cluster\.local)?\b")
+
+
+def runs_vllm(container: Mapping[str, Any]) -> bool:
+    """Whether a container is a vLLM engine as the operator builds one: its command is the launcher that
+    ends in `vllm serve` (named `ENGINE_LAUNCHER_NAME`), whatever its image is called."""
+    command: Sequence[str] = container.get("command") or ()
+    return bool(command) and command[-1] == ENGINE_LAUNCHER_NAME
 
 
 def is_project_image(image: str) -> bool:
@@ -430,9 +436,7 @@ class LocalKubelet:
         if all(is_project_image(c.get("image", "")) for c in containers):
             for container in containers:
                 self._run_container(pod, container, local, volumes, fault_env)
-        elif self.vllm and all(
-            is_project_image(c.get("image", "")) or is_vllm_image(c.get("image", "")) for c in containers
-        ):
+        elif self.vllm and all(is_project_image(c.get("image", "")) or runs_vllm(c) for c in containers):
             for container in containers:
                 if is_project_image(container.get("image", "")):
                     self._run_container(pod, container, local, volumes, fault_env)

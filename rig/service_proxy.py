@@ -131,6 +131,17 @@ class ServiceProxy:
     async def _forward(
         self, key: tuple[str, int], reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
+        try:
+            await self._relay(key, reader, writer)
+        except asyncio.CancelledError:
+            # `close()` ends the connections still open. The handler's task must then end normally:
+            # asyncio 3.11's stream server asks a finished handler task for its exception, which raises
+            # for a cancelled one, and logs that as "Exception in callback" with a traceback per connection.
+            writer.close()
+
+    async def _relay(
+        self, key: tuple[str, int], reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         found = self._backends.get(key) or []
         if not found:
             # kube-proxy rejects a connection to a Service without ready endpoints.

@@ -6,15 +6,15 @@ would: the image (the engine venv's `vllm` first on PATH), the network (the pod'
 host address, `VLLM_HOST_IP`, and as the HTTP bind address, `--host`, since every pod shares this one network
 namespace; UCX on loopback), the node's CPU placement (the whole pod on one core by its CPU mask, vLLM's
 OpenMP threads included through `VLLM_CPU_OMP_THREADS_BIND`; a mask, not a cpuset, because vLLM's NIXL worker
-moves its main thread to the last core of each NUMA node, which a cpuset without that core refuses: see the
-README's "Real vLLM on CPU") and its accelerator
+moves its main thread to the last core of each NUMA node, which a cpuset without that core refuses: see
+docs/real-vllm.md) and its accelerator
 (the CPU, `VLLM_CPU_KVCACHE_SPACE` GiB of KV, offline, and the AMX tile state each engine process must ask
 Linux for before vLLM's bfloat16 CPU attention runs: `hack/vllm/site/sitecustomize.py`).
 
 The core matters. NIXL's UCX progress thread polls without sleeping, a core per engine, idle or not, and
 vLLM's handshake waits a fixed 5 s for the peer's side channel, a thread beside that engine. So the prefill
 pods share the first core and the decoders take the others in turn (`core_for`): a decoder never shares a
-core with the prefill engine it handshakes (see the README's "Real vLLM on CPU").
+core with the prefill engine it handshakes (see docs/real-vllm.md).
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ from disagg.operator.api.autoscaling import (
     PrefillAutoscaling,
     PrefillTarget,
     ScalingMode,
+    old_spellings,
+    scaling_mode,
 )
 from disagg.operator.api.fields import (
     API_VERSION,
@@ -52,6 +54,7 @@ from disagg.operator.api.fields import (
 from disagg.operator.api.model import (
     AttentionKind,
     Connector,
+    EngineKind,
     EngineSpec,
     HybridKVCacheManager,
     KVCacheDType,
@@ -128,6 +131,7 @@ __all__ = [
     "DisaggDeployment",
     "DisaggDeploymentSpec",
     "DisaggDeploymentStatus",
+    "EngineKind",
     "EngineSpec",
     "ExtraArg",
     "FreeForm",
@@ -165,5 +169,7 @@ __all__ = [
     "TopologyStatus",
     "WorkerSpec",
     "nested_deeper_than",
+    "old_spellings",
     "quantity_bytes",
+    "scaling_mode",
 ]

@@ -4,9 +4,10 @@ operator's planner (or the user's own autoscaler) sets its replica count."""
 from __future__ import annotations
 
 import enum
-from typing import Final, Self
+from collections.abc import Mapping
+from typing import Annotated, Any, Final, Self
 
-from pydantic import Field, model_validator
+from pydantic import Field, WithJsonSchema, field_validator, model_validator
 
 from disagg.operator.api.fields import MAX_REPLICAS, ApiModel
 
@@ -19,19 +20,53 @@ MAX_WINDOW_S: Final = 3600
 
 
 class ScalingMode(enum.StrEnum):
-    """Who sets the role's replica count."""
+    """Who sets the role's replica count. CamelCase, as every enum of the API is; the lowercase spellings of
+    the first releases (`OLD_SCALING_MODES`) are still accepted, and the admission webhook warns of them."""
 
-    PLANNER = "planner"
-    EXTERNAL = "external"
+    PLANNER = "Planner"
+    EXTERNAL = "External"
+
+
+OLD_SCALING_MODES: Final = {"planner": ScalingMode.PLANNER, "external": ScalingMode.EXTERNAL}
+
+
+def scaling_mode(value: object) -> ScalingMode | None:
+    """The mode a stored spec's `mode` names, in either spelling; None for one that names none."""
+    if not isinstance(value, str):
+        return None
+    if value in OLD_SCALING_MODES:
+        return OLD_SCALING_MODES[value]
+    return ScalingMode(value) if value in tuple(ScalingMode) else None
+
+
+def old_spellings(raw_spec: Mapping[str, Any]) -> list[str]:
+    """A warning for each autoscaling mode a raw spec gives in its old lowercase spelling."""
+    found = []
+    for role in ("prefill", "decode"):
+        section = raw_spec.get(role)
+        scaling = section.get("autoscaling") if isinstance(section, Mapping) else None
+        mode = scaling.get("mode") if isinstance(scaling, Mapping) else None
+        if isinstance(mode, str) and mode in OLD_SCALING_MODES:
+            new = OLD_SCALING_MODES[mode].value
+            found.append(
+                f"spec.{role}.autoscaling.mode: {mode!r} is the old spelling of {new!r}; both are accepted, "
+                f"write {new!r}"
+            )
+    return found
+
+
+# The CRD lists both spellings, so objects stored before the rename still pass the API server's schema.
+_MODE_SCHEMA: Final = {"type": "string", "enum": [*(m.value for m in ScalingMode), *OLD_SCALING_MODES]}
 
 
 class _Autoscaling(ApiModel):
-    mode: ScalingMode = Field(
+    mode: Annotated[ScalingMode, WithJsonSchema(_MODE_SCHEMA)] = Field(
         default=ScalingMode.PLANNER,
-        description="planner (the default): the operator reads the router's and engines' metrics and sets "
-        "the replica count within [minReplicas, maxReplicas]. external (decode only): your own "
+        description="Planner (the default): the operator reads the router's and engines' metrics and sets "
+        "the replica count within [minReplicas, maxReplicas]. External (decode only): your own "
         "HorizontalPodAutoscaler or KEDA ScaledObject scales the decode Deployment; the operator leaves its "
-        "replicas out of what it applies, and minReplicas, maxReplicas and target are not given.",
+        "replicas out of what it applies, and minReplicas, maxReplicas and target are not given. The "
+        "lowercase planner and external of earlier releases are still accepted.",
     )
     min_replicas: int | None = Field(
         default=None,
@@ -75,16 +110,21 @@ class _Autoscaling(ApiModel):
         "(default 0.1, as a HorizontalPodAutoscaler).",
     )
 
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _old_spelling(cls, value: object) -> object:
+        return OLD_SCALING_MODES.get(value, value) if isinstance(value, str) else value
+
     def _checked(self, targets: int) -> Self:
         if self.mode == ScalingMode.EXTERNAL:
             if targets or self.min_replicas is not None or self.max_replicas is not None:
                 raise ValueError(
-                    "mode external leaves the replica count to your own autoscaler: give no target, "
+                    "mode External leaves the replica count to your own autoscaler: give no target, "
                     "minReplicas or maxReplicas (set them on the HorizontalPodAutoscaler)"
                 )
             return self
         if self.max_replicas is None:
-            raise ValueError("mode planner needs maxReplicas")
+            raise ValueError("mode Planner needs maxReplicas")
         if self.min_replicas is not None and self.min_replicas > self.max_replicas:
             raise ValueError(
                 f"minReplicas ({self.min_replicas}) must not exceed maxReplicas ({self.max_replicas})"
@@ -154,8 +194,8 @@ class PrefillAutoscaling(_Autoscaling):
     def _one_target(self) -> Self:
         if self.mode == ScalingMode.EXTERNAL:
             raise ValueError(
-                "mode external is for decode only: prefill's engines are StatefulSets an autoscaler cannot "
-                "add; use mode planner, or scale spec.prefill.replicas yourself"
+                "mode External is for decode only: prefill's engines are StatefulSets an autoscaler cannot "
+                "add; use mode Planner, or scale spec.prefill.replicas yourself"
             )
         return self._checked(_given(self.target))
 

@@ -93,6 +93,19 @@ class NixlBackend(enum.StrEnum):
     GDS = "GDS"
 
 
+class EngineKind(enum.StrEnum):
+    """What the engine container runs, which decides its arguments, its user and who moves the KV.
+
+    `VLLM`: `vllm serve` with the arguments the spec decides; it runs the NIXL connector in-process and the
+    sidecar only watches. `Reference`: the project's reference engine (`disagg engine serve`), whose
+    transfer sidecar moves the KV. `Custom`: any other engine; it is given the user's extra arguments and
+    the pod's `DISAGG_*` environment only, and its transfer sidecar moves the KV."""
+
+    VLLM = "VLLM"
+    REFERENCE = "Reference"
+    CUSTOM = "Custom"
+
+
 class LayerPattern(ApiModel):
     """A periodic attention pattern (Gemma-style): layer i is Full iff (i + 1) % fullEvery == 0."""
 
@@ -198,6 +211,14 @@ class EngineSpec(ApiModel):
     """The inference engine both roles run."""
 
     image: str = Field(min_length=1, max_length=512, description="Engine container image.")
+    kind: EngineKind | None = Field(
+        default=None,
+        description="What the image runs: VLLM, Reference (the project's reference engine) or Custom (any "
+        "other: it gets only extraArgs and the DISAGG_* environment). Unset, the image's name decides: "
+        "VLLM when the last path component of its repository contains vllm, Reference when it is "
+        "disagg-transfer, Custom otherwise; set it for a mirrored or renamed image. status.<role>.engineKind "
+        "shows the kind used.",
+    )
     version: str = Field(
         min_length=1, max_length=64, description="Engine (vLLM) version in the image; part of the hash."
     )

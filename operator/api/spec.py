@@ -231,7 +231,7 @@ class DecodeSpec(RoleSpec):
     autoscaling: DecodeAutoscaling | None = Field(
         default=None,
         description="Let the operator's planner set replicas within bounds from an inter-token latency, "
-        "KV-cache usage or running-requests target, or (mode external) leave the decode Deployment's "
+        "KV-cache usage or running-requests target, or (mode External) leave the decode Deployment's "
         "replicas to your own autoscaler; omitted: replicas is fixed.",
     )
 
@@ -298,10 +298,10 @@ DEFAULT_MAX_UNAVAILABLE: Final = 0
 class RolloutSpec(ApiModel):
     """How a change that needs new prefill/decode pairs is rolled out (one that changes the compatibility
     hashes or the topology document: the engine version, the model's KV geometry, dtypes, block size,
-    parallel sizes, the connector; see the README's table). The new revision's prefill engines and decode
-    pods come up beside the old ones in steps bounded by maxSurge and maxUnavailable; the router sends
-    them traffic only once they pair with each other; old pods are drained before they are deleted. Any
-    other change (replicas, resources, images of the same release, the router) is applied in place."""
+    parallel sizes, the connector; see the table in docs/cluster.md). The new revision's prefill engines
+    and decode pods come up beside the old ones in steps bounded by maxSurge and maxUnavailable; the router
+    sends them traffic only once they pair with each other; old pods are drained before they are deleted.
+    Any other change (replicas, resources, images of the same release, the router) is applied in place."""
 
     drain_seconds: int = Field(
         default=DEFAULT_DRAIN_SECONDS,

@@ -13,7 +13,7 @@ from pydantic import (
 )
 
 from disagg.operator.api.fields import REASON_PATTERN, ApiModel
-from disagg.operator.api.model import HybridKVCacheManager
+from disagg.operator.api.model import EngineKind, HybridKVCacheManager
 from disagg.operator.api.spec import DisaggDeploymentSpec
 
 
@@ -70,6 +70,11 @@ class RoleStatus(ApiModel):
         default=None,
         max_length=1024,
         description="Label selector of the role's pods (the scale subresource's, for an autoscaler).",
+    )
+    engine_kind: EngineKind | None = Field(
+        default=None,
+        description="The engine kind the role's pods were built for: spec.engine.kind, or the one the "
+        "image's name gives when it is unset.",
     )
 
 

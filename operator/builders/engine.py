@@ -1,6 +1,6 @@
 """The engine container's command, arguments and environment for each role. Pure.
 
-For vLLM images the builders own every argument the spec decides: `--kv-transfer-config` (the push or pull
+For vLLM engines the builders own every argument the spec decides: `--kv-transfer-config` (the push or pull
 connector, producer on prefill and consumer on decode, and the engine id), the parallel sizes, block size,
 dtypes, `--attention-backend` (vLLM no longer reads `VLLM_ATTENTION_BACKEND`), the layer partition and the
 side channel (`VLLM_NIXL_SIDE_CHANNEL_HOST` is the pod IP, because vLLM both binds it and advertises it to
@@ -16,14 +16,17 @@ pod. A watcher knows only the prefix and accepts an engine id that is the prefix
 (`wire.engine_id_matches`); the full id is what the side channel answers. vLLM broadcasts TP rank 0's id
 over the TP and PP groups, so every stage of a prefill engine advertises the head's id.
 
-The project's own reference engine (`is_reference_engine_image`) runs `disagg engine serve` (the
+Which of these an engine is, is `engine_kind`: `spec.engine.kind`, or by default what the image's name
+suggests (`kind_of_image`); nothing else asks what an image is called.
+
+The project's own reference engine (`EngineKind.REFERENCE`) runs `disagg engine serve` (the
 OpenAI-compatible server of `disagg.worker.engine`), configured by the same pod environment and topology
 file as its transfer sidecar; the builders add only its port and, on the stages of a PP prefill engine, the
 head pod's rendezvous address (`policies.reference_engine` refuses what it cannot run).
 
-A user's extra arguments to vLLM are kept; one that repeats an owned flag with
-the spec's own value is dropped as redundant, and one that contradicts the spec is refused with a violation,
-never silently overridden. Other engines receive the user's arguments and the `DISAGG_*` environment only.
+A user's extra arguments to vLLM are kept; one that repeats an owned flag with the spec's own value is
+dropped as redundant, and one that contradicts the spec is refused with a violation, never silently
+overridden. A `Custom` engine receives the user's arguments and the `DISAGG_*` environment only.
 
 Arguments are judged as vLLM's `FlexibleArgumentParser` reads them (vllm/utils/argparse_utils.py, 0.33):
 underscores are dashes; argparse's `allow_abbrev` is left on, so a prefix of one option is that option
@@ -50,8 +53,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from disagg.operator.api import DisaggDeploymentSpec, Role
-from disagg.operator.engine_kind import is_reference_engine_image, is_vllm_image
+from disagg.operator.api import DisaggDeploymentSpec, EngineKind, Role
+from disagg.operator.engine_kind import engine_kind
 from disagg.operator.hma import hma_enabled
 from disagg.operator.plan import TopologyPlan
 from disagg.worker.contracts.pod_contract import POD_IP_ENV, POD_NAME_ENV
@@ -129,10 +132,6 @@ def reference_engine_args(spec: DisaggDeploymentSpec, role: Role, master: str | 
     """`disagg engine serve`'s arguments; `master` is the head pod's DNS name on a PP prefill engine."""
     rendezvous = ("--master-addr", master, "--master-port", str(MASTER_PORT)) if master is not None else ()
     return ("engine", "serve", "--port", str(HTTP_PORT), *rendezvous, *user_args(spec, role))
-
-
-def role_image(spec: DisaggDeploymentSpec, role: Role) -> str:
-    return spec.effective(role, "image", spec.engine.image)
 
 
 def user_args(spec: DisaggDeploymentSpec, role: Role) -> tuple[str, ...]:
@@ -348,10 +347,10 @@ def _conflict(role: Role, shown: str, item: _Owned, why: str) -> Violation:
 
 
 def arg_violations(spec: DisaggDeploymentSpec) -> list[Violation]:
-    """Extra arguments that contradict the spec, for both roles (vLLM images only)."""
+    """Extra arguments that contradict the spec, for both roles (vLLM engines only)."""
     found: list[Violation] = []
     for role in ("prefill", "decode"):
-        if is_vllm_image(role_image(spec, role)):
+        if engine_kind(spec, role) is EngineKind.VLLM:
             owned = _owned_flags(spec, role, "stage-0" if _multi_node(spec, role) else None)
             found += _split_user_args(user_args(spec, role), owned, role)[1]
     return found
@@ -359,9 +358,9 @@ def arg_violations(spec: DisaggDeploymentSpec) -> list[Violation]:
 
 def vllm_serve_args(spec: DisaggDeploymentSpec, role: Role) -> tuple[list[str], list[str]] | None:
     """What the role's `vllm serve` is given (after `serve`): the operator's arguments (the model first) and
-    the user's kept extra arguments; None for an image that is not vLLM's, or extra arguments that contradict
+    the user's kept extra arguments; None for an engine that is not vLLM, or extra arguments that contradict
     the spec (`arg_violations` says why)."""
-    if not is_vllm_image(role_image(spec, role)):
+    if engine_kind(spec, role) is not EngineKind.VLLM:
         return None
     owned = _owned_flags(spec, role, "stage-0" if _multi_node(spec, role) else None)
     kept, violations = _split_user_args(user_args(spec, role), owned, role)
@@ -395,9 +394,10 @@ def engine_container(
     env = list(identity_env)
     args = user_args(spec, role)
     master = stage_service if _multi_node(spec, role) else None
-    if is_reference_engine_image(role_image(spec, role)):
+    kind = engine_kind(spec, role)
+    if kind is EngineKind.REFERENCE:
         return EngineContainer(("disagg",), reference_engine_args(spec, role, master), tuple(env))
-    if not is_vllm_image(role_image(spec, role)):
+    if kind is EngineKind.CUSTOM:
         return EngineContainer(command=(), args=args, env=tuple(env))
     owned = _owned_flags(spec, role, master)
     kept, violations = _split_user_args(args, owned, role)

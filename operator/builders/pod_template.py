@@ -14,12 +14,8 @@ import json
 from collections.abc import Mapping
 from typing import Any, Final
 
-from disagg.operator.api import DisaggDeploymentSpec, KVPoolMedium, Role
-from disagg.operator.builders.engine import (
-    HTTP_PORT,
-    engine_container,
-    role_image,
-)
+from disagg.operator.api import DisaggDeploymentSpec, EngineKind, KVPoolMedium, Role
+from disagg.operator.builders.engine import HTTP_PORT, engine_container
 from disagg.operator.builders.objects import (
     API_ACCESS_DIR,
     API_ACCESS_VOLUME,
@@ -31,7 +27,7 @@ from disagg.operator.builders.objects import (
     revision_labels,
 )
 from disagg.operator.builders.topology import TOPOLOGY_DIR, TOPOLOGY_KEY, revision
-from disagg.operator.engine_kind import is_reference_engine_image, is_vllm_image
+from disagg.operator.engine_kind import engine_kind, role_image
 from disagg.operator.naming import (
     DEPLOYMENT_ANNOTATION,
     HASH_ANNOTATION,
@@ -85,10 +81,10 @@ _WATCHES: Final = {
 
 
 def _engine_user(spec: DisaggDeploymentSpec, role: Role) -> dict[str, Any]:
-    """The engine container's user: the reference engine's image user, or the spec's; none for a vLLM
-    image without `spec.engine.runAsUser` (it runs as its image says)."""
+    """The engine container's user: the reference engine's image user, or the spec's; none for a vLLM or
+    custom engine without `spec.engine.runAsUser` (it runs as its image says)."""
     user = spec.engine.run_as_user
-    if user is None and is_reference_engine_image(role_image(spec, role)):
+    if user is None and engine_kind(spec, role) is EngineKind.REFERENCE:
         user = SIDECAR_UID
     return {} if user is None else {"runAsNonRoot": True, "runAsUser": user, "runAsGroup": user}
 
@@ -156,7 +152,8 @@ def engine_pod_template(
     # A vLLM engine runs the NIXL connector in-process and moves the KV itself; the sidecar then only watches
     # the handshakes. Otherwise the sidecar owns the NIXL agent. The RDMA devices, IPC_LOCK and the side
     # channel go to whichever container moves the data.
-    engine_moves_kv = is_vllm_image(role_image(spec, role))
+    kind = engine_kind(spec, role)
+    engine_moves_kv = kind is EngineKind.VLLM
     sidecar_image = installation.sidecar_image(spec, transfer=not engine_moves_kv)
     if sidecar_image is None:
         # The reconcile refuses such a spec (WorkerImageMissing) before building; reaching this is a bug.
@@ -192,7 +189,7 @@ def engine_pod_template(
         engine_container_spec["command"] = list(engine.command)
     if engine.args:
         engine_container_spec["args"] = list(engine.args)
-    if is_reference_engine_image(role_image(spec, role)):
+    if kind is EngineKind.REFERENCE:
         # `disagg engine serve` advertises the hash its sidecar checks peers against.
         engine_container_spec["env"].append({"name": COMPATIBILITY_HASH_ENV, "value": compat_hash})
         if role == "decode":

@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from disagg.operator.api import DisaggDeploymentSpec
-from disagg.operator.builders.engine import role_image, stage_dns
+from disagg.operator.api import DisaggDeploymentSpec, EngineKind
+from disagg.operator.builders.engine import stage_dns
 from disagg.operator.builders.objects import owned_object, revision_labels
 from disagg.operator.builders.pod_template import engine_pod_template
 from disagg.operator.builders.topology import revision
-from disagg.operator.engine_kind import is_vllm_image
+from disagg.operator.engine_kind import engine_kind
 from disagg.operator.naming import SLOTS, Installation, Owner, prefill_name, selector_labels
 from disagg.operator.plan import TopologyPlan
 from disagg.worker.contracts.pod_contract import ENGINE_SIDE_CHANNEL_HOST_ENV, ENGINE_WORKERS_ENV
@@ -76,7 +76,7 @@ def _engine_side_channel_env(spec: DisaggDeploymentSpec, owner: Owner, name: str
     if pp == 1:
         return []
     port = spec.kv_transfer.side_channel_port
-    if is_vllm_image(role_image(spec, "prefill")):
+    if engine_kind(spec, "prefill") is EngineKind.VLLM:
         return [{"name": ENGINE_SIDE_CHANNEL_HOST_ENV, "value": stage_dns(name, name, owner.namespace)}]
     # One transfer sidecar per stage pod, serving TP rank 0 (the reference engine runs TP 1 per pod).
     workers = [

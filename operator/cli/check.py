@@ -178,15 +178,18 @@ def _router_text(dd: DisaggDeployment) -> str:
 
 
 def _engine_text(spec: DisaggDeploymentSpec, role: Role) -> str:
-    from disagg.operator.builders.engine import role_image
-    from disagg.operator.engine_kind import is_reference_engine_image
+    from disagg.operator.api import EngineKind
+    from disagg.operator.engine_kind import engine_kind
     from disagg.worker.contracts.releases import release_of
 
     version = spec.effective(role, "version", spec.engine.version)
     release = release_of(version)
     known = f"NIXL connector version {release.connector_version}" if release else "not a supported release"
-    if is_reference_engine_image(role_image(spec, role)):
+    kind = engine_kind(spec, role)
+    if kind is EngineKind.REFERENCE:
         return f"the reference engine (disagg engine serve) as vLLM {version} ({known})"
+    if kind is EngineKind.CUSTOM:
+        return f"a custom engine as vLLM {version} ({known})"
     return f"vLLM {version} ({known})"
 
 
@@ -221,11 +224,11 @@ def run_check(args: argparse.Namespace) -> int:
 def judge(dd: DisaggDeployment) -> CompatReport:
     """The operator's verdict (`policies.REFUSAL_CHAIN`), with this environment as the installation: its
     DISAGG_WORKER_IMAGE is the sidecar image of a spec that names none."""
-    from disagg.operator.naming import Installation
     from disagg.operator.policies.chain import REFUSAL_CHAIN
     from disagg.operator.policies.compat import evaluate
+    from disagg.operator.settings import installation_from_environ
 
-    return evaluate(dd.spec, REFUSAL_CHAIN, Installation.from_environ(os.environ))
+    return evaluate(dd.spec, REFUSAL_CHAIN, installation_from_environ(os.environ))
 
 
 def _plan_namespace(dd: DisaggDeployment) -> str:
@@ -239,7 +242,8 @@ def plan_manifests(dd: DisaggDeployment, report: CompatReport) -> list[dict[str,
     would refuse the spec or the file names no object.
     """
     from disagg.operator.builders.children import build
-    from disagg.operator.naming import Installation, Owner
+    from disagg.operator.naming import Owner
+    from disagg.operator.settings import installation_from_environ
 
     if not report.compatible or report.plan is None or not dd.metadata.name:
         return None
@@ -250,7 +254,7 @@ def plan_manifests(dd: DisaggDeployment, report: CompatReport) -> list[dict[str,
         generation=dd.metadata.generation or 1,
     )
     return build(
-        dd.spec, owner, report.plan, report.hashes, Installation.from_environ(os.environ), report.factors
+        dd.spec, owner, report.plan, report.hashes, installation_from_environ(os.environ), report.factors
     )
 
 

@@ -19,6 +19,8 @@ M_ARENA_MAX = -8
 
 
 def register(subparsers: Any) -> None:
+    from disagg.operator.settings import LOG_LEVEL_ENV, LOG_LEVELS
+
     operator = subparsers.add_parser("operator", help="Run the DisaggDeployment operator.")
     commands = operator.add_subparsers(dest="operator_command", metavar="COMMAND", required=True)
     run = commands.add_parser("run", help="Reconcile DisaggDeployments until stopped (SIGTERM, SIGINT).")
@@ -47,9 +49,8 @@ def register(subparsers: Any) -> None:
     run.add_argument("--health-port", type=int, help="Serve kopf's liveness endpoint at GET /healthz.")
     run.add_argument(
         "--log-level",
-        default=os.environ.get("DISAGG_LOG_LEVEL", "info"),
-        choices=("debug", "info", "warning"),
-        help="Log verbosity (default: $DISAGG_LOG_LEVEL or info).",
+        choices=LOG_LEVELS,
+        help=f"Log verbosity (default: ${LOG_LEVEL_ENV} or info).",
     )
     run.set_defaults(func=_run)
 
@@ -79,16 +80,21 @@ def _run(args: argparse.Namespace) -> int:
     import disagg.operator.control.handlers  # noqa: F401  (registers the handlers)
     from disagg.operator.control import access
     from disagg.operator.control.k8s_apply import Kube, api_client
-    from disagg.operator.control.memories import ChildrenForgotten
-    from disagg.operator.naming import Installation
+    from disagg.operator.control.kopf_tuning import ChildrenForgotten
+    from disagg.operator.settings import Settings, SettingsError
 
-    role = Installation.from_environ(os.environ).worker_cluster_role
+    try:
+        settings = Settings.from_environ(os.environ)
+    except SettingsError as error:
+        raise SystemExit(f"disagg operator run: {error}") from None
+    role = settings.installation.worker_cluster_role
     try:
         access.check_when_reachable(Kube(api_client()), role, args.namespace, clusterwide=args.namespace_all)
     except access.AccessDenied as denied:
         raise SystemExit(f"disagg operator run: {denied}") from None
 
     memo = kopf.Memo()
+    memo.settings = settings
     if args.webhook_port is not None:
         from disagg.operator.control import webhook
 
@@ -98,7 +104,8 @@ def _run(args: argparse.Namespace) -> int:
             memo.webhook = webhook.cluster_webhook(args.webhook_port, args.webhook_cert_dir)
         else:
             raise SystemExit("disagg operator run: --webhook-port needs --webhook-cert-dir or --webhook-dev")
-    kopf.configure(verbose=args.log_level == "debug", quiet=args.log_level == "warning")
+    level = args.log_level or settings.log_level
+    kopf.configure(verbose=level == "debug", quiet=level == "warning")
     liveness = f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None
     kopf.run(
         standalone=True,

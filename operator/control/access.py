@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
-from disagg.operator.control.backoffs import API_BACKOFFS
 from disagg.operator.control.k8s_apply import Kube
+from disagg.operator.control.kopf_tuning import API_BACKOFFS
 from disagg.operator.permissions import Rule, denied_message, operator_rules
 
 log = logging.getLogger(__name__)
@@ -80,8 +80,8 @@ def check_when_reachable(
     kube: Kube, worker_cluster_role: str, namespaces: Sequence[str], *, clusterwide: bool
 ) -> None:
     """`check`, retried on kopf's delays while the API server is away or answers 5xx/429: an operator
-    started during an outage waits for the server, as its handlers will (`backoffs`). A 403 on the review
-    itself, or a denied rule, ends it."""
+    started during an outage waits for the server, as its handlers will (`kopf_tuning.API_BACKOFFS`). A 403
+    on the review itself, or a denied rule, ends it."""
     for delay in API_BACKOFFS:
         try:
             check(kube, worker_cluster_role, namespaces, clusterwide=clusterwide)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextvars
 import logging
-import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -29,38 +28,23 @@ from typing import Any, TypeVar
 
 import kopf
 
-from disagg.operator.api import GROUP, KIND, PLURAL, VERSION
-from disagg.operator.control.backoffs import API_BACKOFFS
-from disagg.operator.control.diffbase import LeanDiffBaseStorage, LeanProgressStorage
-from disagg.operator.control.frozen import freeze, thaw, view
+from disagg.operator.api import GROUP, PLURAL, VERSION
 from disagg.operator.control.k8s_apply import PARALLEL_REQUESTS, Kube, api_client
+from disagg.operator.control.kopf_tuning import KopfEvents, tune
 from disagg.operator.control.reconcile import Observed, refresh_status
 from disagg.operator.control.scaling import Planners
 from disagg.operator.control.specs import spec_reconciles
-from disagg.operator.control.stores import Key, Store
-from disagg.operator.control.ticker import Ticker
 from disagg.operator.control.ticks import ticks
-from disagg.operator.control.work_queue import WorkQueue
-from disagg.operator.naming import DEPLOYMENT_ANNOTATION, FIELD_MANAGER, MANAGED_BY_LABEL, Installation
+from disagg.operator.naming import DEPLOYMENT_ANNOTATION, FIELD_MANAGER, MANAGED_BY_LABEL
+from disagg.operator.runtime.frozen import freeze, thaw, view
+from disagg.operator.runtime.stores import Key, Store
+from disagg.operator.runtime.ticker import Ticker
+from disagg.operator.runtime.work_queue import WorkQueue
+from disagg.operator.settings import Settings
 from disagg.operator.status import Workload, workload
 from disagg.worker.contracts.engine_pods import essentials
 
-CHILD_SELECTOR = f"{MANAGED_BY_LABEL}={FIELD_MANAGER}"
 CHILD_LABELS = {MANAGED_BY_LABEL: FIELD_MANAGER}
-# The threads of the spec reconciles and of the status refreshes. Each thread is another malloc arena and
-# stack, and the API server, not Python, bounds the throughput.
-SPEC_WORKERS = 4
-REFRESH_WORKERS = 4
-# kopf's executor runs only the startup and cleanup handlers and the admission webhook's validation.
-KOPF_WORKERS = 2
-# How long a status refresh waits after the request that queued it: a new child's events (its pods created,
-# its status updated two or three times by its controller) come within about a second when the API server
-# keeps up, and one refresh after them writes the status once, not once per event (measured: a lone
-# deployment's status is written twice, by its reconcile and one refresh). Under a loaded API server the pods
-# come seconds apart and each still changes, and is written to, the status.
-SETTLE_S = 1.0
-LIST_PAGE = 500
-WORKER_IDLE_S = 0.2
 V = TypeVar("V")
 
 
@@ -176,44 +160,19 @@ def _keep(store: Store[V], key: Key | None, uid: str, value: Callable[[], V]) ->
     store.put(key, uid, made)
 
 
-def tune(settings: kopf.OperatorSettings) -> None:
-    """kopf's settings for this operator: where its state is kept, what it posts, what it watches, how it
-    queues and retries."""
-    settings.persistence.progress_storage = LeanProgressStorage(prefix=GROUP)
-    settings.persistence.diffbase_storage = LeanDiffBaseStorage(
-        prefix=GROUP, key="last-handled-configuration"
-    )
-    # Routine logs stay logs; Events are posted explicitly with CamelCase reasons (and by kopf on failures).
-    settings.posting.level = logging.WARNING
-    # `kubectl describe` names who posted an Event ("From"); kopf would say "kopf".
-    settings.posting.reporting_component = FIELD_MANAGER
-    for resource in (("v1", "pods"), ("apps", "v1", "statefulsets"), ("apps", "v1", "deployments")):
-        settings.watching.label_selectors[resource] = CHILD_SELECTOR
-    settings.execution.max_workers = KOPF_WORKERS
-    # kopf's worker for an object keeps the object's last event until it exits, `idle_timeout` after its
-    # last event; at kopf's 5 s, 400 deployments created one after another left ~360 idle workers holding
-    # a Pod or a StatefulSet each: the operator's RSS peaked 40 MiB over its start, 16 MiB at 0.2 s.
-    # Starting a worker again costs a task and a queue.
-    settings.queueing.idle_timeout = WORKER_IDLE_S
-    # Retry the API server for as long as it is away: kopf's default gives up after ~54 s and ends the
-    # operator (`backoffs`).
-    settings.networking.error_backoffs = API_BACKOFFS
-    # kopf lists a kind again whenever its watch must restart from scratch (410 Gone: the API server no
-    # longer has the version it would resume from); paged, that holds one page of Pods, not thousands.
-    settings.watching.chunk_size = LIST_PAGE
-
-
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     tune(settings)
+    # `disagg operator run` read them at its start, and refused what it could not read.
+    ours: Settings = memo.settings
     webhook = getattr(memo, "webhook", None)
     if webhook is not None:
         settings.admission.server = webhook.server
         settings.admission.managed = webhook.managed
     # One connection per thread that may be in a request at once (the spec workers wait on the request
     # threads); urllib3's default, five per core, would drop and re-handshake the rest.
-    kube = Kube(api_client(connections=SPEC_WORKERS + REFRESH_WORKERS + PARALLEL_REQUESTS))
-    installation = Installation.from_environ(os.environ)
+    kube = Kube(api_client(connections=ours.spec_workers + ours.refresh_workers + PARALLEL_REQUESTS))
+    installation = ours.installation
     # Set here, before any watch starts: the indexers put into it from their first event.
     kept = Kept()
     observed = kept.observed()
@@ -225,18 +184,18 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         lambda key: refresh_status(kube, *key, installation, observed),
         what="Status refresh",
         logger=logging.getLogger("disagg.operator.status"),
-        workers=REFRESH_WORKERS,
-        settle=SETTLE_S,
+        workers=ours.refresh_workers,
+        settle=ours.settle_s,
     )
     # Set here, not in a handler: kopf gives each object's handlers a shallow copy of this memo.
     memo.events = KopfEvents()
     memo.specs = spec_reconciles(
-        kube, installation, observed, memo.refresh.holding, memo.events, workers=SPEC_WORKERS
+        kube, installation, observed, memo.refresh.holding, memo.events, workers=ours.spec_workers
     )
     memo.planners = Planners()
     memo.ticker = Ticker(
         kept.owner_views,
-        ticks(kube, installation, observed, memo.refresh, memo.planners),
+        ticks(kube, installation, observed, memo.refresh, memo.planners, ours.planner_interval_s),
         forget=memo.planners.forget,
     )
 
@@ -264,36 +223,6 @@ async def reconcile_spec(body: kopf.Body, memo: kopf.Memo, reason: str, retry: i
         (sys.intern(metadata["namespace"]), sys.intern(metadata["name"])),
         created_uid=metadata["uid"] if created else None,
     )
-
-
-class KopfEvents:
-    """Posts an Event on a deployment through kopf's poster, from any thread: queued, not waited for, retried
-    by kopf on its schedule. kopf finds its poster in context variables of its handlers' tasks: a handler
-    gives one (`keep`) before anything here posts."""
-
-    def __init__(self) -> None:
-        self._context: contextvars.Context | None = None
-
-    def keep(self, context: contextvars.Context) -> None:
-        if self._context is None:
-            self._context = context
-
-    def __call__(self, deployment: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
-        if self._context is None:
-            raise RuntimeError("no kopf handler has run: kopf's poster is not known yet")
-        metadata = deployment["metadata"]
-        reference = kopf.Body(
-            {
-                "apiVersion": f"{GROUP}/{VERSION}",
-                "kind": KIND,
-                "metadata": {
-                    "name": metadata["name"],
-                    "namespace": metadata["namespace"],
-                    "uid": metadata["uid"],
-                },
-            }
-        )
-        self._context.copy().run(kopf.event, reference, type=type_, reason=reason, message=message)
 
 
 @kopf.on.event("apps", "v1", "statefulsets", labels=CHILD_LABELS)

@@ -11,7 +11,6 @@ each other). An engine is scraped at its pod IP on the engine's `http` port.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import urllib.request
@@ -36,22 +35,11 @@ from disagg.worker.contracts.pod_contract import DRAINING_ANNOTATION, ENGINE_HTT
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
-TICK_ENV: Final = "DISAGG_PLANNER_INTERVAL_S"
-DEFAULT_TICK_S: Final = 5.0
 SCRAPE_TIMEOUT_S: Final = 2.0
 # A router's or engine's page is tens of KiB; one far larger is not a metrics page.
 MAX_SCRAPE_BYTES: Final = 4 << 20
 # Samples older than the longest window any spec may name are never read.
 KEEP_S: Final = 3600.0
-
-
-def tick_seconds(environ: Mapping[str, str] = os.environ) -> float:
-    """How often the planner runs per autoscaled deployment (`DISAGG_PLANNER_INTERVAL_S`, default 5)."""
-    try:
-        value = float(environ.get(TICK_ENV, DEFAULT_TICK_S))
-    except ValueError:
-        return DEFAULT_TICK_S
-    return value if value > 0 else DEFAULT_TICK_S
 
 
 @dataclass

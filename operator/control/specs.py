@@ -19,8 +19,8 @@ from typing import Any
 
 from disagg.operator.control.k8s_apply import Kube
 from disagg.operator.control.reconcile import Observed, Outcome, reconcile
-from disagg.operator.control.work_queue import Key, WorkQueue
 from disagg.operator.naming import Installation
+from disagg.operator.runtime.work_queue import Key, WorkQueue
 
 _LOG = logging.getLogger("disagg.operator.reconcile")
 Reconcile = Callable[[Mapping[str, Any], bool], Outcome]

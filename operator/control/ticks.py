@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from disagg.operator.api import ScalingMode, scaling_mode
 from disagg.operator.control.k8s_apply import Kube
 from disagg.operator.control.reconcile import Observed, Outcome, reconcile
-from disagg.operator.control.scaling import Planners, plan_tick, tick_seconds
-from disagg.operator.control.ticker import Tick
-from disagg.operator.control.work_queue import WorkQueue
+from disagg.operator.control.scaling import Planners, plan_tick
 from disagg.operator.naming import Installation
+from disagg.operator.runtime.ticker import Tick
+from disagg.operator.runtime.work_queue import WorkQueue
 
 # How often a rollout under way is reconciled again: how soon a new revision's first routable pairs start
 # the old one's drain, and how close to `drainSeconds` its children are pruned.
@@ -27,19 +28,28 @@ def rolling_out(body: Mapping[str, Any]) -> bool:
 
 
 def planned(body: Mapping[str, Any]) -> bool:
-    """Some role is autoscaled by the planner (`spec.<role>.autoscaling`, mode `planner`, the default)."""
+    """Some role is autoscaled by the planner (`spec.<role>.autoscaling`, mode `Planner`, the default; the
+    stored spec may spell it `planner`)."""
     spec = body.get("spec") or {}
     roles = (spec.get("prefill") or {}, spec.get("decode") or {})
     return any(
-        (role.get("autoscaling") or {}).get("mode", "planner") == "planner"
+        scaling_mode((role.get("autoscaling") or {}).get("mode", ScalingMode.PLANNER)) is ScalingMode.PLANNER
         for role in roles
         if role.get("autoscaling")
     )
 
 
 def ticks(
-    kube: Kube, installation: Installation, observed: Observed, refresh: WorkQueue, planners: Planners
+    kube: Kube,
+    installation: Installation,
+    observed: Observed,
+    refresh: WorkQueue,
+    planners: Planners,
+    planner_interval_s: float,
 ) -> list[Tick]:
+    """The rollout's step (every `ROLLOUT_TICK_S`) and the planner's (every `planner_interval_s`,
+    `Settings.planner_interval_s`)."""
+
     def post(body: Mapping[str, Any], outcome: Outcome | None) -> None:
         for type_, reason, message in outcome.news() if outcome is not None else ():
             kube.post_event(body, type_, reason, message)
@@ -75,5 +85,5 @@ def ticks(
 
     return [
         Tick("rollout", ROLLOUT_TICK_S, rolling_out, advance_rollout),
-        Tick("planner", tick_seconds(), planned, plan_replicas),
+        Tick("planner", planner_interval_s, planned, plan_replicas),
     ]

@@ -29,7 +29,7 @@ from typing import Any, Final
 import aiohttp.web
 import kopf
 
-from disagg.operator.api import GROUP, PLURAL, VERSION, nested_deeper_than
+from disagg.operator.api import GROUP, PLURAL, VERSION, nested_deeper_than, old_spellings
 from disagg.operator.control.reconcile import judge
 
 HANDLER_ID: Final = "validate-disaggdeployment"
@@ -61,7 +61,10 @@ def refusal(spec: Mapping[str, Any]) -> str | None:
 
 
 @kopf.on.validate(GROUP, VERSION, PLURAL, id=HANDLER_ID, operations=["CREATE", "UPDATE"])
-def validate(spec: kopf.Spec, **_: Any) -> None:
+def validate(spec: kopf.Spec, warnings: list[str] | None = None, **_: Any) -> None:
+    # kopf passes the review's warnings, which kubectl prints ("Warning: ...") and still applies the object.
+    if warnings is not None:
+        warnings.extend(old_spellings(dict(spec)))
     try:
         message = refusal(dict(spec))
     except Exception as error:  # kopf would answer 500 and the user would see only the exception's text

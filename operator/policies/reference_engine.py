@@ -17,13 +17,14 @@ from disagg.operator.api import (
     ROLES,
     Connector,
     DisaggDeploymentSpec,
+    EngineKind,
     HybridKVCacheManager,
     KVCacheDType,
     KVCacheLayout,
     ModelDType,
 )
-from disagg.operator.builders.engine import role_image, user_args
-from disagg.operator.engine_kind import is_reference_engine_image
+from disagg.operator.builders.engine import user_args
+from disagg.operator.engine_kind import engine_kind
 from disagg.operator.policies.policy import PolicyInput
 from disagg.worker.kv.errors import Violation
 from disagg.worker.kv.layout import DEFAULT_LAYER_NAME_TEMPLATE, AttentionKind, pp_partition
@@ -90,8 +91,8 @@ def reference_extra_args(args: Sequence[str]) -> Violation | None:
 
 
 def reference_engine_violations(spec: DisaggDeploymentSpec) -> list[Violation]:
-    """Every spec field the reference engine cannot honour, when some role's image is it."""
-    roles = [role for role in ROLES if is_reference_engine_image(role_image(spec, role))]
+    """Every spec field the reference engine cannot honour, when some role runs it."""
+    roles = [role for role in ROLES if engine_kind(spec, role) is EngineKind.REFERENCE]
     if not roles:
         return []
     found: list[Violation | None] = []

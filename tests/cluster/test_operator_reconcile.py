@@ -71,7 +71,7 @@ def test_valid_spec_creates_owned_children_and_conditions(cluster: Cluster, ns: 
     assert [s["endLayer"] - s["startLayer"] for s in status["topology"]["stages"]] == [31, 31]
     assert status["compatibilityHashes"]["prefill"] == status["compatibilityHashes"]["decode"]
     cluster.wait_condition(ns, NAME, "Available", "False", "AwaitingPods")
-    cluster.wait_condition(ns, NAME, "Progressing", "True", "RollingOut")
+    cluster.wait_condition(ns, NAME, "Progressing", "True", "Creating")
     cluster.wait_condition(ns, NAME, "KVTransferReady", "Unknown", "AwaitingHandshake")
 
 

@@ -13,7 +13,7 @@ from kubernetes.client import ApiException, RbacAuthorizationV1Api
 from operator_harness import Cluster, OperatorProcess, example, satisfied, wait_for
 
 from disagg.operator.api import GROUP, PLURAL, VERSION
-from disagg.operator.control.handlers import CHILD_SELECTOR
+from disagg.operator.control.kopf_tuning import CHILD_SELECTOR
 
 NAME = "gemma"
 KV = "disagg.io/kv-transfer-ready"
@@ -165,7 +165,7 @@ def test_a_create_writes_its_status_once_before_any_child(cluster: Cluster, ns: 
     assert (conditions["Compatible"]["status"], conditions["Compatible"]["observedGeneration"]) == ("True", 1)
     assert (conditions["Available"]["reason"], conditions["Progressing"]["reason"]) == (
         "AwaitingPods",
-        "RollingOut",
+        "Creating",
     ), conditions
     assert first["endpoint"].startswith(f"http://{NAME}-router.{ns}.svc:"), first
     # The first apply wave's ConfigMap is never written again: its resourceVersion is its creation's.

@@ -18,7 +18,7 @@ import kopf
 from kopf._cogs.clients import api, auth
 from kopf._cogs.structs import credentials
 
-from disagg.operator.control.backoffs import API_BACKOFFS, EndlessBackoffs
+from disagg.operator.control.kopf_tuning import API_BACKOFFS, EndlessBackoffs
 from disagg.rig.local import free_port
 
 # kopf's default schedule has 8 delays: a 9th failed attempt escalates.

@@ -7,11 +7,14 @@ import json
 import pytest
 from built import container, env, flag, objects
 from dd_specs import HMA_ON, spec
+from pydantic import ValidationError
 
-from disagg.operator.builders.engine import arg_violations, engine_container
+from disagg.operator.api import EngineKind
+from disagg.operator.builders.engine import ENGINE_LAUNCHER_NAME, arg_violations, engine_container
 from disagg.operator.builders.pod_template import ENGINE_CONTAINER
-from disagg.operator.engine_kind import is_vllm_image
+from disagg.operator.engine_kind import engine_kind, kind_of_image
 from disagg.operator.policies.compat import evaluate
+from disagg.worker.contracts.pod_contract import SIDECAR_CONTAINER
 
 
 class TestVllmEngine:
@@ -139,11 +142,63 @@ class TestVllmEngine:
     @pytest.mark.parametrize(
         ("image", "expected"),
         [
-            ("vllm/vllm-openai:v0.33.0", True),
-            ("registry.local:5000/team/vllm-tpu@sha256:abc", True),
-            ("ghcr.io/vllm-like/engine:1", False),
-            ("sglang/sglang:latest", False),
+            ("vllm/vllm-openai:v0.33.0", EngineKind.VLLM),
+            ("registry.local:5000/team/vllm-tpu@sha256:abc", EngineKind.VLLM),
+            ("ghcr.io/vllm-like/engine:1", EngineKind.CUSTOM),
+            ("sglang/sglang:latest", EngineKind.CUSTOM),
+            ("registry.corp/ml/inference:0.33", EngineKind.CUSTOM),
         ],
     )
-    def test_vllm_images_are_recognised_by_repository(self, image: str, expected: bool) -> None:
-        assert is_vllm_image(image) is expected
+    def test_an_unset_kind_defaults_to_what_the_repository_name_says(
+        self, image: str, expected: EngineKind
+    ) -> None:
+        assert kind_of_image(image) is expected
+
+
+class TestEngineKind:
+    """`spec.engine.kind` decides what the engine runs; the image's name only gives the default."""
+
+    MIRRORED = "registry.corp/ml/inference:0.33"
+
+    def test_a_mirrored_image_of_kind_vllm_runs_vllm_with_a_watching_sidecar(self) -> None:
+        model = spec({"engine": {"image": self.MIRRORED, "kind": "VLLM"}})
+        built = objects(model)
+        for key in (("StatefulSet", "gemma-pp2-prefill-0"), ("Deployment", "gemma-pp2-decode")):
+            engine, sidecar = (
+                container(built[key], ENGINE_CONTAINER),
+                container(built[key], SIDECAR_CONTAINER),
+            )
+            assert engine["image"] == self.MIRRORED
+            assert engine["command"][-1] == ENGINE_LAUNCHER_NAME
+            assert engine["args"][0] == "google/gemma-3-27b-it" and "--kv-transfer-config" in engine["args"]
+            # vLLM moves the KV itself: the side channel and IPC_LOCK are the engine's, the sidecar watches.
+            assert "IPC_LOCK" in engine["securityContext"]["capabilities"].get("add", [])
+            assert sidecar["args"][-2:] == ["--mode", "watch"]
+
+    def test_the_same_mirrored_image_without_a_kind_is_a_custom_engine(self) -> None:
+        built = objects(spec({"engine": {"image": self.MIRRORED}}))
+        engine = container(built["Deployment", "gemma-pp2-decode"], ENGINE_CONTAINER)
+        sidecar = container(built["Deployment", "gemma-pp2-decode"], SIDECAR_CONTAINER)
+        assert "command" not in engine and sidecar["args"][-2:] == ["--mode", "transfer"]
+
+    def test_an_explicit_kind_wins_over_the_image_name(self) -> None:
+        model = spec({"engine": {"image": "vllm/vllm-openai:v0.33.0", "kind": "Custom"}})
+        assert engine_kind(model, "prefill") is engine_kind(model, "decode") is EngineKind.CUSTOM
+        engine = container(objects(model)["Deployment", "gemma-pp2-decode"], ENGINE_CONTAINER)
+        assert "command" not in engine and "--kv-transfer-config" not in engine.get("args", [])
+
+    def test_an_unset_kind_is_the_role_images(self) -> None:
+        model = spec(
+            {
+                "engine": {"image": self.MIRRORED},
+                "prefill": {"overrides": {"image": "vllm/vllm-openai:v0.33.0"}},
+            }
+        )
+        assert (engine_kind(model, "prefill"), engine_kind(model, "decode")) == (
+            EngineKind.VLLM,
+            EngineKind.CUSTOM,
+        )
+
+    def test_a_kind_outside_the_enum_is_refused(self) -> None:
+        with pytest.raises(ValidationError, match="kind"):
+            spec({"engine": {"kind": "vllm"}})

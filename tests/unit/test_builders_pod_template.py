@@ -18,6 +18,7 @@ from disagg.operator.control.reconcile import judge
 from disagg.operator.naming import Installation
 from disagg.operator.policies.compat import evaluate
 from disagg.operator.policies.pods import worker_image_violations
+from disagg.operator.settings import installation_from_environ
 from disagg.worker.contracts.pod_contract import POD_CONDITION, SIDECAR_CONTAINER
 from disagg.worker.reporting.status_loop import SERVICE_ACCOUNT_TOKEN
 from disagg.worker.sidecar.config import from_env
@@ -37,10 +38,10 @@ class TestSidecarImage:
         assert sidecar["image"] == "ghcr.io/disagg/disagg:0.1.0"
 
     def test_the_default_image_comes_from_the_environment(self) -> None:
-        assert Installation.from_environ({}).worker_image is None
-        assert Installation.from_environ({"DISAGG_WORKER_IMAGE": "w:1"}).worker_image == "w:1"
-        assert Installation.from_environ({}).transfer_image is None
-        assert Installation.from_environ({"DISAGG_TRANSFER_IMAGE": "t:1"}).transfer_image == "t:1"
+        assert installation_from_environ({}).worker_image is None
+        assert installation_from_environ({"DISAGG_WORKER_IMAGE": "w:1"}).worker_image == "w:1"
+        assert installation_from_environ({}).transfer_image is None
+        assert installation_from_environ({"DISAGG_TRANSFER_IMAGE": "t:1"}).transfer_image == "t:1"
 
     def test_the_watch_sidecar_gets_the_light_image_and_the_transfer_sidecar_the_transfer_image(self) -> None:
         both = Installation(worker_image="r/disagg:1", transfer_image="r/disagg-transfer:1")

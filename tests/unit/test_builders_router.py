@@ -14,14 +14,14 @@ from hypothesis import strategies as st
 from kubernetes.config import incluster_config
 from pydantic import ValidationError
 
-from disagg.operator.api import DisaggDeployment, DisaggDeploymentSpec, RouterSpec
+from disagg.operator.api import DisaggDeployment, DisaggDeploymentSpec, EngineKind, RouterSpec
 from disagg.operator.builders.children import build
 from disagg.operator.builders.engine import HTTP_PORT, MASTER_PORT, stage_dns
 from disagg.operator.builders.pod_template import ENGINE_CONTAINER
 from disagg.operator.builders.router import ROUTER_CONTAINER, endpoint_of, router_objects
 from disagg.operator.builders.topology import TOPOLOGY_KEY
 from disagg.operator.control.k8s_apply import CHILD_APIS, _owned_by
-from disagg.operator.engine_kind import is_reference_engine_image
+from disagg.operator.engine_kind import kind_of_image
 from disagg.operator.naming import Installation, Owner
 from disagg.operator.plan import model_geometry
 from disagg.operator.policies.chain import REFUSAL_CHAIN
@@ -31,6 +31,7 @@ from disagg.operator.policies.reference_engine import (
     REFERENCE_QUERY_HEADS,
     reference_tensor_parallel,
 )
+from disagg.operator.settings import installation_from_environ
 from disagg.operator.status import Workload, compute
 from disagg.worker.contracts.pairing import routing_from_pods
 from disagg.worker.contracts.pod_contract import POD_CONDITION, ROLE_LABEL, SIDECAR_CONTAINER
@@ -240,8 +241,8 @@ def test_the_image_is_the_specs_then_the_installations_then_the_sidecars() -> No
     assert image(gemma({"router": {"image": "mine:2"}}), installed) == "mine:2"
     assert image(gemma(), installed) == "op:1"
     assert image(gemma(), Installation()) == "ghcr.io/disagg/disagg:0.1.0"  # the example's worker.image
-    assert Installation.from_environ({"DISAGG_ROUTER_IMAGE": "op:3"}).router_image == "op:3"
-    assert Installation.from_environ({"DISAGG_ROUTER_IMAGE": ""}).router_image is None
+    assert installation_from_environ({"DISAGG_ROUTER_IMAGE": "op:3"}).router_image == "op:3"
+    assert installation_from_environ({"DISAGG_ROUTER_IMAGE": ""}).router_image is None
 
 
 def test_a_disabled_router_builds_nothing_and_changes_nothing_else() -> None:
@@ -283,7 +284,7 @@ def test_available_counts_the_engines_and_progressing_waits_for_the_router() -> 
     )
     conditions = {c.type: c for c in status.conditions or ()}
     assert (conditions["Available"].status, conditions["Available"].reason) == ("True", "AllReplicasReady")
-    assert conditions["Progressing"].reason == "RollingOut"
+    assert conditions["Progressing"].reason == "Creating"
     assert "gemma-pp2-router 0/1 ready" in conditions["Progressing"].message
     assert status.endpoint == "http://gemma-pp2-router.ns1.svc:8000"
     assert status.decode is not None and status.decode.replicas == 2
@@ -306,7 +307,7 @@ def test_available_counts_the_engines_and_progressing_waits_for_the_router() -> 
     ],
 )
 def test_the_reference_engine_is_recognised_by_its_repository_name(image: str, expected: bool) -> None:
-    assert is_reference_engine_image(image) is expected
+    assert (kind_of_image(image) is EngineKind.REFERENCE) is expected
 
 
 def _reference_objects(patch: dict[str, Any] | None = None) -> dict[tuple[str, str], dict[str, Any]]:
@@ -469,9 +470,21 @@ def test_what_the_reference_engine_honours_is_accepted(patch: dict[str, Any]) ->
     assert reasons(reference(patch)) == []
 
 
-def test_the_same_spec_with_another_engine_image_is_not_judged_as_the_reference_engine() -> None:
-    other = {"engine": {"image": "registry.example/my-engine:1"}, "prefill": {"tensorParallelSize": 2}}
+def test_the_same_spec_of_another_engine_kind_is_not_judged_as_the_reference_engine() -> None:
+    other = {
+        "engine": {"image": "registry.example/my-engine:1", "kind": "Custom"},
+        "prefill": {"tensorParallelSize": 2},
+    }
     assert "ReferenceEngineUnsupported" not in reasons(reference(other))
+    # Without the kind, the image's name decides: one that names no engine is a custom one.
+    unnamed = {
+        "engine": {"image": "registry.example/my-engine:1", "kind": DELETE},
+        "prefill": {"tensorParallelSize": 2},
+    }
+    assert "ReferenceEngineUnsupported" not in reasons(reference(unnamed))
+    # The reference engine under a mirrored name is judged as one when the spec says so.
+    mirrored = {"engine": {"image": "registry.corp/ml/inference:1"}, "prefill": {"tensorParallelSize": 2}}
+    assert "ReferenceEngineUnsupported" in reasons(reference(mirrored))
     assert reference_tensor_parallel("prefill", 1) is None
 
 

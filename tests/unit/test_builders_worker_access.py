@@ -8,6 +8,7 @@ from built import objects, pod_spec
 from dd_specs import spec
 
 from disagg.operator.naming import Installation, Owner
+from disagg.operator.settings import installation_from_environ
 
 
 class TestWorkerAccess:
@@ -38,12 +39,12 @@ class TestWorkerAccess:
         ]
 
     def test_the_cluster_role_comes_from_the_environment(self) -> None:
-        assert Installation.from_environ({}).worker_cluster_role == "disagg-worker"
+        assert installation_from_environ({}).worker_cluster_role == "disagg-worker"
         assert (
-            Installation.from_environ({"DISAGG_WORKER_CLUSTERROLE": ""}).worker_cluster_role
+            installation_from_environ({"DISAGG_WORKER_CLUSTERROLE": ""}).worker_cluster_role
             == "disagg-worker"
         )
-        named = Installation.from_environ({"DISAGG_WORKER_CLUSTERROLE": "ops-disagg-worker"})
+        named = installation_from_environ({"DISAGG_WORKER_CLUSTERROLE": "ops-disagg-worker"})
         assert named.worker_cluster_role == "ops-disagg-worker"
 
     def test_long_owner_names_give_a_valid_account_name(self) -> None:

@@ -13,7 +13,7 @@ import kopf
 import pytest
 
 from disagg.operator.api import GROUP
-from disagg.operator.control.diffbase import LeanDiffBaseStorage, LeanProgressStorage
+from disagg.operator.control.kopf_tuning import LeanDiffBaseStorage, LeanProgressStorage
 
 KEY = "last-handled-configuration"
 

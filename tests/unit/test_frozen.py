@@ -1,4 +1,4 @@
-"""`control.frozen`: what the operator's indices keep thaws back to exactly the JSON it froze, whatever was
+"""`runtime.frozen`: what the operator's indices keep thaws back to exactly the JSON it froze, whatever was
 frozen before it (tuples are shared), and reads in place as the same Mapping."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from disagg.operator.control.frozen import FrozenView, freeze, thaw, view
+from disagg.operator.runtime.frozen import FrozenView, freeze, thaw, view
 
 json_values = st.recursive(
     st.none()

@@ -4,7 +4,7 @@ Events of Pods, StatefulSets, Deployments and DisaggDeployments arrive by the th
 handler runs on kopf's executor, and every event queued for it holds its object's whole body: with sync
 indexers, 200 deployments created together doubled the operator's memory.
 
-The pods and deployments the indices keep are frozen (`control.frozen`) and thawed for each reader: every
+The pods and deployments the indices keep are frozen (`runtime.frozen`) and thawed for each reader: every
 field a reader reads must come back, exactly (a served pod and deployment, with what nobody reads beside).
 """
 

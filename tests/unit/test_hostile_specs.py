@@ -222,6 +222,21 @@ def test_a_spec_the_verdict_cannot_judge_is_denied_not_a_500(monkeypatch: pytest
     assert raised.value.code == 422 and "VerdictFailed" in str(raised.value)
 
 
+def test_an_old_autoscaling_mode_is_admitted_with_a_warning() -> None:
+    import kopf
+
+    from disagg.operator.control import webhook
+
+    raw = spec_dict(spec())
+    raw["decode"]["autoscaling"] = {"mode": "external"}
+    warnings: list[str] = []
+    webhook.validate(spec=kopf.Spec(kopf.Body({"spec": raw})), warnings=warnings)
+    assert warnings == [
+        "spec.decode.autoscaling.mode: 'external' is the old spelling of 'External'; both are accepted, "
+        "write 'External'"
+    ]
+
+
 @pytest.mark.parametrize("size", ["²", "٣", "9" * 4096])
 def test_a_context_parallel_size_that_is_no_ascii_number_does_not_crash_the_verdict(size: str) -> None:
     found = reasons({"prefill": {"extraArgs": ["--prefill-context-parallel-size", size]}})

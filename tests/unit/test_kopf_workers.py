@@ -14,7 +14,7 @@ from typing import Any
 import kopf
 from kopf._core.reactor import queueing
 
-from disagg.operator.control.handlers import WORKER_IDLE_S, tune
+from disagg.operator.control.kopf_tuning import WORKER_IDLE_S, tune
 
 
 class _Event(dict[str, Any]):

@@ -7,10 +7,14 @@ import threading
 from typing import Any
 
 import pytest
+from built import container, objects
+from dd_specs import spec
+from kubernetes import client
 
-from disagg.rig.local_kubelet import Readiness, expand, is_project_image
+from disagg.operator.builders.pod_template import ENGINE_CONTAINER
+from disagg.rig.local_kubelet import Readiness, expand, is_project_image, runs_vllm
 from disagg.rig.local_serving import wait_until_served
-from disagg.rig.service_proxy import Backend, backends
+from disagg.rig.service_proxy import Backend, ServiceProxy, backends
 
 
 def test_project_images_are_recognised_on_any_registry_and_tag() -> None:
@@ -19,6 +23,15 @@ def test_project_images_are_recognised_on_any_registry_and_tag() -> None:
     assert is_project_image("disagg")
     assert not is_project_image("vllm/vllm-openai:v0.33.0")
     assert not is_project_image("ghcr.io/disagg/disagg-tools:1")
+
+
+def test_a_vllm_engine_is_known_by_the_command_the_operator_gave_it_not_its_image() -> None:
+    def engine(kind: str) -> dict[str, Any]:
+        built = objects(spec({"engine": {"image": "registry.corp/ml/inference:0.33", "kind": kind}}))
+        return container(built["Deployment", "gemma-pp2-decode"], ENGINE_CONTAINER)
+
+    assert runs_vllm(engine("VLLM"))
+    assert not runs_vllm(engine("Custom"))
 
 
 def test_expansion_follows_kubernetes_rules() -> None:
@@ -123,3 +136,32 @@ def test_a_service_that_never_serves_fails_the_wait_with_what_it_last_answered()
             wait_until_served(service.url, lambda: None, timeout_s=0.5)
     finally:
         service.listener.close()
+
+
+def test_the_service_proxy_closes_open_connections_without_an_error_logged() -> None:
+    """A client's keep-alive connection is still open when the proxy closes: its handler is cancelled, and
+    asyncio (3.11) logged that as "Exception in callback" with a CancelledError traceback, pages of them in
+    a bench run."""
+    echo = socket.create_server(("127.0.0.1", 0))
+    echo_port = echo.getsockname()[1]
+
+    def serve() -> None:
+        connection, _ = echo.accept()
+        with connection:
+            while data := connection.recv(1024):
+                connection.sendall(data)
+
+    threading.Thread(target=serve, daemon=True).start()
+    proxy = ServiceProxy(client.ApiClient(), "ns")
+    logged: list[dict[str, Any]] = []
+    proxy._loop.set_exception_handler(lambda _loop, context: logged.append(context))
+    listen = socket.create_server(("127.0.0.1", 0))
+    port = listen.getsockname()[1]
+    listen.close()
+    proxy._call(proxy._apply({("127.0.0.1", port): [Backend("127.0.0.1", echo_port)]}))
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as kept_alive:
+        kept_alive.sendall(b"ping")
+        assert kept_alive.recv(4) == b"ping"
+        proxy.close()
+    echo.close()
+    assert [context.get("message") for context in logged] == []

@@ -9,7 +9,7 @@ from typing import Any
 import kopf
 
 from disagg.operator.api import GROUP, VERSION
-from disagg.operator.control.memories import ChildrenForgotten
+from disagg.operator.control.kopf_tuning import ChildrenForgotten
 
 
 def _body(api_version: str, kind: str, uid: str) -> dict[str, Any]:

@@ -9,7 +9,15 @@ from collections.abc import Sequence
 import pytest
 from pydantic import ValidationError
 
-from disagg.operator.api import DecodeAutoscaling, PrefillAutoscaling
+from disagg.operator.api import (
+    DecodeAutoscaling,
+    PrefillAutoscaling,
+    ScalingMode,
+    old_spellings,
+    scaling_mode,
+)
+from disagg.operator.control.ticks import planned
+from disagg.operator.crd import build_crd
 from disagg.operator.scaling import planner, signals
 from disagg.operator.scaling.planner import Decision, Recommendations
 from disagg.operator.scaling.signals import Buckets, EngineSample, RouterSample, Sample
@@ -224,14 +232,46 @@ def test_autoscaling_specs_are_refused_with_a_clear_reason(fields: dict[str, obj
 
 
 def test_external_mode_is_for_decode_only_and_defaults_are_an_hpas() -> None:
-    with pytest.raises(ValidationError, match="external is for decode only"):
-        PrefillAutoscaling.model_validate({"mode": "external"})
+    with pytest.raises(ValidationError, match="External is for decode only"):
+        PrefillAutoscaling.model_validate({"mode": "External"})
     scaling = DecodeAutoscaling.model_validate({"maxReplicas": 3, "target": {"runningRequests": 2}})
     assert scaling.bounds == (1, 3)
     assert scaling.scale_up_stabilization_window_seconds == 0
     assert scaling.scale_down_stabilization_window_seconds == 300
     assert scaling.tolerance == 0.1 and scaling.metric_window_seconds == 30
-    assert DecodeAutoscaling.model_validate({"mode": "external"}).mode == "external"
+    assert DecodeAutoscaling.model_validate({"mode": "External"}).mode is ScalingMode.EXTERNAL
+
+
+@pytest.mark.parametrize(
+    ("old", "new"), [("planner", ScalingMode.PLANNER), ("external", ScalingMode.EXTERNAL)]
+)
+def test_the_old_lowercase_modes_are_accepted_read_as_the_new_and_warned_of(
+    old: str, new: ScalingMode
+) -> None:
+    raw = {"decode": {"autoscaling": {"mode": old}}}
+    given = (
+        {"mode": old, "maxReplicas": 2, "target": {"runningRequests": 2}}
+        if new is ScalingMode.PLANNER
+        else {}
+    )
+    assert DecodeAutoscaling.model_validate({"mode": old, **given}).mode is new
+    assert scaling_mode(old) is scaling_mode(new.value) is new
+    assert old_spellings(raw) == [
+        f"spec.decode.autoscaling.mode: {old!r} is the old spelling of {new.value!r}; both are accepted, "
+        f"write {new.value!r}"
+    ]
+    assert old_spellings({"decode": {"autoscaling": {"mode": new.value}}}) == []
+    assert scaling_mode("Sometimes") is None
+
+
+def test_the_crd_takes_both_spellings_and_defaults_to_the_new() -> None:
+    crd = build_crd(with_cel=False)
+    version = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    mode = version["properties"]["spec"]["properties"]["decode"]["properties"]["autoscaling"]["properties"][
+        "mode"
+    ]
+    assert mode["enum"] == ["Planner", "External", "planner", "external"]
+    assert mode["default"] == "Planner"
 
 
 @pytest.mark.parametrize(
@@ -253,3 +293,11 @@ def test_nan_and_infinite_readings_are_skipped() -> None:
     assert router.queued == 0.0 and router.in_flight == {}
     engine = signals.parse_engine('vllm:kv_cache_usage_perc{engine="0"} NaN\nvllm:prompt_tokens_total 7\n')
     assert engine.kv_usage is None and engine.prompt_tokens == 7.0
+
+
+@pytest.mark.parametrize("mode", ["Planner", "planner", None])
+def test_the_clock_plans_a_stored_spec_in_either_spelling(mode: str | None) -> None:
+    scaling = {"maxReplicas": 2} if mode is None else {"mode": mode, "maxReplicas": 2}
+    assert planned({"spec": {"decode": {"autoscaling": scaling}}})
+    assert not planned({"spec": {"decode": {"autoscaling": {"mode": "external"}}}})
+    assert not planned({"spec": {"decode": {}}})

@@ -9,7 +9,7 @@ from typing import Any
 from dd_specs import VALID_EXAMPLE, load
 
 from disagg.operator.api import DisaggDeploymentSpec
-from disagg.operator.control.reconcile import sized
+from disagg.operator.converge import sized
 from disagg.operator.naming import Owner
 from disagg.operator.rollout import Rollout
 from disagg.operator.scaling import retire, targets

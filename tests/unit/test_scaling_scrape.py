@@ -1,18 +1,11 @@
-"""What the planner's tick reads before it scrapes: the ready router pods' addresses, and its interval; and
-what a scrape takes from a pod's answer (a real HTTP server on loopback)."""
+"""What the planner's tick reads before it scrapes: the ready router pods' addresses; and what a scrape takes
+from a pod's answer (a real HTTP server on loopback). Its interval is a setting (`test_settings.py`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from disagg.operator.control.scaling import (
-    DEFAULT_TICK_S,
-    MAX_SCRAPE_BYTES,
-    TICK_ENV,
-    fetch_page,
-    router_addresses,
-    tick_seconds,
-)
+from disagg.operator.control.scaling import MAX_SCRAPE_BYTES, fetch_page, router_addresses
 
 
 def router_pod(ip: str, ready: bool, deleting: bool = False) -> dict[str, Any]:
@@ -35,13 +28,6 @@ def test_only_ready_live_router_pods_are_scraped() -> None:
         {"metadata": {"name": "pending"}, "spec": {}, "status": {}},
     ]
     assert router_addresses(pods) == ["10.0.0.1:8000", "10.0.0.2:8000"]
-
-
-def test_the_interval_comes_from_the_environment() -> None:
-    assert tick_seconds({}) == DEFAULT_TICK_S
-    assert tick_seconds({TICK_ENV: "1.5"}) == 1.5
-    assert tick_seconds({TICK_ENV: "soon"}) == DEFAULT_TICK_S
-    assert tick_seconds({TICK_ENV: "0"}) == DEFAULT_TICK_S
 
 
 def test_a_scrape_reads_a_page_whole_and_refuses_one_past_its_size_bound(

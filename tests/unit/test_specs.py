@@ -1,7 +1,7 @@
 """The spec reconciles (`control.specs`): the spec handler only queues a key; the reconcile reads the newest
 deployment when it starts, inside its key's hold, knows a just-created deployment by its uid, posts what it
 changed, and is retried (and said to have failed) when it raises, but not when it refuses the spec. And
-kopf's poster takes the Events from the reconciles' threads (`handlers.KopfEvents`)."""
+kopf's poster takes the Events from the reconciles' threads (`kopf_tuning.KopfEvents`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import kopf
 import pytest
 from kopf._core.engines import posting
 
-from disagg.operator.control.handlers import KopfEvents
+from disagg.operator.control.kopf_tuning import KopfEvents
 from disagg.operator.control.reconcile import Outcome
 from disagg.operator.control.specs import SpecReconciles
 

@@ -10,7 +10,7 @@ from dd_specs import spec
 from test_pairing import D1, D2, STAGES, annotate, healthy, report, verdict
 
 from disagg.operator import conditions as cond
-from disagg.operator.api import ConditionStatus, DisaggDeploymentStatus
+from disagg.operator.api import ConditionStatus, DisaggDeploymentStatus, EngineKind
 from disagg.operator.kv_status import PodKV, peers_reported
 from disagg.operator.policies.compat import evaluate
 from disagg.operator.status import Workload, compute, incompatibility_message, to_json, workload
@@ -54,12 +54,12 @@ def by_type(status: DisaggDeploymentStatus) -> dict[str, tuple[str, str]]:
     return {c.type: (c.status.value, c.reason) for c in status.conditions or []}
 
 
-def test_fresh_compatible_deployment_is_rolling_out() -> None:
+def test_fresh_compatible_deployment_is_being_created() -> None:
     status = status_of([sts(0), deploy(0)])
     assert by_type(status) == {
         "Compatible": ("True", "Compatible"),
         "Available": ("False", "AwaitingPods"),
-        "Progressing": ("True", "RollingOut"),
+        "Progressing": ("True", "Creating"),
         "KVTransferReady": ("Unknown", "NoPods"),
         "Routable": ("Unknown", "NoPairs"),
     }
@@ -80,8 +80,15 @@ def test_everything_ready_is_available_and_done() -> None:
 def test_workloads_of_an_older_generation_are_still_progressing() -> None:
     status = status_of([sts(2, generation=1), deploy(2, generation=1)], generation=2)
     assert by_type(status)["Progressing"] == ("True", "RollingOut")
+    # Unsettled workloads of this generation: still the creation until it first completes, a rollout after.
     unsettled = status_of([sts(2, settled=False), deploy(2)])
-    assert by_type(unsettled)["Progressing"] == ("True", "RollingOut")
+    assert by_type(unsettled)["Progressing"] == ("True", "Creating")
+    creating = status_of([sts(2, settled=False), deploy(2)], previous=unsettled)
+    assert by_type(creating)["Progressing"] == ("True", "Creating")
+    complete = status_of([sts(2), deploy(2)])
+    assert by_type(complete)["Progressing"] == ("False", "RolloutComplete")
+    after = status_of([sts(2, settled=False), deploy(2)], previous=complete)
+    assert by_type(after)["Progressing"] == ("True", "RollingOut")
 
 
 def test_incompatible_create_names_every_rule() -> None:
@@ -274,3 +281,21 @@ def test_each_role_shows_its_target_and_selector_and_scaling_goes_with_autoscali
     assert kept.decode is not None and (kept.decode.desired_replicas, kept.decode.selector) == (2, "d")
     assert by_type(kept)["Scaling"] == ("True", "ScaledUp")
     assert "Scaling" not in by_type(with_scaling(False))
+
+
+def test_each_role_says_which_engine_kind_it_was_built_as() -> None:
+    status = compute(
+        generation=1,
+        previous=[],
+        violations=(),
+        report=evaluate(spec()),
+        workloads=[sts(0), deploy(0)],
+        pods=[],
+        routing=routing_from_pods([]),
+        reported=False,
+        now=T0,
+        engine_kinds={"prefill": EngineKind.VLLM, "decode": EngineKind.VLLM},
+    )
+    assert status.prefill is not None and status.decode is not None
+    assert status.prefill.engine_kind is status.decode.engine_kind is EngineKind.VLLM
+    assert to_json(status)["prefill"]["engineKind"] == "VLLM"

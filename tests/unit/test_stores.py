@@ -1,4 +1,4 @@
-"""`control.stores.Store`: the values of watched objects by the deployment they belong to, told apart by uid.
+"""`runtime.stores.Store`: the values of watched objects by the deployment they belong to, told apart by uid.
 
 kopf runs each uid's events in a worker of its own, so the events of a deleted object and of its successor
 under the same name can be handled in either order: the store must keep the successor whatever the order."""
@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 
-from disagg.operator.control.stores import Store
+from disagg.operator.runtime.stores import Store
 
 A, B = ("ns", "a"), ("ns", "b")
 

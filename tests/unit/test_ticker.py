@@ -1,4 +1,4 @@
-"""The operator's clock (`control.ticker`): each step on its interval, one at a time per deployment, again
+"""The operator's clock (`runtime.ticker`): each step on its interval, one at a time per deployment, again
 after a failure, and nothing for a deployment that is gone or being deleted."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from disagg.operator.control.ticker import Tick, Ticker
+from disagg.operator.runtime.ticker import Tick, Ticker
 
 
 def body(name: str, *, rolling: bool = True, deleting: bool = False) -> dict[str, Any]:

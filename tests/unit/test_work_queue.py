@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from disagg.operator.control.work_queue import WorkQueue
+from disagg.operator.runtime.work_queue import WorkQueue
 
 Key = tuple[str, str]
 LOG = logging.getLogger("test.work_queue")
