@@ -12,7 +12,10 @@
 #
 # Settings (environment): DISAGG_CACHE, DISAGG_STATE, DISAGG_ETCD_PORT, DISAGG_ETCD_PEER_PORT,
 # DISAGG_APISERVER_PORT, DISAGG_PRE_APPLY (manifests applied before the controller manager starts, so its
-# garbage collector knows the CRDs at once instead of after a 30 s resync).
+# garbage collector knows the CRDs at once instead of after a 30 s resync). hack/node.sh, whose pods must reach
+# the API server, also sets DISAGG_APISERVER_ADDRESS (the address it binds and advertises; default 127.0.0.1),
+# DISAGG_SERVICE_CIDR and DISAGG_KUBERNETES_SERVICE_IP (its first address, a SAN of the serving certificate)
+# and DISAGG_AUTHORIZATION_MODE (default RBAC).
 set -euo pipefail
 
 K8S_VERSION=1.20.2
@@ -36,7 +39,13 @@ APISERVER_PORT=${DISAGG_APISERVER_PORT:-16443}
 ETCD_DATA=/dev/shm/disagg-etcd-$ETCD_PORT
 # A /16: every DisaggDeployment's router Service takes a ClusterIP (the engine Services are headless), and the
 # operator bench's 1,000 deployments ran a /24 out of addresses ("failed to allocate a serviceIP: range is full").
-SERVICE_CIDR=127.253.0.0/16
+SERVICE_CIDR=${DISAGG_SERVICE_CIDR:-127.253.0.0/16}
+KUBERNETES_SERVICE_IP=${DISAGG_KUBERNETES_SERVICE_IP:-127.253.0.1}
+APISERVER_ADDRESS=${DISAGG_APISERVER_ADDRESS:-127.0.0.1}
+AUTHORIZATION_MODE=${DISAGG_AUTHORIZATION_MODE:-RBAC}
+# A loopback advertise address cannot be an Endpoints address ("may not be in the loopback range"), so the
+# `kubernetes` Service then gets none; an address pods can reach gets the usual lease-based endpoint.
+if [[ $APISERVER_ADDRESS == 127.* ]]; then ENDPOINT_RECONCILER=none; else ENDPOINT_RECONCILER=lease; fi
 PKI=$STATE/pki
 LOGS=$STATE/logs
 KUBECONFIG_FILE=$STATE/admin.kubeconfig
@@ -273,7 +282,7 @@ make_pki() {
 basicConstraints=CA:FALSE
 keyUsage=critical,digitalSignature,keyEncipherment
 extendedKeyUsage=serverAuth
-subjectAltName=IP:127.0.0.1,IP:127.253.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local
+subjectAltName=IP:127.0.0.1,IP:$APISERVER_ADDRESS,IP:$KUBERNETES_SERVICE_IP,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local
 EOF
     openssl req -newkey rsa:2048 -nodes -keyout apiserver.key -out apiserver.csr -subj /CN=kube-apiserver 2>/dev/null
     openssl x509 -req -in apiserver.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 3650 \
@@ -296,7 +305,7 @@ kind: Config
 clusters:
 - name: disagg-local
   cluster:
-    server: https://127.0.0.1:$APISERVER_PORT
+    server: https://$APISERVER_ADDRESS:$APISERVER_PORT
     certificate-authority: $PKI/ca.crt
 users:
 - name: disagg-admin
@@ -342,7 +351,7 @@ kubectl_admin() { "$BIN/kubectl" --kubeconfig "$KUBECONFIG_FILE" "$@"; }
 
 cmd_start() {
   if is_running; then
-    log "already running (apiserver https://127.0.0.1:$APISERVER_PORT, state $STATE)"
+    log "already running (apiserver https://$APISERVER_ADDRESS:$APISERVER_PORT, state $STATE)"
     return 0
   fi
   if pid_alive etcd || pid_alive kube-apiserver || pid_alive kube-controller-manager; then
@@ -370,17 +379,19 @@ cmd_start() {
   # (rig/service_proxy.py) binds each Service's address on this host and forwards to the Service's pods.
   launch kube-apiserver "$BIN/kube-apiserver" \
     --etcd-servers "http://127.0.0.1:$ETCD_PORT" \
-    --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$APISERVER_PORT" --insecure-port 0 \
+    --bind-address "$APISERVER_ADDRESS" --advertise-address "$APISERVER_ADDRESS" \
+    --secure-port "$APISERVER_PORT" --insecure-port 0 \
     --tls-cert-file "$PKI/apiserver.crt" --tls-private-key-file "$PKI/apiserver.key" \
     --client-ca-file "$PKI/ca.crt" \
     --service-account-issuer https://kubernetes.default.svc.cluster.local \
     --service-account-key-file "$PKI/sa.pub" --service-account-signing-key-file "$PKI/sa.key" \
     --api-audiences https://kubernetes.default.svc.cluster.local \
-    --authorization-mode RBAC --service-cluster-ip-range "$SERVICE_CIDR" --allow-privileged=true \
-    --profiling=false --endpoint-reconciler-type none --v 1
+    --authorization-mode "$AUTHORIZATION_MODE" --service-cluster-ip-range "$SERVICE_CIDR" \
+    --allow-privileged=true --profiling=false --endpoint-reconciler-type "$ENDPOINT_RECONCILER" \
+    --kubelet-client-certificate "$PKI/admin.crt" --kubelet-client-key "$PKI/admin.key" --v 1
   wait_for "kube-apiserver /readyz" 60 kube-apiserver \
     curl -fsS --cacert "$PKI/ca.crt" --cert "$PKI/admin.crt" --key "$PKI/admin.key" \
-    "https://127.0.0.1:$APISERVER_PORT/readyz"
+    "https://$APISERVER_ADDRESS:$APISERVER_PORT/readyz"
 
   if [[ -n ${DISAGG_PRE_APPLY:-} ]]; then
     kubectl_admin apply -f "$DISAGG_PRE_APPLY" >&2
@@ -397,7 +408,7 @@ cmd_start() {
   wait_for "the default ServiceAccount" 60 kube-controller-manager \
     kubectl_admin -n default get serviceaccount default
   trap - EXIT
-  log "running: apiserver https://127.0.0.1:$APISERVER_PORT, KUBECONFIG=$KUBECONFIG_FILE ($((SECONDS - t0)) s)"
+  log "running: apiserver https://$APISERVER_ADDRESS:$APISERVER_PORT, KUBECONFIG=$KUBECONFIG_FILE ($((SECONDS - t0)) s)"
 }
 
 # A daemon that exited stays a zombie until PID 1 reaps it; kill -0 would still find it, so read its state.
@@ -445,7 +456,7 @@ cmd_status() {
   done
   if ((rc == 0)); then
     curl -fsS --cacert "$PKI/ca.crt" --cert "$PKI/admin.crt" --key "$PKI/admin.key" \
-      "https://127.0.0.1:$APISERVER_PORT/readyz" >/dev/null && echo "apiserver /readyz: ok" || rc=1
+      "https://$APISERVER_ADDRESS:$APISERVER_PORT/readyz" >/dev/null && echo "apiserver /readyz: ok" || rc=1
   fi
   return $rc
 }
@@ -458,8 +469,8 @@ cmd_env() {
 
 # Machine-readable locations, for tools that must not parse shell (the pytest fixtures).
 cmd_paths() {
-  printf 'kubeconfig=%s\nbin=%s\nstate=%s\nserver=https://127.0.0.1:%s\n' \
-    "$KUBECONFIG_FILE" "$BIN" "$STATE" "$APISERVER_PORT"
+  printf 'kubeconfig=%s\nbin=%s\nstate=%s\nserver=https://%s:%s\n' \
+    "$KUBECONFIG_FILE" "$BIN" "$STATE" "$APISERVER_ADDRESS" "$APISERVER_PORT"
 }
 
 cmd_teardown() {
