@@ -11,7 +11,7 @@ export PYTHONSAFEPATH := 1
 
 .PHONY: all venv vllm-venv vllm-engine-venv image image-lock test test-unit test-vllm test-vllm-engine test-image fuzz \
 	demo demo-vllm bench lint crds check-crds \
-	control-plane-up control-plane-down clean
+	control-plane-up control-plane-down cluster-up cluster-down test-node clean
 
 all: test
 
@@ -102,6 +102,16 @@ control-plane-up:
 
 control-plane-down:
 	bash hack/control-plane.sh stop
+
+# A real one-node cluster (hack/node.sh, docs/real-node.md): kubelet, kube-scheduler and kube-proxy built from the
+# API server's source (cached beside it), containerd + runc + CNI, a registry on 127.0.0.1:35000, cluster DNS by
+# dnsmasq and the DNS watcher stand-in. `cluster-down` stops it and puts back what it changed on the host.
+cluster-up: $(STAMP)
+	nice -n 19 bash hack/node.sh install
+	bash hack/node.sh up
+
+cluster-down:
+	bash hack/node.sh down
 
 clean:
 	rm -rf $(VENV) .venv-vllm .venv-vllm-engine build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

