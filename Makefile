@@ -49,10 +49,10 @@ image-lock: $(STAMP)
 
 # `make test` builds the images and runs their tests with the rest: a build takes about 7 minutes here.
 test: $(STAMP) vllm-venv vllm-engine-venv image
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -m "not node"
 
 test-unit: $(STAMP)
-	$(PY) -m pytest tests -m "not nixl and not cluster and not helm and not vllm and not vllm_engine and not image"
+	$(PY) -m pytest tests -m "not nixl and not cluster and not helm and not vllm and not vllm_engine and not image and not node"
 
 test-image: image
 	$(PY) -m pytest tests -m image
@@ -112,6 +112,13 @@ cluster-up: $(STAMP)
 
 cluster-down:
 	bash hack/node.sh down
+
+# The node suite (marker node, tests/node): the user's path run as written on the real node (skopeo copy of
+# both images to its registry, helm install, kubectl apply of the reference sample), then what only a kubelet
+# enforces. Brings the node up if it is down and takes it down again afterwards.
+test-node: $(STAMP) image
+	nice -n 19 bash hack/node.sh install
+	$(PY) -m pytest tests/node -m node
 
 clean:
 	rm -rf $(VENV) .venv-vllm .venv-vllm-engine build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
