@@ -13,13 +13,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from node_suite import MAX_TOKENS, PROMPT
 
 from disagg.rig import node_cluster
 from disagg.rig.demo_serving import REFERENCE_SAMPLE, monolithic_text
 from disagg.rig.node_cluster import NodeCluster, NodeError, failure, pod_ready, wait_for
-
-PROMPT = "Disaggregated serving moves the KV cache from prefill to decode."
-MAX_TOKENS = 16
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

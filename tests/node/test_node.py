@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import subprocess
 from typing import Any
 
-from disagg.rig.demo_serving import curl_command, sse_text
-from disagg.rig.node_cluster import OPERATOR_NAMESPACE, NodeCluster, pod_ready
+from node_suite import curl_text
 
-from .conftest import MAX_TOKENS, PROMPT
+from disagg.rig.node_cluster import OPERATOR_NAMESPACE, NodeCluster, pod_ready
 
 POD_CIDR = ipaddress.ip_network("10.244.0.0/24")
 
@@ -65,20 +63,6 @@ def test_engine_pods_in_containers_with_cni_addresses(node: NodeCluster, referen
             assert f"{cid} " in tasks and "running" in status["state"], (pod["metadata"]["name"], status)
     addresses = [p["status"]["podIP"] for p in pods]
     assert len(set(addresses)) == len(addresses), addresses
-
-
-def router_url(node: NodeCluster, name: str) -> str:
-    svc = node.json("get", "service", f"{name}-router")
-    return f"http://{svc['spec']['clusterIP']}:{svc['spec']['ports'][0]['port']}/v1/completions"
-
-
-def curl_text(node: NodeCluster, name: str, model: str) -> str:
-    body = {"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "stream": True}
-    proc = subprocess.run(
-        curl_command(router_url(node, name), body), capture_output=True, text=True, check=False
-    )
-    assert proc.returncode == 0, (proc.returncode, proc.stderr, proc.stdout[-500:])
-    return sse_text(proc.stdout)
 
 
 def test_curl_of_the_router_service_equals_monolithic(

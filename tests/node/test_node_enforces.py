@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from disagg.rig.node_cluster import OPERATOR_NAMESPACE, NodeCluster, pod_ready, wait_for
+from node_suite import curl_text
 
-from .test_node import curl_text
+from disagg.rig.node_cluster import OPERATOR_NAMESPACE, NodeCluster, pod_ready, wait_for
 
 
 def one_pod(node: NodeCluster, name: str, role: str) -> dict[str, Any]:
