@@ -250,15 +250,15 @@ restore_host() {
   # Every chain kube-proxy, the kubelet and the CNI plugins made: first the rules that jump to them from the
   # built-in chains, then the chains themselves.
   for t in filter nat mangle; do
-    iptables -t "$t" -S 2>/dev/null | grep -E -- '-j (KUBE|CNI)-' | grep -E -- '^-A (INPUT|OUTPUT|FORWARD|PREROUTING|POSTROUTING) ' |
+    { iptables -t "$t" -S 2>/dev/null || true; } | { grep -E -- '^-A (INPUT|OUTPUT|FORWARD|PREROUTING|POSTROUTING) .*-j (KUBE|CNI)-' || true; } |
       while read -r line; do
         # shellcheck disable=SC2086 # the rule's own words
         iptables -t "$t" ${line/-A /-D } 2>/dev/null || true
       done
-    iptables -t "$t" -S 2>/dev/null | awk '$1 == "-N" && $2 ~ /^(KUBE|CNI)-/ {print $2}' | while read -r line; do
+    { iptables -t "$t" -S 2>/dev/null || true; } | awk '$1 == "-N" && $2 ~ /^(KUBE|CNI)-/ {print $2}' | while read -r line; do
       iptables -t "$t" -F "$line" 2>/dev/null || true
     done
-    iptables -t "$t" -S 2>/dev/null | awk '$1 == "-N" && $2 ~ /^(KUBE|CNI)-/ {print $2}' | while read -r line; do
+    { iptables -t "$t" -S 2>/dev/null || true; } | awk '$1 == "-N" && $2 ~ /^(KUBE|CNI)-/ {print $2}' | while read -r line; do
       iptables -t "$t" -X "$line" 2>/dev/null || true
     done
   done
@@ -376,7 +376,9 @@ EOF
 EOF
   cat >"$STATE/registry.yml" <<EOF
 version: 0.1
-log: {level: warn}
+log:
+  level: warn
+  accesslog: {disabled: true}
 storage:
   filesystem: {rootdirectory: "$STATE/registry"}
   delete: {enabled: true}
@@ -516,7 +518,7 @@ cmd_down() {
   stop_one registry
   # Shims that outlived containerd (they are started detached from it): only ours, found by their socket path.
   local p
-  for p in $(pgrep -f "containerd-shim-runc-v2 .*-address $CONTAINERD_SOCK" 2>/dev/null); do
+  for p in $(pgrep -f "containerd-shim-runc-v2 .*-address $CONTAINERD_SOCK" 2>/dev/null || true); do
     kill -KILL "$p" 2>/dev/null || true
   done
   bash "$CP" teardown >/dev/null 2>&1 || true
