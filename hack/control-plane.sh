@@ -449,7 +449,8 @@ cmd_start() {
     --api-audiences https://kubernetes.default.svc.cluster.local \
     --authorization-mode "$AUTHORIZATION_MODE" --service-cluster-ip-range "$SERVICE_CIDR" \
     --allow-privileged=true --profiling=false --endpoint-reconciler-type "$ENDPOINT_RECONCILER" \
-    --kubelet-client-certificate "$PKI/admin.crt" --kubelet-client-key "$PKI/admin.key" --v 1
+    --kubelet-client-certificate "$PKI/admin.crt" --kubelet-client-key "$PKI/admin.key" \
+    --kubelet-preferred-address-types InternalIP,Hostname --v 1
   wait_for "kube-apiserver /readyz" 60 kube-apiserver \
     curl -fsS --cacert "$PKI/ca.crt" --cert "$PKI/admin.crt" --key "$PKI/admin.key" \
     "https://$APISERVER_ADDRESS:$APISERVER_PORT/readyz"

@@ -252,8 +252,8 @@ restore_host() {
   for t in filter nat mangle; do
     { iptables -t "$t" -S 2>/dev/null || true; } | { grep -E -- '^-A (INPUT|OUTPUT|FORWARD|PREROUTING|POSTROUTING) .*-j (KUBE|CNI)-' || true; } |
       while read -r line; do
-        # shellcheck disable=SC2086 # the rule's own words
-        iptables -t "$t" ${line/-A /-D } 2>/dev/null || true
+        # eval: the rule as iptables printed it, quoted comments included.
+        eval "iptables -t $t ${line/-A /-D }" 2>/dev/null || true
       done
     { iptables -t "$t" -S 2>/dev/null || true; } | awk '$1 == "-N" && $2 ~ /^(KUBE|CNI)-/ {print $2}' | while read -r line; do
       iptables -t "$t" -F "$line" 2>/dev/null || true
@@ -362,6 +362,7 @@ server = "https://ghcr.io"
 [host."http://$REGISTRY"]
   capabilities = ["pull", "resolve"]
 EOF
+  # Pods get a route to the Services' range only, no default route: nothing they send can leave this machine.
   cat >"$STATE/cni/net.d/10-disagg.conflist" <<EOF
 {
   "cniVersion": "0.4.0",
@@ -369,7 +370,8 @@ EOF
   "plugins": [
     {"type": "bridge", "bridge": "$BRIDGE", "isGateway": true, "ipMasq": false, "hairpinMode": true,
      "ipam": {"type": "host-local", "dataDir": "$STATE/cni/ipam",
-              "ranges": [[{"subnet": "$POD_CIDR", "gateway": "$NODE_IP"}]]}},
+              "ranges": [[{"subnet": "$POD_CIDR", "gateway": "$NODE_IP"}]],
+              "routes": [{"dst": "$SERVICE_CIDR"}]}},
     {"type": "portmap", "capabilities": {"portMappings": true}}
   ]
 }
