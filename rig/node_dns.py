@@ -27,8 +27,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from kubernetes import client, config, watch  # type: ignore[import-untyped]
-from kubernetes.client.rest import ApiException  # type: ignore[import-untyped]
+from kubernetes import client, config, watch
 
 Key = tuple[str, str]
 
@@ -109,12 +108,13 @@ class Watcher:
                 body = json.loads(lister(_preload_content=False).data)
                 self.replace(store, body.get("items") or [])
                 version = body["metadata"]["resourceVersion"]
-                for event in watch.Watch().stream(lister, resource_version=version, timeout_seconds=300):
-                    obj = api.sanitize_for_serialization(event["object"])
+                stream = watch.Watch().stream  # type: ignore[no-untyped-call]
+                for event in stream(lister, resource_version=version, timeout_seconds=300):  # type: ignore[no-untyped-call]
+                    obj = api.sanitize_for_serialization(event["object"])  # type: ignore[no-untyped-call]
                     if event["type"] == "ERROR":
                         break
                     self.apply(store, event["type"], obj)
-            except ApiException as exc:
+            except client.ApiException as exc:
                 print(f"node_dns: {exc.status} {exc.reason}; relisting", flush=True)
                 time.sleep(1)
             except Exception as exc:  # a broken stream of any kind: relist and go on
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dnsmasq-pid", required=True, type=Path)
     parser.add_argument("--domain", default="cluster.local")
     args = parser.parse_args(argv)
-    config.load_kube_config(config_file=args.kubeconfig)
+    config.load_kube_config(config_file=args.kubeconfig)  # type: ignore[no-untyped-call]
     core = client.CoreV1Api()
     watcher = Watcher(args.hosts, args.dnsmasq_pid, args.domain)
     follows = (
