@@ -87,9 +87,18 @@ def test_statefulset_pods_resolve_by_their_dns_names(node: NodeCluster, referenc
         assert got == pod["status"]["podIP"], (host, got)
 
 
-def kv_ready(pod: dict[str, Any]) -> dict[str, Any]:
-    [cond] = [c for c in pod["status"]["conditions"] if c["type"] == "disagg.io/kv-transfer-ready"]
-    return cond
+def ready_since(pod: dict[str, Any]) -> str | None:
+    """When the pod's Ready condition last turned True; None while it is not Ready."""
+    for cond in pod["status"].get("conditions") or []:
+        if cond["type"] == "Ready" and cond["status"] == "True":
+            return str(cond["lastTransitionTime"])
+    return None
+
+
+def canary_passes(node: NodeCluster, name: str, decode_pod: str) -> int:
+    """How often the router's KV canary has seen KV cross a pair with `decode_pod` (its log says so)."""
+    log = node.kubectl("logs", f"deploy/{name}-router", "--tail", "-1").stdout
+    return sum(1 for line in log.splitlines() if f"↔ {decode_pod}: KV crossed the pair" in line)
 
 
 def test_container_killed_is_restarted_and_its_pair_verified_again(
@@ -99,20 +108,25 @@ def test_container_killed_is_restarted_and_its_pair_verified_again(
     pod = one_pod(node, reference, "decode")
     name = pod["metadata"]["name"]
     [engine] = [s for s in pod["status"]["containerStatuses"] if s["name"] == "engine"]
-    before = kv_ready(pod)
+    was_ready_since = ready_since(pod)
+    assert was_ready_since is not None
+    passes = canary_passes(node, reference, name)
     node.ctr("tasks", "kill", "--signal", "SIGKILL", engine["containerID"].removeprefix("containerd://"))
 
     def restarted_and_ready() -> dict[str, Any] | None:
         now = node.json("get", "pod", name)
         [status] = [s for s in now["status"]["containerStatuses"] if s["name"] == "engine"]
-        cond = kv_ready(now)
-        again = cond["status"] == "True" and cond["lastTransitionTime"] != before["lastTransitionTime"]
-        return (
-            now if status["restartCount"] == engine["restartCount"] + 1 and pod_ready(now) and again else None
-        )
+        since = ready_since(now)
+        restarted = status["restartCount"] == engine["restartCount"] + 1
+        return now if restarted and since is not None and since != was_ready_since else None
 
+    wait_for(f"{name}'s engine restarted by the kubelet and the pod Ready again", restarted_and_ready, 240)
+    # The router's canary sends KV across the pair again before it routes to it.
+    before = canary_passes(node, reference, name)
     wait_for(
-        f"{name}'s engine restarted by the kubelet and its pair verified again", restarted_and_ready, 240
+        f"the router's canary across {name}'s pair",
+        lambda: canary_passes(node, reference, name) > before,
+        120,
     )
     for _ in range(4):
         assert curl_text(node, reference, model) == expected_text
