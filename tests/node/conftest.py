@@ -16,7 +16,7 @@ import pytest
 from node_suite import MAX_TOKENS, PROMPT
 
 from disagg.rig import node_cluster
-from disagg.rig.demo_serving import REFERENCE_SAMPLE, monolithic_text
+from disagg.rig.demo_serving import REFERENCE_SAMPLE, ROUTABLE, monolithic_text
 from disagg.rig.node_cluster import NodeCluster, NodeError, failure, pod_ready, wait_for
 
 
@@ -67,18 +67,19 @@ def operator_installed(node: NodeCluster, version: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="session")
 def reference(node: NodeCluster, operator_installed: dict[str, Any]) -> str:
-    """`kubectl apply -f examples/reference-pp2-hma.yaml`, then its Ready condition; returns its name."""
+    """`kubectl apply -f examples/reference-pp2-hma.yaml`, then its Routable condition (the READY column);
+    returns its name."""
     node.kubectl("apply", "-f", str(REFERENCE_SAMPLE))
     name = "tiny-pp2"
 
     def ready() -> bool:
         status = node.json("get", "disagg", name).get("status") or {}
         return any(
-            c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
+            c.get("type") == ROUTABLE and c.get("status") == "True" for c in status.get("conditions") or []
         )
 
     try:
-        wait_for(f"DisaggDeployment {name} Ready", ready, timeout_s=420, interval_s=2)
+        wait_for(f"DisaggDeployment {name} Routable", ready, timeout_s=420, interval_s=2)
     except NodeError as exc:
         pods = node.kubectl("get", "pods", "-o", "wide", check=False).stdout
         events = node.kubectl("get", "events", "--sort-by=.lastTimestamp", check=False).stdout[-4000:]
