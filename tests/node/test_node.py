@@ -49,7 +49,7 @@ def test_operator_runs_from_its_image(
 
 
 def test_engine_pods_in_containers_with_cni_addresses(node: NodeCluster, reference: str) -> None:
-    pods = node.pods("default", f"app.kubernetes.io/instance={reference}")
+    pods = node.pods("default", f"disagg.io/deployment={reference}")
     print(node.kubectl("get", "pods", "-o", "wide").stdout)
     roles = sorted(p["metadata"]["labels"].get("app.kubernetes.io/component", "") for p in pods)
     assert roles.count("prefill") == 2 and roles.count("decode") == 2 and roles.count("router") == 1, roles
