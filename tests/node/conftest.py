@@ -67,19 +67,26 @@ def operator_installed(node: NodeCluster, version: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="session")
 def reference(node: NodeCluster, operator_installed: dict[str, Any]) -> str:
-    """`kubectl apply -f examples/reference-pp2-hma.yaml`, then its Routable condition (the READY column);
+    """`kubectl apply -f examples/reference-pp2-hma.yaml`, then Routable, Available and every pod Ready;
     returns its name."""
     node.kubectl("apply", "-f", str(REFERENCE_SAMPLE))
     name = "tiny-pp2"
 
     def ready() -> bool:
+        # Routable (the READY column) holds with one pair; Available once every engine pod is ready; and the
+        # router's pod itself.
         status = node.json("get", "disagg", name).get("status") or {}
-        return any(
-            c.get("type") == ROUTABLE and c.get("status") == "True" for c in status.get("conditions") or []
-        )
+        true = {c.get("type") for c in status.get("conditions") or [] if c.get("status") == "True"}
+        pods = node.pods("default", f"disagg.io/deployment={name}")
+        return {ROUTABLE, "Available"} <= true and len(pods) == 5 and all(pod_ready(p) for p in pods)
 
     try:
-        wait_for(f"DisaggDeployment {name} Routable", ready, timeout_s=420, interval_s=2)
+        wait_for(
+            f"DisaggDeployment {name} Routable and Available, its 5 pods Ready",
+            ready,
+            timeout_s=420,
+            interval_s=2,
+        )
     except NodeError as exc:
         pods = node.kubectl("get", "pods", "-o", "wide", check=False).stdout
         events = node.kubectl("get", "events", "--sort-by=.lastTimestamp", check=False).stdout[-4000:]
