@@ -104,7 +104,7 @@ control-plane-down:
 	bash hack/control-plane.sh stop
 
 # A real one-node cluster (hack/node.sh, docs/real-node.md): kubelet, kube-scheduler and kube-proxy built from the
-# API server's source (cached beside it), containerd + runc + CNI, a registry on 127.0.0.1:35000, cluster DNS by
+# API server's source (cached beside it), containerd + runc + CNI, a registry on 127.0.0.1:30500, cluster DNS by
 # dnsmasq and the DNS watcher stand-in. `cluster-down` stops it and puts back what it changed on the host.
 cluster-up: $(STAMP)
 	nice -n 19 bash hack/node.sh install
