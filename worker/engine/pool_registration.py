@@ -19,10 +19,24 @@ LINK_REPLY_TIMEOUT_S = 60.0
 
 
 def new_pool(model: TinyModel, s: ServeSettings) -> PagedKVCache:
-    """This worker's KV cache over a new pool file. The pool's emptyDir outlives a restart of the container:
-    a file there is the last run's, which the sidecar stops using when this run registers its own."""
-    Path(s.kv_pool).unlink(missing_ok=True)
-    return map_kv_cache(model, s.num_blocks, s.kv_pool, pp_rank=s.pp_rank, pp_size=s.pp_size, create=True)
+    """This worker's KV cache over its pool file, zeroed.
+
+    The pool's emptyDir outlives a restart of the engine container, and so does the sidecar, with its NIXL
+    registration of the file's pages: a restarted engine registers the same layout again, which the sidecar
+    keeps as it is (`sidecar.transfer`). So a restart maps the file that is there when it has this layout's
+    size; only a missing file or one of another size is replaced. (Unlinking it and creating a new one, as
+    this did before, left the sidecar moving the dead file's pages: on a real kubelet, which restarts one
+    container of a pod, every PP2 request after a stage's restart came back as another text than the
+    monolithic run.)
+    """
+    try:
+        kv = map_kv_cache(model, s.num_blocks, s.kv_pool, pp_rank=s.pp_rank, pp_size=s.pp_size)
+    except (FileNotFoundError, ValueError):
+        Path(s.kv_pool).unlink(missing_ok=True)
+        return map_kv_cache(model, s.num_blocks, s.kv_pool, pp_rank=s.pp_rank, pp_size=s.pp_size, create=True)
+    # What the last run left is nobody's KV now: the restart starts from the state a new pool has.
+    kv.buffer.zero_()
+    return kv
 
 
 def layout_message(config: TinyConfig, s: ServeSettings, kv: PagedKVCache) -> RegisterLayout:

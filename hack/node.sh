@@ -1,0 +1,582 @@
+#!/usr/bin/env bash
+# A real one-node Kubernetes v1.20.2 cluster on this machine: the control plane of hack/control-plane.sh (its own
+# state and ports), a kubelet, kube-scheduler and kube-proxy built from the same Debian source, containerd + runc
+# with the cgroupfs driver, CNI (bridge, host-local, loopback, portmap) on a bridge of its own, a container
+# registry on loopback that containerd pulls from, and cluster DNS.
+#
+# The one stand-in: cluster DNS. No registry here ships CoreDNS or kube-dns, so a real DNS server (dnsmasq)
+# answers for cluster.local from a hosts file that a small watcher (rig/node_dns.py, "the DNS watcher stand-in")
+# writes from the API server's Services and Endpoints (which carry the StatefulSet pods' hostnames).
+#
+#   bash hack/node.sh install      # idempotent: apt packages, node binaries (cached), containerd, registry, pause
+#   bash hack/node.sh up           # install if needed, then start everything (a no-op when already up)
+#   eval "$(bash hack/node.sh env)"   # KUBECONFIG, PATH (kubectl, helm), DISAGG_REGISTRY
+#   bash hack/node.sh status | down | paths
+#
+# `down` stops every process `up` started, by PID, and puts back what the node changed on the host: sysctls (the
+# kubelet's kernel tunables, forwarding, bridge netfilter, route_localnet), the KUBE-* and CNI-* iptables chains
+# and the rules that jump to them, the mounts under the state folder, the pods' network namespaces, the bridge,
+# the kubepods cgroups, and the folders the kubelet creates outside its root. Settings (environment):
+# DISAGG_NODE_STATE (default /tmp/disagg-node), DISAGG_NODE_ETCD_PORT, DISAGG_NODE_ETCD_PEER_PORT,
+# DISAGG_NODE_APISERVER_PORT, DISAGG_REGISTRY_PORT, DISAGG_CACHE.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+CP=$ROOT/hack/control-plane.sh
+CACHE=${DISAGG_CACHE:-$HOME/.cache/disagg}
+PREFIX=$CACHE/k8s-1.20.2
+BIN=$PREFIX/bin
+# containerd and the registry come from Debian's debs unpacked here (`apt-get install` would start their
+# services on a systemd host); the pause image is built here from the kubernetes tree's pause.c.
+NODE_CACHE=$PREFIX/node
+NODE_ROOT=$NODE_CACHE/root
+PAUSE_LAYOUT=$NODE_CACHE/pause-oci
+PAUSE_TAG=3.2
+
+STATE=${DISAGG_NODE_STATE:-/tmp/disagg-node}
+LOGS=$STATE/logs
+PKI=$STATE/pki
+SAVED=$STATE/host-saved
+
+NODE_NAME=disagg-node
+BRIDGE=disagg0
+# The node's address is the pod bridge's gateway: pods reach the API server, the kubelet and DNS there, and
+# no address outside this machine's own bridge is ever a target.
+NODE_IP=10.244.0.1
+POD_CIDR=10.244.0.0/24
+SERVICE_CIDR=10.96.0.0/16
+KUBERNETES_SERVICE_IP=10.96.0.1
+DNS_IP=$NODE_IP
+CLUSTER_DOMAIN=cluster.local
+# Every port below the ephemeral range (32768-60999 here): a registry on 35000 once failed with "bind: address
+# already in use", the API server's own connection to etcd holding 127.0.0.1:35000 as its source port.
+REGISTRY_PORT=${DISAGG_REGISTRY_PORT:-30500}
+REGISTRY=127.0.0.1:$REGISTRY_PORT
+KUBELET_PORT=10250
+
+export DISAGG_STATE=$STATE/control-plane
+export DISAGG_ETCD_PORT=${DISAGG_NODE_ETCD_PORT:-32379}
+export DISAGG_ETCD_PEER_PORT=${DISAGG_NODE_ETCD_PEER_PORT:-32380}
+export DISAGG_APISERVER_PORT=${DISAGG_NODE_APISERVER_PORT:-31443}
+export DISAGG_APISERVER_ADDRESS=$NODE_IP
+export DISAGG_SERVICE_CIDR=$SERVICE_CIDR
+export DISAGG_KUBERNETES_SERVICE_IP=$KUBERNETES_SERVICE_IP
+export DISAGG_AUTHORIZATION_MODE=Node,RBAC
+export DISAGG_PRE_APPLY=${DISAGG_PRE_APPLY:-$ROOT/crds}
+# The node lifecycle controller takes the not-ready taint off a node that turned Ready; the rest as the tests'.
+export DISAGG_KCM_CONTROLLERS='*,-nodeipam,-ttl,-bootstrapsigner,-tokencleaner,-csrsigning,-csrapproving,-csrcleaner,-cloud-node-lifecycle,-persistentvolume-binder,-attachdetach,-persistentvolume-expander,-pvc-protection,-pv-protection,-route,-service' 
+KUBECONFIG_FILE=$DISAGG_STATE/admin.kubeconfig
+CA_KEY=$DISAGG_STATE/pki/ca.key
+CA_CRT=$DISAGG_STATE/pki/ca.crt
+
+CONTAINERD_SOCK=$STATE/containerd/containerd.sock
+APT_PACKAGES=(runc containernetworking-plugins dnsmasq-base iptables conntrack skopeo umoci openssl curl
+  ca-certificates iproute2)
+# The sysctls that the kubelet (its kernel tunables), kube-proxy (route_localnet) and this script change.
+SYSCTLS=(net.ipv4.ip_forward net.bridge.bridge-nf-call-iptables net.bridge.bridge-nf-call-ip6tables
+  net.ipv4.conf.all.route_localnet vm.overcommit_memory vm.panic_on_oom kernel.panic kernel.panic_on_oops
+  kernel.keys.root_maxkeys kernel.keys.root_maxbytes)
+# Folders the kubelet creates whatever its --root-dir says; removed by `down` only when `up` made them.
+HOST_DIRS=(/var/log/pods /var/log/containers /var/lib/kubelet /run/containerd /run/netns /var/lib/cni)
+DAEMONS=(containerd registry kubelet kube-scheduler kube-proxy dnsmasq dns-watcher)
+
+log() { printf '[node] %s\n' "$*" >&2; }
+die() {
+  log "ERROR: $*"
+  exit 1
+}
+
+apt_install_missing() {
+  local missing=() p
+  for p in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+  done
+  ((${#missing[@]})) || return 0
+  for p in "${missing[@]}"; do
+    if ! apt-cache show "$p" >/dev/null 2>&1; then
+      log "apt-get update (the package lists lack $p)"
+      apt-get -o DPkg::Lock::Timeout=600 update -qq
+      break
+    fi
+  done
+  log "apt-get install ${missing[*]}"
+  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends \
+    "${missing[@]}" >&2
+}
+
+# containerd (1.6, still serving the CRI v1alpha2 a 1.20 kubelet speaks) and docker-registry, unpacked.
+install_debs() {
+  local dir=$NODE_CACHE/debs deb
+  rm -rf "$dir" "$NODE_ROOT"
+  mkdir -p "$dir" "$NODE_ROOT"
+  if ! apt-cache show containerd docker-registry >/dev/null 2>&1; then
+    apt-get -o DPkg::Lock::Timeout=600 update -qq
+  fi
+  (cd "$dir" && apt-get -q -o APT::Sandbox::User=root download containerd docker-registry >&2)
+  for deb in "$dir"/*.deb; do dpkg -x "$deb" "$NODE_ROOT"; done
+  rm -rf "$dir"
+}
+
+# The sandbox image: the tree's pause program alone, as an OCI layout (umoci), pushed to the registry by `up`.
+build_pause_image() {
+  local work=$NODE_CACHE/pause-work
+  rm -rf "$work" "$PAUSE_LAYOUT"
+  mkdir -p "$work"
+  umoci init --layout "$PAUSE_LAYOUT"
+  umoci new --image "$PAUSE_LAYOUT:$PAUSE_TAG"
+  umoci unpack --image "$PAUSE_LAYOUT:$PAUSE_TAG" "$work/bundle" >/dev/null
+  install -m 0755 "$BIN/pause" "$work/bundle/rootfs/pause"
+  umoci repack --image "$PAUSE_LAYOUT:$PAUSE_TAG" "$work/bundle"
+  umoci config --image "$PAUSE_LAYOUT:$PAUSE_TAG" --config.entrypoint /pause --config.user 65535:65535 \
+    --os linux --architecture "$(dpkg --print-architecture)"
+  umoci gc --layout "$PAUSE_LAYOUT"
+  rm -rf "$work"
+}
+
+is_installed() {
+  [[ -f $NODE_CACHE/.installed && -x $NODE_ROOT/usr/bin/containerd && -x $NODE_ROOT/usr/bin/docker-registry &&
+    -f $PAUSE_LAYOUT/index.json && -x $BIN/kubelet && -x $BIN/kube-proxy && -x $BIN/kube-scheduler ]]
+}
+
+cmd_install() {
+  apt_install_missing
+  bash "$CP" install
+  bash "$CP" install-node
+  mkdir -p "$NODE_CACHE"
+  exec 8>"$NODE_CACHE/.install.lock"
+  flock 8
+  is_installed && return 0
+  [[ -x $NODE_ROOT/usr/bin/containerd && -x $NODE_ROOT/usr/bin/docker-registry ]] || install_debs
+  build_pause_image
+  {
+    "$NODE_ROOT/usr/bin/containerd" --version
+    "$NODE_ROOT/usr/bin/docker-registry" --version
+    "$BIN/kubelet" --version
+  } >"$NODE_CACHE/.installed"
+  log "installed: $(tr '\n' ';' <"$NODE_CACHE/.installed")"
+}
+
+# --- processes
+
+pid_alive() {
+  local f=$STATE/$1.pid pid
+  [[ -f $f ]] || return 1
+  pid=$(cat "$f")
+  [[ -d /proc/$pid ]] || return 1
+  local st
+  st=$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null) || return 1
+  [[ $st != Z ]] || return 1
+  # The PID file's binary must still be the one running: a reused PID never counts.
+  [[ $(readlink "/proc/$pid/exe" 2>/dev/null) == "$(cat "$STATE/$1.exe")" ]]
+}
+
+# Start a daemon detached from this shell (setsid), so it outlives the caller; its PID and binary go to $STATE.
+launch() {
+  local name=$1
+  shift
+  nohup setsid "$@" >"$LOGS/$name.log" 2>&1 </dev/null &
+  local pid=$!
+  echo "$pid" >"$STATE/$name.pid"
+  readlink -f "$(command -v "$1")" >"$STATE/$name.exe"
+  # $! names the forked shell until nohup and setsid have exec'd the daemon.
+  local i
+  for ((i = 0; i < 100; i++)); do
+    [[ $(readlink "/proc/$pid/exe" 2>/dev/null) == "$(cat "$STATE/$name.exe")" ]] && return 0
+    [[ -d /proc/$pid ]] || return 0
+    sleep 0.05
+  done
+}
+
+wait_for() {
+  local what=$1 seconds=$2 name=$3
+  shift 3
+  local deadline=$((SECONDS + seconds))
+  until "$@" >/dev/null 2>&1; do
+    pid_alive "$name" || die "$name exited while waiting for $what; last log lines:
+$(tail -n 30 "$LOGS/$name.log")"
+    ((SECONDS < deadline)) || die "timed out after ${seconds}s waiting for $what; see $LOGS/$name.log"
+    sleep 0.3
+  done
+}
+
+stop_one() {
+  local name=$1 f=$STATE/$1.pid pid
+  [[ -f $f ]] || return 0
+  pid=$(cat "$f")
+  if pid_alive "$name"; then
+    kill -TERM "$pid" 2>/dev/null || true
+    for _ in $(seq 50); do
+      pid_alive "$name" || break
+      sleep 0.2
+    done
+    if pid_alive "$name"; then
+      log "$name (pid $pid) ignored SIGTERM for 10 s; sending SIGKILL"
+      kill -KILL "$pid" 2>/dev/null || true
+    fi
+  fi
+  rm -f "$f" "$STATE/$name.exe"
+}
+
+kubectl_admin() { "$BIN/kubectl" --kubeconfig "$KUBECONFIG_FILE" "$@"; }
+
+# --- host changes, recorded before the first change so that `down` can put them back
+
+save_host() {
+  [[ -d $SAVED ]] && return 0
+  mkdir -p "$SAVED.tmp"
+  local s d
+  for s in "${SYSCTLS[@]}"; do
+    [[ -e /proc/sys/${s//.//} ]] && echo "$s=$(cat "/proc/sys/${s//.//}")" >>"$SAVED.tmp/sysctls"
+  done
+  for d in "${HOST_DIRS[@]}"; do
+    [[ -e $d ]] && echo "$d" >>"$SAVED.tmp/dirs"
+  done
+  ls /run/netns 2>/dev/null >"$SAVED.tmp/netns" || true
+  touch "$SAVED.tmp/sysctls" "$SAVED.tmp/dirs"
+  mv "$SAVED.tmp" "$SAVED"
+}
+
+restore_host() {
+  [[ -d $SAVED ]] || return 0
+  local line d t
+  # The pods' network namespaces that containerd did not get to remove (it removes them on StopPodSandbox).
+  if [[ -d /run/netns ]]; then
+    for d in /run/netns/cni-*; do
+      [[ -e $d ]] || continue
+      grep -qxF "$(basename "$d")" "$SAVED/netns" && continue
+      umount "$d" 2>/dev/null || true
+      rm -f "$d"
+    done
+  fi
+  ip link del "$BRIDGE" 2>/dev/null || true
+  # Every chain kube-proxy, the kubelet and the CNI plugins made: first the rules that jump to them from the
+  # built-in chains, then the chains themselves.
+  for t in filter nat mangle; do
+    { iptables -t "$t" -S 2>/dev/null || true; } | { grep -E -- '^-A (INPUT|OUTPUT|FORWARD|PREROUTING|POSTROUTING) .*-j (KUBE|CNI)-' || true; } |
+      while read -r line; do
+        # eval: the rule as iptables printed it, quoted comments included.
+        eval "iptables -t $t ${line/-A /-D }" 2>/dev/null || true
+      done
+    { iptables -t "$t" -S 2>/dev/null || true; } | awk '$1 == "-N" && $2 ~ /^(KUBE|CNI)-/ {print $2}' | while read -r line; do
+      iptables -t "$t" -F "$line" 2>/dev/null || true
+    done
+    { iptables -t "$t" -S 2>/dev/null || true; } | awk '$1 == "-N" && $2 ~ /^(KUBE|CNI)-/ {print $2}' | while read -r line; do
+      iptables -t "$t" -X "$line" 2>/dev/null || true
+    done
+  done
+  # The kubelet's QoS cgroups, in every v1 hierarchy and the unified one (they outlive the kubelet).
+  for d in /sys/fs/cgroup/*/kubepods /sys/fs/cgroup/kubepods; do
+    [[ -d $d ]] && find "$d" -depth -type d -exec rmdir {} + 2>/dev/null || true
+  done
+  while IFS='=' read -r line t; do
+    [[ -n $line ]] && echo "$t" >"/proc/sys/${line//.//}" 2>/dev/null || true
+  done <"$SAVED/sysctls"
+  for d in "${HOST_DIRS[@]}"; do
+    if ! grep -qxF "$d" "$SAVED/dirs" && [[ -e $d ]]; then
+      umount -R "$d" 2>/dev/null || true
+      rm -rf "$d"
+    fi
+  done
+  rm -rf "$SAVED"
+}
+
+unmount_state() {
+  # Deepest first: the pods' volumes, containerd's overlay and shm mounts, the kubelet's bind of its root.
+  local m
+  awk -v s="$STATE/" 'index($2, s) == 1 {print $2}' /proc/self/mounts | sort -r | while read -r m; do
+    umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || true
+  done
+}
+
+# --- configuration files
+
+sign_client_cert() {
+  local name=$1 subject=$2
+  [[ -f $PKI/$name.crt ]] && return 0
+  printf 'keyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=clientAuth\n' >"$PKI/client.ext"
+  openssl req -newkey rsa:2048 -nodes -keyout "$PKI/$name.key" -out "$PKI/$name.csr" -subj "$subject" 2>/dev/null
+  openssl x509 -req -in "$PKI/$name.csr" -CA "$CA_CRT" -CAkey "$CA_KEY" -CAcreateserial -days 3650 \
+    -extfile "$PKI/client.ext" -out "$PKI/$name.crt" 2>/dev/null
+  chmod 600 "$PKI/$name.key"
+}
+
+write_kubeconfig() {
+  local name=$1
+  cat >"$STATE/$name.kubeconfig" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: disagg-node
+  cluster: {server: "https://$NODE_IP:$DISAGG_APISERVER_PORT", certificate-authority: "$CA_CRT"}
+users:
+- name: $name
+  user: {client-certificate: "$PKI/$name.crt", client-key: "$PKI/$name.key"}
+contexts:
+- name: disagg-node
+  context: {cluster: disagg-node, user: $name}
+current-context: disagg-node
+EOF
+}
+
+write_configs() {
+  mkdir -p "$STATE/containerd/certs.d/$REGISTRY" "$STATE/containerd/certs.d/ghcr.io" "$STATE/cni/net.d" \
+    "$STATE/registry" "$STATE/dns" "$PKI"
+  cat >"$STATE/containerd/config.toml" <<EOF
+version = 2
+root = "$STATE/containerd/root"
+state = "$STATE/containerd/state"
+[grpc]
+  address = "$CONTAINERD_SOCK"
+[ttrpc]
+  address = "$STATE/containerd/containerd.sock.ttrpc"
+[metrics]
+  address = ""
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "$REGISTRY/pause:$PAUSE_TAG"
+  # Root here lacks CAP_SYS_RESOURCE, so no process may lower its oom_score_adj; the kubelet asks -998 for
+  # every sandbox, and runc then fails ("can't get final child's PID from pipe: EOF"). This clamps the request
+  # to containerd's own score instead.
+  restrict_oom_score_adj = true
+  enable_selinux = false
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = false
+        BinaryName = "$(command -v runc)"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "/usr/lib/cni"
+    conf_dir = "$STATE/cni/net.d"
+  [plugins."io.containerd.grpc.v1.cri".registry]
+    config_path = "$STATE/containerd/certs.d"
+EOF
+  # The loopback registry speaks plain HTTP. ghcr.io, where the chart's and examples' images live by default,
+  # is mirrored from it, the way a cluster with a pull-through mirror resolves them: examples apply as written.
+  cat >"$STATE/containerd/certs.d/$REGISTRY/hosts.toml" <<EOF
+server = "http://$REGISTRY"
+[host."http://$REGISTRY"]
+  capabilities = ["pull", "resolve"]
+EOF
+  cat >"$STATE/containerd/certs.d/ghcr.io/hosts.toml" <<EOF
+server = "https://ghcr.io"
+[host."http://$REGISTRY"]
+  capabilities = ["pull", "resolve"]
+EOF
+  # Pods get a route to the Services' range only, no default route: nothing they send can leave this machine.
+  cat >"$STATE/cni/net.d/10-disagg.conflist" <<EOF
+{
+  "cniVersion": "0.4.0",
+  "name": "disagg",
+  "plugins": [
+    {"type": "bridge", "bridge": "$BRIDGE", "isGateway": true, "ipMasq": false, "hairpinMode": true,
+     "ipam": {"type": "host-local", "dataDir": "$STATE/cni/ipam",
+              "ranges": [[{"subnet": "$POD_CIDR", "gateway": "$NODE_IP"}]],
+              "routes": [{"dst": "$SERVICE_CIDR"}]}},
+    {"type": "portmap", "capabilities": {"portMappings": true}}
+  ]
+}
+EOF
+  cat >"$STATE/registry.yml" <<EOF
+version: 0.1
+log:
+  level: warn
+  accesslog: {disabled: true}
+storage:
+  filesystem: {rootdirectory: "$STATE/registry"}
+  delete: {enabled: true}
+http: {addr: "$REGISTRY"}
+EOF
+  # Pods with dnsPolicy Default get this as their resolv.conf: no nameserver outside the cluster.
+  echo "# no upstream DNS for pods on the disagg node" >"$STATE/host-resolv.conf"
+  : >"$STATE/dns/cluster.hosts"
+  sign_client_cert kubelet "/O=system:nodes/CN=system:node:$NODE_NAME"
+  sign_client_cert kube-proxy "/CN=system:kube-proxy"
+  sign_client_cert kube-scheduler "/CN=system:kube-scheduler"
+  write_kubeconfig kubelet
+  write_kubeconfig kube-proxy
+  write_kubeconfig kube-scheduler
+  # The kubelet's serving certificate, for the API server's logs/exec calls (which do not verify it).
+  if [[ ! -f $PKI/kubelet-serving.crt ]]; then
+    printf 'keyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\nsubjectAltName=IP:%s,DNS:%s\n' \
+      "$NODE_IP" "$NODE_NAME" >"$PKI/serving.ext"
+    openssl req -newkey rsa:2048 -nodes -keyout "$PKI/kubelet-serving.key" -out "$PKI/kubelet-serving.csr" \
+      -subj "/CN=$NODE_NAME" 2>/dev/null
+    openssl x509 -req -in "$PKI/kubelet-serving.csr" -CA "$CA_CRT" -CAkey "$CA_KEY" -CAcreateserial -days 3650 \
+      -extfile "$PKI/serving.ext" -out "$PKI/kubelet-serving.crt" 2>/dev/null
+  fi
+}
+
+# --- up / down
+
+venv_python() {
+  [[ -x $ROOT/.venv/bin/python ]] || die "$ROOT/.venv is missing: run make venv (the DNS watcher runs in it)"
+  echo "$ROOT/.venv/bin/python"
+}
+
+is_up() {
+  local d
+  for d in "${DAEMONS[@]}"; do pid_alive "$d" || return 1; done
+  bash "$CP" status >/dev/null 2>&1
+}
+
+cmd_up() {
+  if is_up; then
+    log "already up (node $NODE_NAME, KUBECONFIG=$KUBECONFIG_FILE, registry $REGISTRY)"
+    return 0
+  fi
+  is_installed || cmd_install
+  local t0=$SECONDS py
+  py=$(venv_python)
+  # Whatever a half-done earlier run left is stopped and put back first, so `up` always starts clean.
+  if [[ -d $STATE ]]; then cmd_down; fi
+  trap 'log "up failed; taking down what it started"; cmd_down' EXIT
+  mkdir -p "$STATE" "$LOGS"
+  save_host
+
+  # The bridge exists before the API server, which binds the node address on it.
+  ip link add "$BRIDGE" type bridge 2>/dev/null || true
+  ip addr replace "$NODE_IP/24" dev "$BRIDGE"
+  ip link set "$BRIDGE" up
+  # Service addresses go to the bridge, never to the default route, even before kube-proxy's rules exist.
+  ip route replace "$SERVICE_CIDR" dev "$BRIDGE" src "$NODE_IP"
+  echo 1 >/proc/sys/net/ipv4/ip_forward
+  # Pod -> Service -> pod on the same bridge: the reply must pass netfilter to be un-DNATed.
+  echo 1 >/proc/sys/net/bridge/bridge-nf-call-iptables
+
+  bash "$CP" start
+  write_configs
+
+  launch registry "$NODE_ROOT/usr/bin/docker-registry" serve "$STATE/registry.yml"
+  wait_for "the registry" 30 registry curl -fsS "http://$REGISTRY/v2/"
+  skopeo copy --quiet --dest-tls-verify=false "oci:$PAUSE_LAYOUT:$PAUSE_TAG" "docker://$REGISTRY/pause:$PAUSE_TAG"
+
+  # containerd finds its shim (containerd-shim-runc-v2) on its PATH.
+  (
+    PATH=$NODE_ROOT/usr/bin:$PATH
+    launch containerd "$NODE_ROOT/usr/bin/containerd" --config "$STATE/containerd/config.toml"
+  )
+  wait_for "containerd's socket" 30 containerd "$NODE_ROOT/usr/bin/ctr" --address "$CONTAINERD_SOCK" version
+
+  launch dnsmasq "$(command -v dnsmasq)" --keep-in-foreground --log-facility=- --conf-file=/dev/null \
+    --no-resolv --no-hosts --no-negcache --bind-interfaces --listen-address="$DNS_IP" --port=53 \
+    --local="/$CLUSTER_DOMAIN/" --addn-hosts="$STATE/dns/cluster.hosts" --pid-file="$STATE/dns/dnsmasq.pid" \
+    --user=root
+  launch dns-watcher "$py" -m disagg.rig.node_dns --kubeconfig "$KUBECONFIG_FILE" \
+    --hosts "$STATE/dns/cluster.hosts" --dnsmasq-pid "$STATE/dnsmasq.pid" --domain "$CLUSTER_DOMAIN"
+
+  mkdir -p "$STATE/kubelet"
+  launch kubelet "$BIN/kubelet" --kubeconfig "$STATE/kubelet.kubeconfig" --hostname-override "$NODE_NAME" \
+    --node-ip "$NODE_IP" --address "$NODE_IP" --port "$KUBELET_PORT" --read-only-port 0 \
+    --healthz-bind-address 127.0.0.1 --healthz-port 30248 \
+    --container-runtime remote --container-runtime-endpoint "unix://$CONTAINERD_SOCK" \
+    --runtime-request-timeout 15m --cgroup-driver cgroupfs --fail-swap-on=false \
+    --root-dir "$STATE/kubelet" --cert-dir "$STATE/kubelet/pki" --volume-plugin-dir "$STATE/kubelet/plugins" \
+    --tls-cert-file "$PKI/kubelet-serving.crt" --tls-private-key-file "$PKI/kubelet-serving.key" \
+    --anonymous-auth=false --client-ca-file "$CA_CRT" --authorization-mode Webhook \
+    --cluster-dns "$DNS_IP" --cluster-domain "$CLUSTER_DOMAIN" --resolv-conf "$STATE/host-resolv.conf" \
+    --serialize-image-pulls=false --node-labels "disagg.io/node=$NODE_NAME" --v 1
+  launch kube-scheduler "$BIN/kube-scheduler" --kubeconfig "$STATE/kube-scheduler.kubeconfig" \
+    --leader-elect=false --port 0 --secure-port 0 --v 1
+  # --conntrack-*=0: leave the host's conntrack table size and timeouts alone.
+  launch kube-proxy "$BIN/kube-proxy" --kubeconfig "$STATE/kube-proxy.kubeconfig" --hostname-override "$NODE_NAME" \
+    --bind-address "$NODE_IP" --proxy-mode iptables --cluster-cidr "$POD_CIDR" \
+    --healthz-bind-address 127.0.0.1:30256 --metrics-bind-address 127.0.0.1:30249 \
+    --conntrack-max-per-core 0 --conntrack-tcp-timeout-established 0 --conntrack-tcp-timeout-close-wait 0 --v 1
+
+  wait_for "node $NODE_NAME Ready" 120 kubelet \
+    bash -c "'$BIN/kubectl' --kubeconfig '$KUBECONFIG_FILE' get node '$NODE_NAME' \
+      -o jsonpath='{.status.conditions[?(@.type==\"Ready\")].status}' | grep -qx True"
+  local d
+  for d in "${DAEMONS[@]}"; do pid_alive "$d" || die "$d exited: $(tail -n 20 "$LOGS/$d.log")"; done
+  trap - EXIT
+  log "up in $((SECONDS - t0)) s: node $NODE_NAME ($NODE_IP), registry $REGISTRY, KUBECONFIG=$KUBECONFIG_FILE"
+}
+
+ctr_k8s() { "$NODE_ROOT/usr/bin/ctr" --address "$CONTAINERD_SOCK" -n k8s.io "$@"; }
+
+cmd_down() {
+  local t0=$SECONDS
+  # No new pods: the scheduler and the controllers go first. Then every pod is deleted while the kubelet and
+  # containerd still run, so that containerd tears down each sandbox's network (CNI DEL) and mounts.
+  # (The controllers recreate some, but with no scheduler they stay Pending, bound to no node.)
+  stop_one kube-scheduler
+  if pid_alive kubelet && pid_alive containerd && bash "$CP" status >/dev/null 2>&1; then
+    kubectl_admin delete pods --all --all-namespaces --grace-period 0 --force --wait=false >/dev/null 2>&1 || true
+    local deadline=$((SECONDS + 60))
+    while ((SECONDS < deadline)) && [[ -n $(ctr_k8s tasks ls -q 2>/dev/null) ]]; do sleep 0.5; done
+  fi
+  stop_one kubelet
+  stop_one kube-proxy
+  stop_one dns-watcher
+  stop_one dnsmasq
+  if pid_alive containerd; then
+    # Anything left (a kubelet that died first): kill the tasks, so the shims exit.
+    local c
+    for c in $(ctr_k8s tasks ls -q 2>/dev/null); do ctr_k8s tasks kill -s KILL "$c" >/dev/null 2>&1 || true; done
+    sleep 1
+    for c in $(ctr_k8s tasks ls -q 2>/dev/null); do ctr_k8s tasks delete -f "$c" >/dev/null 2>&1 || true; done
+  fi
+  stop_one containerd
+  stop_one registry
+  # Shims that outlived containerd (they are started detached from it): only ours, found by their socket path.
+  local p
+  for p in $(pgrep -f "containerd-shim-runc-v2 .*-address $CONTAINERD_SOCK" 2>/dev/null || true); do
+    kill -KILL "$p" 2>/dev/null || true
+  done
+  bash "$CP" teardown >/dev/null 2>&1 || true
+  unmount_state
+  restore_host
+  # The logs outlive the state, for a failed `up` to be read.
+  if [[ -d $LOGS ]]; then
+    rm -rf "$STATE-logs"
+    mv "$LOGS" "$STATE-logs"
+  fi
+  rm -rf "$STATE"
+  log "down in $((SECONDS - t0)) s; host settings put back"
+}
+
+cmd_status() {
+  local d rc=0
+  for d in "${DAEMONS[@]}"; do
+    if pid_alive "$d"; then echo "$d: running (pid $(cat "$STATE/$d.pid"))"; else
+      echo "$d: stopped"
+      rc=1
+    fi
+  done
+  bash "$CP" status || rc=1
+  ((rc == 0)) && kubectl_admin get nodes -o wide
+  return $rc
+}
+
+cmd_env() {
+  printf 'export KUBECONFIG=%q\n' "$KUBECONFIG_FILE"
+  # shellcheck disable=SC2016 # $PATH must expand in the caller's shell.
+  printf 'export PATH=%q:"$PATH"\n' "$BIN"
+  printf 'export DISAGG_REGISTRY=%q\n' "$REGISTRY"
+}
+
+cmd_paths() {
+  printf 'kubeconfig=%s\nbin=%s\nstate=%s\nregistry=%s\nnode=%s\nnode_ip=%s\ncontainerd=%s\nctr=%s\n' \
+    "$KUBECONFIG_FILE" "$BIN" "$STATE" "$REGISTRY" "$NODE_NAME" "$NODE_IP" "$CONTAINERD_SOCK" \
+    "$NODE_ROOT/usr/bin/ctr"
+}
+
+main() {
+  [[ $(id -u) -eq 0 ]] || die "hack/node.sh runs as root (containerd, the kubelet, iptables, mounts)"
+  case ${1:-} in
+    install) cmd_install ;;
+    up) cmd_up ;;
+    down) cmd_down ;;
+    status) cmd_status ;;
+    env) cmd_env ;;
+    paths) cmd_paths ;;
+    *)
+      echo "usage: $0 install|up|down|status|env|paths" >&2
+      exit 2
+      ;;
+  esac
+}
+
+main "$@"; exit

@@ -1,0 +1,189 @@
+"""The real one-node cluster (`hack/node.sh`) as programs use it, and the user's path onto it.
+
+`NodeCluster` runs kubectl, helm, skopeo and containerd's `ctr` against the node; `push_images` and
+`helm_install` do what the README tells a platform engineer to do: push both images (`skopeo copy`) to the
+node's registry and `helm install` the chart with those repositories (then `kubectl apply` a sample).
+Nothing here plays a part of the cluster: the kubelet runs the pods, kube-proxy serves the Services, the
+registry serves the images.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from disagg.rig.local import REPO
+
+SCRIPT = REPO / "hack" / "node.sh"
+IMAGES = REPO / "build" / "images"
+CHART = REPO / "charts" / "disagg"
+RELEASE = "disagg"
+OPERATOR_NAMESPACE = "disagg-system"
+
+
+class NodeError(RuntimeError):
+    """A command against the node failed; the message carries its output."""
+
+
+def call_script(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args], capture_output=True, text=True, stdin=subprocess.DEVNULL, check=False
+    )
+
+
+def failure(proc: subprocess.CompletedProcess[str]) -> str:
+    command = proc.args if isinstance(proc.args, str) else " ".join(map(str, proc.args))
+    out, err = proc.stdout[-4000:], proc.stderr[-6000:]
+    return f"{command} exited {proc.returncode}\n--- stdout\n{out}\n--- stderr\n{err}"
+
+
+def image_version() -> str:
+    """The images' tag: pyproject.toml's version (= the chart's appVersion)."""
+    proc = subprocess.run(
+        [str(REPO / ".venv" / "bin" / "python"), str(REPO / "hack" / "image" / "image.py"), "version"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return proc.stdout.strip()
+
+
+@dataclass(frozen=True)
+class NodeCluster:
+    kubeconfig: Path
+    bin_dir: Path
+    state: Path
+    registry: str
+    node: str
+    node_ip: str
+    containerd: str
+    ctr_bin: Path
+
+    @classmethod
+    def from_script(cls) -> NodeCluster:
+        proc = call_script("paths")
+        if proc.returncode != 0:
+            raise NodeError(failure(proc))
+        f = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
+        return cls(
+            Path(f["kubeconfig"]),
+            Path(f["bin"]),
+            Path(f["state"]),
+            f["registry"],
+            f["node"],
+            f["node_ip"],
+            f["containerd"],
+            Path(f["ctr"]),
+        )
+
+    def env(self) -> dict[str, str]:
+        import os
+
+        return {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            "PATH": f"{self.bin_dir}:{os.environ['PATH']}",
+        }
+
+    def run(
+        self, *command: str, check: bool = True, timeout: float = 300, input: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            list(command),
+            capture_output=True,
+            text=True,
+            env=self.env(),
+            timeout=timeout,
+            input=input,
+            check=False,
+        )
+        if check and proc.returncode != 0:
+            raise NodeError(failure(proc))
+        return proc
+
+    def kubectl(
+        self, *args: str, check: bool = True, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
+        return self.run(str(self.bin_dir / "kubectl"), *args, check=check, timeout=timeout)
+
+    def json(self, *args: str) -> Any:
+        return json.loads(self.kubectl(*args, "-o", "json").stdout)
+
+    def ctr(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return self.run(str(self.ctr_bin), "--address", self.containerd, "-n", "k8s.io", *args, check=check)
+
+    def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = self.json("-n", namespace, "get", "pods", "-l", selector)["items"]
+        return items
+
+    def image_ref(self, image: str, version: str) -> str:
+        return f"{self.registry}/disagg/{image}:{version}"
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout_s: float, interval_s: float = 1.0) -> Any:
+    """Poll until `check` returns something truthy; a timeout names what was awaited and the last value."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while True:
+        last = check()
+        if last:
+            return last
+        if time.monotonic() > deadline:
+            raise NodeError(f"timed out after {timeout_s:.0f}s waiting for {what}; last seen: {last!r}")
+        time.sleep(interval_s)
+
+
+def pod_ready(pod: Mapping[str, Any]) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def push_images(node: NodeCluster, version: str) -> list[str]:
+    """`skopeo copy` of both OCI layouts that `make image` wrote to the node's loopback registry."""
+    refs = []
+    for image in ("disagg", "disagg-transfer"):
+        layout = IMAGES / image
+        if not (layout / "index.json").is_file():
+            raise NodeError(f"{layout} is missing: run `make image` first")
+        ref = node.image_ref(image, version)
+        node.run(
+            "skopeo",
+            "copy",
+            "--quiet",
+            "--dest-tls-verify=false",
+            f"oci:{layout}:{version}",
+            f"docker://{ref}",
+        )
+        refs.append(ref)
+    return refs
+
+
+def helm_install(node: NodeCluster, extra: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
+    """The README's `helm install`, with the node registry's repositories; waits for the operator's pod."""
+    base = f"{node.registry}/disagg"
+    return node.run(
+        str(node.bin_dir / "helm"),
+        "upgrade",
+        "--install",
+        RELEASE,
+        str(CHART),
+        "-n",
+        OPERATOR_NAMESPACE,
+        "--create-namespace",
+        "--set",
+        f"image.repository={base}/disagg",
+        "--set",
+        f"worker.image.repository={base}/disagg",
+        "--set",
+        f"worker.transferImage.repository={base}/disagg-transfer",
+        *extra,
+        "--wait",
+        "--timeout",
+        "5m",
+        timeout=360,
+    )
