@@ -58,7 +58,8 @@ def hma_choice(spec: DisaggDeploymentSpec) -> HmaChoice:
     asked = spec.engine.hybrid_kv_cache_manager
     if asked is not HybridKVCacheManager.AUTO:
         return HmaChoice(asked is HybridKVCacheManager.ENABLED, "spec", f"hybridKvCacheManager is {asked}")
-    if window_edge_defect(spec) and router_guards_window_edges(spec):
+    defect = window_edge_defect(spec)
+    if defect and router_guards_window_edges(spec):
         return HmaChoice(
             True,
             "operator",
@@ -66,7 +67,7 @@ def hma_choice(spec: DisaggDeploymentSpec) -> HmaChoice:
             "for some prompt lengths (docs/vllm-sliding-window-load.md); the router serves those on the "
             "decoder alone (spec.model.slidingWindow)",
         )
-    if window_edge_defect(spec) and set(spec.model.layer_kinds()) <= _PROMOTABLE:
+    if defect and set(spec.model.layer_kinds()) <= _PROMOTABLE:
         return HmaChoice(
             False,
             "operator",

@@ -146,8 +146,8 @@ def _summary_lines(dd: DisaggDeployment, report: CompatReport) -> list[str]:
             transfer += f", {count} per request"
         lines.append(transfer)
         choice = hma_choice(spec)
-        if choice.chosen_by == "operator" and not choice.enabled:
-            lines.append(f"  hybrid KV cache manager off: {choice.why}")
+        if choice.chosen_by == "operator" and choice.why != "Auto":
+            lines.append(f"  hybrid KV cache manager {'on' if choice.enabled else 'off'}: {choice.why}")
     engines = {role: _engine_text(spec, role) for role in ("prefill", "decode")}
     if engines["prefill"] == engines["decode"]:
         lines.append(f"  engine: {engines['prefill']} (prefill and decode)")

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from built import objects
-from dd_specs import DELETE, HMA_ENABLED, spec
+from pathlib import Path
 
+import pytest
+import yaml
+from built import objects
+from dd_specs import DELETE, HMA_ENABLED, spec, valid_document
+
+from disagg.operator.cli.main import main
 from disagg.operator.hma import hma_choice, window_edge_defect, window_edges
 from disagg.operator.naming import Installation
 from disagg.operator.policies.chain import REFUSAL_CHAIN
@@ -83,7 +88,19 @@ def test_the_lengths_that_lose_a_key_are_the_ones_real_engines_answered_wrong() 
 WITH_WINDOW = {"model": {"slidingWindow": 1024}}
 
 
-def test_a_sliding_window_the_router_knows_keeps_hma_and_the_router_serves_the_lost_lengths_alone() -> None:
+def check_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], patch: dict[str, object]
+) -> tuple[int, str, str]:
+    path = tmp_path / "dd.yaml"
+    path.write_text(yaml.safe_dump(valid_document(patch)))
+    code = main(["check", str(path)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_a_sliding_window_the_router_knows_keeps_hma_and_the_router_serves_the_lost_lengths_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     choice = hma_choice(spec(WITH_WINDOW))
     assert choice.enabled and choice.chosen_by == "operator" and "router" in choice.why
     assert reasons(WITH_WINDOW) == [] and reasons({**WITH_WINDOW, **HMA_ENABLED}) == []
@@ -91,6 +108,8 @@ def test_a_sliding_window_the_router_knows_keeps_hma_and_the_router_serves_the_l
     router = objects(spec(WITH_WINDOW))["Deployment", "gemma-pp2-router"]["spec"]["template"]["spec"]
     assert "--recompute-window-edge=1024:32" in router["containers"][0]["args"]
     assert "--disable-hybrid-kv-cache-manager" not in engine_args(WITH_WINDOW)
+    code, out, _ = check_file(tmp_path, capsys, WITH_WINDOW)
+    assert code == 0 and "  hybrid KV cache manager on: Auto: " in out and "decoder alone" in out
     # Without HMA, or without the defect, the router has nothing to serve alone.
     assert window_edges(spec({**WITH_WINDOW, "engine": {"hybridKvCacheManager": "Disabled"}})) == ()
     assert window_edges(spec()) == ()
