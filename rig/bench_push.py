@@ -9,8 +9,10 @@
   A second baseline, one `process_vm_writev` of the same bytes into the decoder's pool, is the CMA ceiling
   for that pool's page backing: NIXL's overhead is the gap to it, the pages' cost the gap from it to memcpy.
   Baselines and cases run interleaved, round by round (the machine is shared): best and median per row.
-- Pools live in --pool-dir (default /dev/shm). CMA into 4 KiB pages runs at about 0.4 of memcpy; point it at
-  a tmpfs mounted `huge=always` (or hugetlbfs) to see the push with 2 MiB pages. The backing is printed.
+- Pools live on huge pages by default, as a deployment's KV pool should (docs/cluster.md): a mounted hugetlbfs
+  with enough free pages, a tmpfs mounted `huge=always`, or else a private tmpfs `huge=always` this process
+  mounts for the run (root only). Where none can be had it falls back to /dev/shm and prints why: CMA into
+  4 KiB pages runs at about 0.4 of memcpy. `--pool-dir DIR` picks the folder. The backing is printed.
 - Handshake: PP2 -> PP1 with the same 64 layers: per stage, fetch and decode the decoder's payload over the
   side channel, validate and align by layer name, add the agent and prepare its descriptors (strided, one row
   per region, as the producer does). Median of runs.
@@ -19,15 +21,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import multiprocessing
 import multiprocessing.connection
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,6 +131,65 @@ def _process_vm_writev(pid: int, src: int, dst: int, nbytes: int) -> None:
         done += n
 
 
+def huge_page_dir(mounts: str, hugetlb_free_bytes: int, need_bytes: int) -> str | None:
+    """A folder in `mounts` (the text of /proc/mounts) whose files get huge pages with `need_bytes` in them: a
+    read-write tmpfs mounted `huge=always`, or a hugetlbfs with that many bytes of free huge pages."""
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 4:
+            continue
+        _, target, fstype, options = fields[:4]
+        opts = options.split(",")
+        if "rw" not in opts:
+            continue
+        if fstype == "tmpfs" and "huge=always" in opts:
+            return target.replace("\\040", " ")
+        if fstype == "hugetlbfs" and hugetlb_free_bytes >= need_bytes:
+            return target.replace("\\040", " ")
+    return None
+
+
+def _hugetlb_free_bytes() -> int:
+    fields = {}
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            key, _, value = line.partition(":")
+            fields[key] = int(value.split()[0]) if value.split() else 0
+    return fields.get("HugePages_Free", 0) * fields.get("Hugepagesize", 0) * 1024
+
+
+@contextlib.contextmanager
+def huge_pool_dir(need_bytes: int) -> Iterator[tuple[str, str]]:
+    """(folder, how it was chosen) for the pools: huge pages where this machine gives them (`huge_page_dir`,
+    else a private tmpfs `huge=always` mounted for the run and unmounted after), /dev/shm with the reason
+    otherwise."""
+    with open("/proc/mounts") as mounts:
+        found = huge_page_dir(mounts.read(), _hugetlb_free_bytes(), need_bytes)
+    if found is not None:
+        yield found, f"huge pages: {found} (mounted)"
+        return
+    target = tempfile.mkdtemp(prefix="disagg-bench-huge-")
+    size_mib = -(-need_bytes // 2**20) + 64
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"huge=always,size={size_mib}m,mode=0700", "disagg-bench", target],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        os.rmdir(target)
+        why = (mounted.stderr or mounted.stdout).strip() or f"mount exited {mounted.returncode}"
+        yield (
+            "/dev/shm",
+            f"4 KiB pages: /dev/shm, since no huge-page mount is here and mounting one failed: {why}",
+        )
+        return
+    try:
+        yield target, f"huge pages: a tmpfs mounted huge=always for this run at {target}"
+    finally:
+        subprocess.run(["umount", target], check=False, capture_output=True)
+        os.rmdir(target)
+
+
 def _minor_faults(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as stat:
         return int(stat.read().rsplit(")", 1)[1].split()[7])
@@ -206,7 +269,7 @@ class _Row:
     verified: bool | None = None
 
 
-def run(shape: Shape, repeats: int, handshakes: int, pool_dir: str) -> int:
+def run(shape: Shape, repeats: int, handshakes: int, pool_dir: str, chosen: str = "") -> int:
     model = shape.model()
     groups = len(shape.layout(num_blocks=1).groups)
     per_group = shape.blocks_per_group
@@ -300,7 +363,7 @@ def run(shape: Shape, repeats: int, handshakes: int, pool_dir: str) -> int:
             "interleaved rounds"
         )
         print(
-            f"  pools in {pool_dir}: decoder {_backing(dst_resident, dst.nbytes)}, "
+            f"  pools on {chosen or pool_dir}: decoder {_backing(dst_resident, dst.nbytes)}, "
             f"prefill {_backing(src.resident_bytes(), src.nbytes)}; load average {load_before[0]:.1f} -> "
             f"{load_after[0]:.1f} on {os.cpu_count()} CPUs; decoder minor faults while timed: {faults}"
         )
@@ -308,7 +371,7 @@ def run(shape: Shape, repeats: int, handshakes: int, pool_dir: str) -> int:
             print(
                 "  the decoder's pool is mostly in 4 KiB pages: CMA pins the target's pages one by one, so "
                 "no push beats the process_vm_writev row; put --pool-dir on hugetlbfs or a tmpfs mounted "
-                "huge=always"
+                "huge=always (/sys/kernel/mm/transparent_hugepage/shmem_enabled must not be deny)"
             )
         copy_best, copy_median = rate(memcpy)
         print(f"  {memcpy.label + ' (baseline)':44s} {copy_best:7.2f} / {copy_median:7.2f} GB/s")
@@ -395,13 +458,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--handshakes", type=int, default=20)
     parser.add_argument(
-        "--pool-dir", default="/dev/shm", help="where both pools' files live (tmpfs or hugetlbfs)"
+        "--pool-dir",
+        help="where both pools' files live (tmpfs or hugetlbfs); default: huge pages where this machine "
+        "gives them, else /dev/shm",
     )
     args = parser.parse_args(argv)
     for key, value in LOOPBACK_UCX_ENV.items():
         os.environ.setdefault(key, value)
     shape = Shape(args.tokens, args.layers, args.block_size, args.kv_heads, args.head_size)
-    return run(shape, args.repeats, args.handshakes, args.pool_dir)
+    if args.pool_dir is not None:
+        return run(shape, args.repeats, args.handshakes, args.pool_dir)
+    # Both pools, each a little over one request's bytes (the null block and rounding to huge pages).
+    groups = len(shape.layout(num_blocks=1).groups)
+    need = 2 * shape.layout(num_blocks=groups * shape.blocks_per_group + 1).total_bytes + 2 * 2**21
+    with huge_pool_dir(need) as (pool_dir, chosen):
+        return run(shape, args.repeats, args.handshakes, pool_dir, chosen)
 
 
 if __name__ == "__main__":
