@@ -44,9 +44,13 @@ def test_a_streamed_request_times_its_first_token_each_next_token_and_its_legs()
             assert value(s, "disagg_router_kv_wait_seconds_count", endpoint=ENDPOINT) == 1
             assert value(s, "disagg_router_prefill_leg_seconds_count", endpoint=ENDPOINT) == 1
             assert value(s, "disagg_router_decode_leg_seconds_count", endpoint=ENDPOINT) == 1
+            assert value(s, "disagg_router_dispatch_seconds_count", endpoint=ENDPOINT) == 1
             duration = value(s, "disagg_router_request_duration_seconds_sum", endpoint=ENDPOINT, outcome="ok")
             ttft = value(s, "disagg_router_time_to_first_token_seconds_sum", endpoint=ENDPOINT)
-            assert 0 < ttft <= duration
+            dispatch = value(s, "disagg_router_dispatch_seconds_sum", endpoint=ENDPOINT)
+            prefill = value(s, "disagg_router_prefill_leg_seconds_sum", endpoint=ENDPOINT)
+            # The hops of the first token follow one another: the router's own share, then the prefill leg.
+            assert 0 < dispatch < dispatch + prefill <= ttft <= duration
             assert value(s, "disagg_router_requests_total", endpoint=ENDPOINT, outcome="ok") == 1
 
             # Not streamed: no first token is observable, the request's duration is its latency.
@@ -56,6 +60,7 @@ def test_a_streamed_request_times_its_first_token_each_next_token_and_its_legs()
             assert value(s, "disagg_router_kv_wait_seconds_count", endpoint=ENDPOINT) == 1
             assert value(s, "disagg_router_prefill_leg_seconds_count", endpoint=ENDPOINT) == 2
             assert value(s, "disagg_router_decode_leg_seconds_count", endpoint=ENDPOINT) == 2
+            assert value(s, "disagg_router_dispatch_seconds_count", endpoint=ENDPOINT) == 2
             assert (
                 value(s, "disagg_router_request_duration_seconds_count", endpoint=ENDPOINT, outcome="ok") == 2
             )

@@ -299,6 +299,7 @@ class Router:
         deadline: float | None,
         clock: RequestClock,
     ) -> web.StreamResponse:
+        self.metrics.dispatched(clock)
         prefill = asyncio.create_task(self._prefill(pair, legs, ticket, clock))
         decode = asyncio.create_task(self._decode_start(pair, legs, client_request.stream))
         response: aiohttp.ClientResponse | None = None

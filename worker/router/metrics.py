@@ -14,6 +14,8 @@ not observable; `request_duration_seconds` is its latency):
 - `inter_token_latency_seconds`: between two consecutive such events (one event is one token for vLLM and
   the reference engine; the final usage-only event and `[DONE]` are not counted).
 - `request_duration_seconds{outcome}`: arrival to the response's end, every request, failed ones too.
+- `dispatch_seconds`: arrival to both legs sent: the body read and parsed, a pair chosen (a wait for a decoder
+  with room included), the legs built. The router's own share of the time to first token.
 - `prefill_leg_seconds`: the prefill leg sent to its answer read and checked (the engine holds the KV).
 - `kv_wait_seconds`: the prefill's answer to the decoder's first data event, i.e. the rest of the KV push
   after the prefill answered plus the decoder's first step (0 when the first event comes before the answer,
@@ -39,6 +41,8 @@ from disagg.worker.router.protocol import Fault
 from disagg.worker.router.server import ConnectionGate
 
 LEG_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# The router's own work per request is sub-millisecond unless it queues for a decoder.
+DISPATCH_BUCKETS: Final = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1.0, 10.0)
 # vLLM's own TTFT and inter-token buckets (vllm/v1/metrics/loggers.py), so the two compare bucket by bucket.
 TTFT_BUCKETS: Final = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
@@ -123,6 +127,13 @@ class RouterMetrics(Collector):
             buckets=DURATION_BUCKETS,
             registry=r,
         )
+        self.dispatch = Histogram(
+            "disagg_router_dispatch_seconds",
+            "Client requests: arrival to both legs sent (body read and parsed, pair chosen, legs built).",
+            ["endpoint"],
+            buckets=DISPATCH_BUCKETS,
+            registry=r,
+        )
         self.prefill_leg = Histogram(
             "disagg_router_prefill_leg_seconds",
             "Client requests' prefill legs: sent to their answer read and checked (the engine holds the KV).",
@@ -159,6 +170,10 @@ class RouterMetrics(Collector):
 
     def clock(self, endpoint: str) -> RequestClock:
         return RequestClock(endpoint, time.monotonic())
+
+    def dispatched(self, clock: RequestClock) -> None:
+        """Both legs of the request are about to be sent."""
+        self.dispatch.labels(clock.endpoint).observe(time.monotonic() - clock.arrived)
 
     def prefill_answered(self, clock: RequestClock, sent: float) -> None:
         clock.prefill_answered = now = time.monotonic()
