@@ -34,7 +34,7 @@ from disagg.operator.cli.check import judge, plan_manifests
 from disagg.operator.naming import router_name
 from disagg.rig.local import REPO
 from disagg.rig.local_kubelet import expand, expanded_env, pod_dns_to_ip, vllm_health
-from disagg.rig.vllm_node import ENGINE_VENV, core_for, engine_process, pinned, serves_http
+from disagg.rig.vllm_node import ENGINE_VENV, core_for, engine_process, own_node_view, pinned, serves_http
 from disagg.worker.connector.side_channel import fetch_payloads
 from disagg.worker.contracts.pairing import DecodeTarget, Pair, PrefillTarget, Routing
 from disagg.worker.contracts.payload_facts import PayloadFacts, payload_facts
@@ -190,6 +190,9 @@ class VllmEngines:
     # Refusal reasons the rig runs past on purpose, to show what the refused configuration does (the engines
     # still get exactly the objects the operator's builders make of the spec).
     run_refused: frozenset[str] = frozenset()
+    # Each engine sees a NUMA node of its own core (`vllm_node.own_node_view`), as on a node of its own;
+    # False: the machine's whole topology, where vLLM moves every engine's forward pass to its last core.
+    own_nodes: bool = True
     workdir: Path = field(init=False)
     deployment: DisaggDeployment = field(init=False)
     pods: list[EnginePod] = field(init=False, default_factory=list)
@@ -238,6 +241,8 @@ class VllmEngines:
 
     def _spawn(self, pod: EnginePod, core: int) -> _Proc:
         argv, env = engine_process(pod.argv, pod.env, pod.ip, core)
+        view = own_node_view(core, self.workdir / f"node-{pod.name}") if self.own_nodes else None
+        argv = [*(view or ()), *argv]
         log = self.workdir / f"{pod.name}.log"
         with log.open("ab") as out:
             popen = subprocess.Popen(

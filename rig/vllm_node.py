@@ -20,6 +20,7 @@ core with the prefill engine it handshakes (see docs/real-vllm.md).
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Final
@@ -69,6 +70,41 @@ def engine_process(
         "PYTHONPATH": str(ENGINE_SITE),
     }
     return [*argv, "--host", ip], {**node, **env}
+
+
+SYS_NODE: Final = Path("/sys/devices/system/node")
+
+
+def own_node_view(core: int, view: Path) -> list[str] | None:
+    """The argv prefix that runs an engine as on a node of its own core, or None where this machine cannot
+    (not root, or no `unshare`).
+
+    vLLM's NIXL worker on CPU moves its main thread, the forward pass's OpenMP thread 0, to the last core of
+    each NUMA node it reads from /sys/devices/system/node (docs/real-vllm.md). On a machine shared by every
+    pod of the rig that is the same core for all engines: both stages of a PP prefill and the decoder
+    computed on the decoder's core. A pod on a node of its own would find its own core there, so the rig
+    shows each engine, in a private mount namespace, a copy of that folder whose NUMA node has one `cpuN`
+    entry, the pod's core: the entries vLLM picks its core from (its files are the real node's)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return None
+    holder = next((n for n in sorted(SYS_NODE.glob("node[0-9]*")) if (n / f"cpu{core}").exists()), None)
+    if holder is None:
+        return None
+    view.mkdir(parents=True, exist_ok=True)
+    for entry in SYS_NODE.iterdir():
+        if entry.is_file():
+            (view / entry.name).write_text(entry.read_text())
+    node = view / holder.name
+    node.mkdir(exist_ok=True)
+    # lscpu (vLLM's CPU list) reads the node's cpumap and crashes without it: those stay the real node's.
+    for name in ("cpumap", "cpulist", "meminfo", "distance", "numastat", "vmstat"):
+        if (holder / name).exists():
+            (node / name).write_text((holder / name).read_text())
+    cpu = node / f"cpu{core}"
+    if not cpu.is_symlink():
+        cpu.symlink_to(f"/sys/devices/system/cpu/cpu{core}")
+    mount = f'mount --bind "$0" {SYS_NODE} && exec "$@"'
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, str(view)]
 
 
 def serves_http(role: str, pod_name: str) -> bool:
