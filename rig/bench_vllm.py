@@ -363,17 +363,28 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--requests", type=int, default=16, help="requests per way per level per round (min)")
     parser.add_argument("--subnet", default="127.31.0", help="loopback /24 the engines listen on")
     parser.add_argument("--peer-venv", type=Path, default=PEER_VENV)
+    parser.add_argument("--prefill-pp", type=int, default=1, help="pipeline stages of the prefill engine")
+    parser.add_argument(
+        "--shared-numa",
+        action="store_true",
+        help="engines see the machine's whole NUMA topology (vLLM then moves every forward pass to its last "
+        "core) instead of a node of their own core",
+    )
     args = parser.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     missing = available()
     if missing is not None:
         print(f"skipped: {missing}")
         return 0
-    document = tiny_deployment("bench-vllm", "dense")
+    document = tiny_deployment("bench-vllm", "dense", prefill_pp=args.prefill_pp)
     model = str(document["spec"]["model"]["name"])
     started = time.perf_counter()
-    with VllmEngines(document, subnet=args.subnet) as engines:
-        print(f"engines (1 prefill, 1 decode) answered /health after {time.perf_counter() - started:.1f} s")
+    with VllmEngines(document, subnet=args.subnet, own_nodes=not args.shared_numa) as engines:
+        print(
+            f"engines (1 prefill of {args.prefill_pp} stage(s), 1 decode; "
+            f"{'the machine' if args.shared_numa else 'each its own core'} as NUMA node) answered /health "
+            f"after {time.perf_counter() - started:.1f} s"
+        )
         pair = engines.routing().pairs[0]
         prefill_url = f"http://{pair.prefill.host}:{pair.prefill.http_port}"
         decoder = f"http://{pair.decode.host}:{pair.decode.http_port}"
