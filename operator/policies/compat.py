@@ -19,6 +19,7 @@ from disagg.operator.naming import Installation
 from disagg.operator.plan import TopologyPlan, role_release
 from disagg.operator.policies.chain import COMPATIBILITY_CHAIN
 from disagg.operator.policies.policy import Policy, PolicyInput, evaluate_chain
+from disagg.operator.policies.resources import resources_note
 from disagg.operator.policies.topology import kernel_blocks_note
 from disagg.worker.kv.errors import Violation
 from disagg.worker.kv.wire import compat_factors, compat_hash
@@ -35,7 +36,8 @@ class CompatReport:
     hashes: Mapping[Role, str]
     notes: tuple[str, ...] = ()
     """What the verdict cannot decide and leaves to the live handshake (the kernel block sizes of a push
-    pair whose attention backend picks them by the GPU)."""
+    pair whose attention backend picks them by the GPU), and what the operator generates that the spec did
+    not say (engine containers without cpu or memory requests)."""
 
     @property
     def compatible(self) -> bool:
@@ -91,5 +93,5 @@ def evaluate(
         plan=given.plan,
         factors=MappingProxyType({role: MappingProxyType(f) for role, f in factors.items()}),
         hashes=hashes,
-        notes=tuple(note for note in (kernel_blocks_note(given),) if note is not None),
+        notes=tuple(note for note in (kernel_blocks_note(given), resources_note(spec)) if note is not None),
     )
