@@ -19,8 +19,10 @@ core with the prefill engine it handshakes (see docs/real-vllm.md).
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
+import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Final
@@ -75,6 +77,16 @@ def engine_process(
 SYS_NODE: Final = Path("/sys/devices/system/node")
 
 
+@functools.cache
+def _can_mount_privately() -> bool:
+    """Whether this process may make a mount namespace and bind-mount in it (root alone is not enough in a
+    container without CAP_SYS_ADMIN)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    probe = ["unshare", "--mount", "--propagation", "private", "mount", "--bind", "/", "/mnt"]
+    return subprocess.run(probe, capture_output=True, check=False).returncode == 0
+
+
 def own_node_view(core: int, view: Path) -> list[str] | None:
     """The argv prefix that runs an engine as on a node of its own core, or None where this machine cannot
     (not root, or no `unshare`).
@@ -85,7 +97,7 @@ def own_node_view(core: int, view: Path) -> list[str] | None:
     computed on the decoder's core. A pod on a node of its own would find its own core there, so the rig
     shows each engine, in a private mount namespace, a copy of that folder whose NUMA node has one `cpuN`
     entry, the pod's core: the entries vLLM picks its core from (its files are the real node's)."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
+    if not _can_mount_privately():
         return None
     holder = next((n for n in sorted(SYS_NODE.glob("node[0-9]*")) if (n / f"cpu{core}").exists()), None)
     if holder is None:
