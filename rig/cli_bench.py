@@ -27,7 +27,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "disagg.rig.bench_autoscale",
         "load 1 -> 16 -> 1 on an autoscaled deployment: time to scale, SLO attainment, failed requests",
     ),
-    "vllm": ("disagg.rig.bench_vllm", "real vLLM engines: P/D TTFT against monolithic, the router's share"),
+    "vllm": (
+        "disagg.rig.bench_vllm",
+        "real vLLM engines behind disagg's router and vllm-router at concurrency 1, 8, 32, hop by hop",
+    ),
 }
 
 
