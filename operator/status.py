@@ -146,7 +146,8 @@ def compute(
                 "Compatible",
                 f"{report.plan.pp_size} prefill stage(s) send KV to decode with "
                 f"{report.plan.routing_mode.value} routing; compatibility hash "
-                f"{report.hashes['prefill'][:12]}",
+                f"{report.hashes['prefill'][:12]}" + "".join(f". Note: {note}" for note in report.notes),
+                # What the operator generated that the spec did not say, where `disagg check` says it too.
                 now,
             )
         )

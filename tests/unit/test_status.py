@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from dd_specs import spec
+from dd_specs import DELETE, spec
 from test_pairing import D1, D2, STAGES, annotate, healthy, report, verdict
 
 from disagg.operator import conditions as cond
@@ -67,6 +67,32 @@ def test_fresh_compatible_deployment_is_being_created() -> None:
     assert status.observed_generation == 1
     assert status.prefill is not None and status.prefill.replicas == 2
     assert status.topology is not None and len(status.topology.stages) == 2
+
+
+def test_a_compatible_spec_without_engine_resources_says_what_the_operator_generated() -> None:
+    bare = spec({"prefill": {"resources": DELETE}, "decode": {"resources": DELETE}})
+    status = compute(
+        generation=1,
+        previous=[],
+        violations=(),
+        report=evaluate(bare),
+        workloads=[],
+        pods=[],
+        routing=routing_from_pods([]),
+        reported=False,
+        now=T0,
+    )
+    (compatible,) = [c for c in status.conditions or [] if c.type == "Compatible"]
+    assert compatible.reason == "Compatible"
+    assert "Note: spec.prefill.resources and spec.decode.resources request no cpu and memory" in (
+        compatible.message or ""
+    )
+    # The example's roles limit their GPUs: nothing to say of their resources.
+    assert "request no cpu" not in by_type_message(status_of([sts(0), deploy(0)]), "Compatible")
+
+
+def by_type_message(status: DisaggDeploymentStatus, kind: str) -> str:
+    return next(c.message or "" for c in status.conditions or [] if c.type == kind)
 
 
 def test_everything_ready_is_available_and_done() -> None:
