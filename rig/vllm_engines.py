@@ -265,7 +265,7 @@ class VllmEngines:
 
     def kill(self, pod: EnginePod) -> None:
         """SIGKILL the pod's engine and everything it started, as a node losing the container would."""
-        proc = next(p for p in self._procs if p.pod.name == pod.name)
+        proc = self._proc(pod)
         _signal_group(proc.popen, signal.SIGKILL)
         proc.popen.wait()
 
@@ -277,6 +277,17 @@ class VllmEngines:
         self._procs[index] = self._spawn(pod, self._procs[index].core)
         self.wait_ready()
 
+    def pause(self, pod: EnginePod) -> None:
+        """SIGSTOP the pod's engine and everything it started: a decoder that a node has starved. Its socket
+        still accepts connections (the kernel queues them), but it reads, schedules and heartbeats nothing."""
+        _signal_group(self._proc(pod).popen, signal.SIGSTOP)
+
+    def resume(self, pod: EnginePod) -> None:
+        _signal_group(self._proc(pod).popen, signal.SIGCONT)
+
+    def _proc(self, pod: EnginePod) -> _Proc:
+        return next(p for p in self._procs if p.pod.name == pod.name)
+
     def check_alive(self) -> None:
         for proc in self._procs:
             if proc.popen.poll() is not None:
@@ -285,11 +296,10 @@ class VllmEngines:
                 )
 
     def log_tail(self, pod: EnginePod, chars: int = 6000) -> str:
-        proc = next(p for p in self._procs if p.pod.name == pod.name)
-        return proc.log.read_text(errors="replace")[-chars:]
+        return self._proc(pod).log.read_text(errors="replace")[-chars:]
 
     def log_text(self, pod: EnginePod) -> str:
-        return next(p for p in self._procs if p.pod.name == pod.name).log.read_text(errors="replace")
+        return self._proc(pod).log.read_text(errors="replace")
 
     def heads(self, role: str) -> list[EnginePod]:
         return [pod for pod in self.pods if pod.role == role and pod.serves_http]
