@@ -40,7 +40,9 @@ def publish(path: Path, data: bytes) -> None:
 
 
 def main(role: str, where: Path) -> None:
-    log = UcxLog(enable(os.environ, where))
+    log_file = enable(os.environ, where)
+    assert log_file is not None
+    log = UcxLog(log_file)
     other = "src" if role == "dst" else "dst"
     buf = np.zeros(NBYTES, dtype=np.uint8) if role == "dst" else np.full(NBYTES, 7, dtype=np.uint8)
     try:

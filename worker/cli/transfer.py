@@ -58,7 +58,8 @@ def run(config: SidecarConfig, env: Mapping[str, str]) -> int:
     configure_logging(config.log_level)
     api = pod_api_client(env)
     # Before the agent exists: UCX reads where to log once, when NIXL loads it.
-    ucx_log = UcxLog(enable(os.environ))
+    log_file = enable(os.environ)
+    ucx_log = UcxLog(log_file) if log_file is not None else None
     try:
         try:
             sidecar = transfer_sidecar(config, api, env, ucx_log)

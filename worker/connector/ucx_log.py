@@ -30,15 +30,19 @@ MAX_TABLES: Final = 4096
 LOG_FILE_PATTERN: Final = "ucx.%h.%p.log"
 
 
-def enable(env: MutableMapping[str, str], directory: Path | None = None) -> Path:
+def enable(env: MutableMapping[str, str], directory: Path | None = None) -> Path | None:
     """Make this process's UCX print its protocol selection into a file, and return that file.
 
     What the environment already says wins (the operator's builders set both variables); otherwise the file
-    goes to `directory`, or a private temporary one."""
+    goes to `directory`, or a private temporary one. None where no directory can be made (a read-only root
+    without the variable): UCX then logs as it would, and pairs' lanes are unknown."""
     for key, value in PROTO_INFO_ENV.items():
         env.setdefault(key, value)
     if LOG_FILE_ENV not in env:
-        where = directory if directory is not None else Path(tempfile.mkdtemp(prefix="disagg-ucx-"))
+        try:
+            where = directory if directory is not None else Path(tempfile.mkdtemp(prefix="disagg-ucx-"))
+        except OSError:
+            return None
         env[LOG_FILE_ENV] = str(where / LOG_FILE_PATTERN)
     return own_file(env[LOG_FILE_ENV])
 

@@ -49,7 +49,7 @@ _FAMILY: Final[Mapping[str, str]] = {
 # and is no network lane. Active messages (notifications) need a lane with peer failure handling: under
 # NIXL's `peer` error mode no shared-memory transport has one, so `shm` and `cuda_ipc` keep `tcp` for them,
 # and the put lanes the report reads tell whether the KV itself took the demanded transport.
-_UCX_TLS: Final[Mapping[Transport, str]] = {
+_UCX_TLS: Final[Mapping[str, str]] = {
     "rdma": "ib,self,cuda_copy",
     "tcp": "tcp,self,cuda_copy",
     "shm": "sm,tcp,self,cuda_copy",
@@ -89,12 +89,12 @@ class Parsed:
     """UCX's own ERROR and WARN lines (its reason when an agent or endpoint cannot be made)."""
 
 
-def ucx_tls(transport: Transport) -> str | None:
-    """The `UCX_TLS` that leaves UCX only `transport` (None for `any`: UCX's own choice)."""
-    return None if transport == "any" else _UCX_TLS[transport]
+def ucx_tls(transport: str) -> str | None:
+    """The `UCX_TLS` that leaves UCX only `transport` (None for `any`, UCX's choice, or an unknown name)."""
+    return _UCX_TLS.get(transport)
 
 
-def ucx_env(transport: Transport) -> dict[str, str]:
+def ucx_env(transport: str) -> dict[str, str]:
     """The UCX environment of a process whose NIXL agent moves KV under `spec.kvTransfer.transport`."""
     tls = ucx_tls(transport)
     return {**PROTO_INFO_ENV, **({"UCX_TLS": tls} if tls else {})}

@@ -15,12 +15,12 @@ from typing import Final
 import msgspec
 
 from disagg.worker.contracts.peer_report import MAX_LANES_CHARS, MAX_PEER_REPORT_BYTES, PeerReport
+from disagg.worker.contracts.pod_contract import KV_TRANSPORT_ENV
 from disagg.worker.contracts.ucx_lanes import satisfies
 from disagg.worker.reporting.peer_check import Outcome
 from disagg.worker.sidecar.pairs import PairStats
 
-TRANSPORT_ENV: Final = "DISAGG_KV_TRANSPORT"
-"""The spec's `kvTransfer.transport`, as the operator's builders set it on every engine pod's sidecar."""
+TRANSPORT_ENV: Final = KV_TRANSPORT_ENV
 MISMATCH_REASON: Final = "KVTransportMismatch"
 
 
