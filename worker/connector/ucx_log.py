@@ -64,6 +64,9 @@ class UcxLog:
         """What UCX added since the last read (whole lines only; a missing file has added nothing)."""
         try:
             with self.path.open("rb") as handle:
+                if os.fstat(handle.fileno()).st_size < self._offset:
+                    # UCX started the file again (`UCX_LOG_FILE_SIZE`): read the new one from its start.
+                    self._offset = 0
                 handle.seek(self._offset)
                 chunk = handle.read(MAX_READ_BYTES)
         except OSError:

@@ -56,8 +56,11 @@ _UCX_TLS: Final[Mapping[str, str]] = {
     "cuda_ipc": "cuda_ipc,cuda_copy,tcp,self",
 }
 
-PROTO_INFO_ENV: Final = {"UCX_PROTO_INFO": "y"}
-"""What makes UCX print its protocol selection (into `UCX_LOG_FILE` when that is set)."""
+PROTO_INFO_ENV: Final = {"UCX_PROTO_INFO": "y", "UCX_LOG_FILE_SIZE": "4m", "UCX_LOG_FILE_ROTATE": "1"}
+"""What makes UCX print its protocol selection (into `UCX_LOG_FILE` when that is set), and the bound on that
+file: it lives in the pod's shared memory, so a process that logs without end (a peer refused over and over)
+must not fill it; past 4 MiB UCX starts the file again and keeps one older one (`connector.ucx_log` reads
+the new file from its start)."""
 
 _PREFIX = re.compile(r"^\[[0-9.]+\] \[[^\]]*\]\s+")
 _TITLE = re.compile(r"^\| (\S+) (self|intra-node|inter-node) cfg#(\d+)\s*\|$")
