@@ -38,7 +38,7 @@ from disagg.rig.vllm_node import ENGINE_VENV, core_for, engine_process, pinned, 
 from disagg.worker.connector.side_channel import fetch_payloads
 from disagg.worker.contracts.pairing import DecodeTarget, Pair, PrefillTarget, Routing
 from disagg.worker.contracts.payload_facts import PayloadFacts, payload_facts
-from disagg.worker.contracts.pod_contract import ENGINE_CONTAINER, ROLE_LABEL
+from disagg.worker.contracts.pod_contract import ENGINE_CONTAINER, ROLE_LABEL, UCX_LOG_FILE_ENV
 
 TINY_MODEL_SCRIPT: Final = REPO / "hack" / "vllm" / "tiny_model.py"
 MODEL_CACHE: Final = (
@@ -238,6 +238,9 @@ class VllmEngines:
 
     def _spawn(self, pod: EnginePod, core: int) -> _Proc:
         argv, env = engine_process(pod.argv, pod.env, pod.ip, core)
+        if UCX_LOG_FILE_ENV in env:
+            # The pod's /dev/shm is its own; here it would be the host's, shared by every engine.
+            env[UCX_LOG_FILE_ENV] = str(self.shm(pod) / Path(env[UCX_LOG_FILE_ENV]).name)
         log = self.workdir / f"{pod.name}.log"
         with log.open("ab") as out:
             popen = subprocess.Popen(
@@ -276,6 +279,12 @@ class VllmEngines:
         self.kill(pod)
         self._procs[index] = self._spawn(pod, self._procs[index].core)
         self.wait_ready()
+
+    def shm(self, pod: EnginePod) -> Path:
+        """The folder that stands for the pod's /dev/shm (where its engine's UCX log goes)."""
+        folder = self.workdir / f"{pod.name}.shm"
+        folder.mkdir(exist_ok=True)
+        return folder
 
     def pause(self, pod: EnginePod) -> None:
         """SIGSTOP the pod's engine and everything it started: a decoder that a node has starved. Its socket

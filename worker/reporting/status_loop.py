@@ -15,7 +15,7 @@ import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import urllib3
 from kubernetes import client
@@ -37,9 +37,18 @@ from disagg.worker.reporting.pod_report import PodReporter
 from disagg.worker.reporting.startup import StartupGrace
 from disagg.worker.reporting.transport_report import TRANSPORT_ENV, with_transports
 from disagg.worker.sidecar.config import SidecarConfig
-from disagg.worker.sidecar.pairs import PairLedger
+from disagg.worker.sidecar.pairs import PairStats
 
 log = logging.getLogger("disagg.worker.reporting.status_loop")
+
+
+class PairSource(Protocol):
+    """Each pair's transport and bandwidth, by decode engine id: a transfer sidecar's ledger
+    (`sidecar.pairs.PairLedger`), or a vLLM engine's lanes (`engine_lanes.EngineLanes`)."""
+
+    def snapshot(self) -> Mapping[str, PairStats]: ...
+
+
 DEFAULT_INTERVAL_S = 10.0
 SERVICE_ACCOUNT_TOKEN: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 
@@ -60,7 +69,7 @@ def report_once(
     timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
     check: Check | None = None,
     grace: StartupGrace | None = None,
-    pairs: PairLedger | None = None,
+    pairs: PairSource | None = None,
     transport: str = "any",
 ) -> None:
     """One round: list the peers, handshake each (`check`, by default `peer_check.check_round` with
@@ -95,7 +104,7 @@ class PeerReporter:
         *,
         interval_s: float = DEFAULT_INTERVAL_S,
         check: Check | None = None,
-        pairs: PairLedger | None = None,
+        pairs: PairSource | None = None,
         transport: str = "any",
     ) -> None:
         self.pairs = pairs
@@ -120,7 +129,7 @@ class PeerReporter:
         *,
         interval_s: float = DEFAULT_INTERVAL_S,
         check: Check | None = None,
-        pairs: PairLedger | None = None,
+        pairs: PairSource | None = None,
     ) -> PeerReporter:
         """The reporter of the pod `env` names (`POD_NAMESPACE`, `POD_NAME`, `DISAGG_DEPLOYMENT`, and the
         demanded `DISAGG_KV_TRANSPORT`)."""
