@@ -90,6 +90,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep", action="store_true", help="leave the node and the sample running")
     args = parser.parse_args(argv)
+    with node_cluster.exclusive():
+        return _demo(keep=args.keep)
+
+
+def _demo(*, keep: bool) -> int:
     started_here = node_cluster.call_script("status").returncode != 0
     if started_here:
         say("$ make cluster-up")
@@ -105,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         say(f"demo failed: {exc}")
         return 1
     finally:
-        if started_here and not args.keep:
+        if started_here and not keep:
             say("$ make cluster-down")
             down = node_cluster.call_script("down")
             if down.returncode != 0:

@@ -9,10 +9,12 @@ registry serves the images.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import subprocess
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,10 +29,24 @@ IMAGES = REPO / "build" / "images"
 CHART = REPO / "charts" / "disagg"
 RELEASE = "disagg"
 OPERATOR_NAMESPACE = "disagg-system"
+# The node is one per machine (fixed ports, one bridge): whoever brings it up, uses it or takes it down holds
+# this lock (`flock` takes the same one from a shell), so a demo and a test run never share it by accident.
+LOCK = Path("/tmp/disagg-node.lock")
 
 
 class NodeError(RuntimeError):
     """A command against the node failed; the message carries its output."""
+
+
+@contextmanager
+def exclusive() -> Iterator[None]:
+    """The node to this process alone until the block ends (waits for another holder to finish)."""
+    with LOCK.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def call_script(*args: str) -> subprocess.CompletedProcess[str]:

@@ -29,18 +29,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="package")
 def node() -> Iterator[NodeCluster]:
-    started_here = node_cluster.call_script("status").returncode != 0
-    if started_here:
-        up = node_cluster.call_script("up")
-        if up.returncode != 0:
-            pytest.fail(failure(up), pytrace=False)
-    try:
-        yield NodeCluster.from_script()
-    finally:
+    with node_cluster.exclusive():
+        started_here = node_cluster.call_script("status").returncode != 0
         if started_here:
-            down = node_cluster.call_script("down")
-            if down.returncode != 0:
-                pytest.fail(failure(down), pytrace=False)
+            up = node_cluster.call_script("up")
+            if up.returncode != 0:
+                pytest.fail(failure(up), pytrace=False)
+        try:
+            yield NodeCluster.from_script()
+        finally:
+            if started_here:
+                down = node_cluster.call_script("down")
+                if down.returncode != 0:
+                    pytest.fail(failure(down), pytrace=False)
 
 
 @pytest.fixture(scope="package")
