@@ -186,7 +186,8 @@ class VllmEngines:
     """Every engine pod of `document` (a DisaggDeployment as a dict) as a local vLLM process."""
 
     document: Mapping[str, Any]
-    subnet: str = "127.31.0"
+    # Two runs of the suite on one machine (a CI clone beside a working tree) each need their own addresses.
+    subnet: str = field(default_factory=lambda: os.environ.get("DISAGG_RIG_SUBNET", "127.31.0"))
     # Refusal reasons the rig runs past on purpose, to show what the refused configuration does (the engines
     # still get exactly the objects the operator's builders make of the spec).
     run_refused: frozenset[str] = frozenset()
