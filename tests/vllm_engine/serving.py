@@ -4,6 +4,7 @@ run of the same prompts, and the decoder's own count of where its prompt tokens 
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -27,6 +28,10 @@ def _prompt(words: int) -> str:
 PROMPTS: tuple[str, ...] = tuple(_prompt(n) for n in (1, 8, 40, 120, 300, 5, 60))
 MAX_TOKENS = 16
 TOKENS_SOURCE = "vllm:prompt_tokens_by_source_total"
+# The tiny deployments' `--max-num-seqs` (`vllm_engines.ENGINE_ARGS`): a decoder's sequence slots.
+MAX_NUM_SEQS = 8
+JSON = {"Content-Type": "application/json"}
+SUCCESS = "vllm:request_success_total"
 # What an engine holds for requests: none running or waiting, and no KV block in use.
 RUNNING = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
@@ -68,6 +73,59 @@ def wait_until(probe: Callable[[], bool], timeout_s: float, what: str) -> None:
     while not probe():
         assert time.monotonic() < deadline, what
         time.sleep(0.5)
+
+
+def answered(url: str) -> float:
+    """The engine's finished requests (a prefill head counts each prefill leg it answered)."""
+    return metric(engine_metrics(url), SUCCESS)
+
+
+def running(url: str) -> float:
+    return metric(engine_metrics(url), "vllm:num_requests_running")
+
+
+class Pending:
+    """A request sent from a thread while the test holds up or kills an engine."""
+
+    def __init__(self, url: str, body: dict[str, Any], timeout_s: float = 180.0) -> None:
+        self.result: tuple[int, bytes] | None = None
+        self.timeout_s = timeout_s
+        self._thread = threading.Thread(target=self._run, args=(url, body), daemon=True)
+        self._thread.start()
+
+    def _run(self, url: str, body: dict[str, Any]) -> None:
+        self.result = request(url, body, timeout_s=self.timeout_s)
+
+    def wait(self) -> tuple[int, bytes]:
+        self._thread.join(self.timeout_s + 30)
+        assert self.result is not None, "no answer"
+        return self.result
+
+
+@contextmanager
+def decoder_full(engines: VllmEngines) -> Iterator[None]:
+    """Every sequence slot of the decoder (`--max-num-seqs`) taken by a long streamed request of its own, so
+    that a request sent now waits in its queue without registering its blocks with the prefill; leaving
+    closes them (vLLM aborts a stream whose client is gone) and the queued requests run."""
+    decoder = engines.heads("decode")[0]
+    model = engines.deployment.spec.model.name
+    blocker = {"model": model, "prompt": PROMPTS[0], "max_tokens": 1900, "ignore_eos": True, "stream": True}
+    opened = []
+    try:
+        for _ in range(MAX_NUM_SEQS):
+            req = urllib.request.Request(
+                decoder.url + "/v1/completions",
+                json.dumps(blocker).encode(),
+                {"Content-Type": "application/json"},
+            )
+            opened.append(urllib.request.urlopen(req, timeout=60))
+            assert opened[-1].readline().startswith(b"data: "), "a blocker did not start"
+        wait_until(lambda: running(decoder.url) == MAX_NUM_SEQS, 60, "the blockers are not all running")
+        yield
+        assert running(decoder.url) == MAX_NUM_SEQS, "a blocker ended before the case was set up"
+    finally:
+        for response in opened:
+            response.close()
 
 
 @dataclass

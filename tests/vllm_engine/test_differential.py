@@ -12,11 +12,12 @@ and every answer is right again. No test here may see a wrong answer come back w
 
 from __future__ import annotations
 
+import json
 import re
 import urllib.request
 
 import differential
-from serving import Serving, serving
+from serving import PROMPTS, Pending, Serving, answered, decoder_full, serving, wait_until
 
 from disagg.rig.vllm_engines import SHAPES, metric, tiny_deployment
 from disagg.worker.contracts.releases import loses_window_edge
@@ -66,6 +67,24 @@ def assert_every_answer_right(deployment: Serving, shape: str, *, lost_served_al
     assert recomputed(deployment) == (len(lost) if lost_served_alone else 0)
 
 
+def assert_late_registrations_answer_right(deployment: Serving) -> None:
+    """Requests whose decode legs wait in a full decoder's queue register their blocks with the prefill only
+    after it has answered them (as a router that sends the legs one after the other makes every request do):
+    the prefill holds the KV within its lease and writes it when the registration comes; every answer is
+    still the decoder-alone one."""
+    engines = deployment.engines
+    prefill = engines.heads("prefill")[0]
+    want = deployment.monolithic(PROMPTS)
+    before = answered(prefill.url)
+    with decoder_full(engines):
+        pending = [Pending(deployment.router.url, deployment.body(prompt)) for prompt in PROMPTS]
+        wait_until(lambda: answered(prefill.url) >= before + len(PROMPTS), 120, "the prefill did not answer")
+    for prompt, expected, waiting in zip(PROMPTS, want, pending, strict=True):
+        status, raw = waiting.wait()
+        assert status == 200, raw
+        assert json.loads(raw)["choices"][0]["text"] == expected, (prompt, raw)
+
+
 def test_a_dense_pp2_prefill_with_an_uneven_split_into_a_pp1_decoder() -> None:
     with serving(tiny_deployment("tiny-dense-pp2", "dense", prefill_pp=2, layer_partition=[3, 1])) as d:
         stages = [pod for pod in d.engines.pods if pod.role == "prefill"]
@@ -75,6 +94,7 @@ def test_a_dense_pp2_prefill_with_an_uneven_split_into_a_pp1_decoder() -> None:
         assert routing.prefills[0].pp_size == 2
         assert routing.prefills[0].kv_hash == d.engines.hashes["prefill"]
         assert_every_answer_right(d, "dense", lost_served_alone=False)
+        assert_late_registrations_answer_right(d)
 
 
 def test_the_wrong_answer_shape_runs_without_hma_by_default_and_every_length_is_right() -> None:
@@ -102,3 +122,4 @@ def test_a_pp2_hma_prefill_with_an_uneven_split_into_a_pp1_decoder_by_layer_name
         assert kv_cache_groups(d) == 5
         assert d.engines.routing().prefills[0].pp_size == 2
         assert_every_answer_right(d, "hybrid-5g", lost_served_alone=True)
+        assert_late_registrations_answer_right(d)

@@ -12,18 +12,17 @@ bounded time. The prefill is killed by the last case.
 from __future__ import annotations
 
 import json
-import threading
-import urllib.request
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
 from serving import (
     MAX_TOKENS,
     PROMPTS,
-    engine_metrics,
+    Pending,
+    answered,
+    decoder_full,
     holds_nothing,
     post,
     request,
@@ -31,17 +30,13 @@ from serving import (
 )
 
 from disagg.rig.local_router import LocalRouter
-from disagg.rig.vllm_engines import VllmEngines, metric, tiny_deployment
+from disagg.rig.vllm_engines import VllmEngines, tiny_deployment
 from disagg.worker.router.protocol import COMPLETIONS, build_legs, parse_client_request
 
 LEASE_S = 6
-# The tiny deployments' `--max-num-seqs`: the decoder's sequence slots.
-MAX_NUM_SEQS = 8
-JSON = {"Content-Type": "application/json"}
 LEASE_EXPIRED = "Releasing expired KV blocks for request"
 # Longer than a paused decoder's wait (twice the lease) plus its work once resumed, and bounded.
 DECODE_TIMEOUT_S = 45
-SUCCESS = "vllm:request_success_total"
 
 
 @pytest.fixture(scope="module")
@@ -67,52 +62,6 @@ def alone(engines: VllmEngines, prompt: str) -> str:
     return text
 
 
-def answered(url: str) -> float:
-    return metric(engine_metrics(url), SUCCESS)
-
-
-class Pending:
-    """A request through the router, sent from a thread while the test holds up or kills an engine."""
-
-    def __init__(self, url: str, body: dict[str, Any]) -> None:
-        self.result: tuple[int, bytes] | None = None
-        self._thread = threading.Thread(target=self._run, args=(url, body), daemon=True)
-        self._thread.start()
-
-    def _run(self, url: str, body: dict[str, Any]) -> None:
-        self.result = request(url, body, timeout_s=DECODE_TIMEOUT_S + 60)
-
-    def wait(self) -> tuple[int, bytes]:
-        self._thread.join(DECODE_TIMEOUT_S + 90)
-        assert self.result is not None, "the router did not answer"
-        return self.result
-
-
-@contextmanager
-def decoder_full(engines: VllmEngines) -> Iterator[None]:
-    """Every sequence slot of the decoder (`--max-num-seqs`) taken by a long streamed request of its own, so
-    that a request sent now waits in its queue without registering its blocks with the prefill; leaving
-    closes them (vLLM aborts a stream whose client is gone) and the queued request runs."""
-    decoder = engines.heads("decode")[0]
-    blocker = {**body_for(engines, PROMPTS[0]), "max_tokens": 1900, "ignore_eos": True, "stream": True}
-    opened = []
-    try:
-        for _ in range(MAX_NUM_SEQS):
-            req = urllib.request.Request(decoder.url + "/v1/completions", json.dumps(blocker).encode(), JSON)
-            opened.append(urllib.request.urlopen(req, timeout=60))
-            assert opened[-1].readline().startswith(b"data: "), "a blocker did not start"
-        wait_until(lambda: running(decoder.url) == MAX_NUM_SEQS, 60, "the blockers are not all running")
-        yield
-        assert running(decoder.url) == MAX_NUM_SEQS, "a blocker ended before the case was set up"
-    finally:
-        for response in opened:
-            response.close()
-
-
-def running(url: str) -> float:
-    return metric(engine_metrics(url), "vllm:num_requests_running")
-
-
 def expired_leases(engines: VllmEngines) -> int:
     return engines.log_text(engines.heads("prefill")[0]).count(LEASE_EXPIRED)
 
@@ -124,7 +73,7 @@ def queued_past_its_lease(engines: VllmEngines, router: LocalRouter, prompt: str
     prefill = engines.heads("prefill")[0]
     before, expired = answered(prefill.url), expired_leases(engines)
     with decoder_full(engines):
-        pending = Pending(router.url, body_for(engines, prompt))
+        pending = Pending(router.url, body_for(engines, prompt), DECODE_TIMEOUT_S + 60)
         wait_until(lambda: answered(prefill.url) > before, 120, "the prefill did not answer")
         wait_until(lambda: expired_leases(engines) > expired, 4 * LEASE_S, "the prefill kept the KV")
     return pending
@@ -178,7 +127,7 @@ def test_a_prefill_killed_holding_the_kv_a_decoder_waits_for_fails_the_request_n
     prefill = engines.heads("prefill")[0]
     before = answered(prefill.url)
     with decoder_full(engines):
-        pending = Pending(router.url, body_for(engines, PROMPTS[6]))
+        pending = Pending(router.url, body_for(engines, PROMPTS[6]), DECODE_TIMEOUT_S + 60)
         wait_until(lambda: answered(prefill.url) > before, 120, "the prefill did not answer")
         engines.kill(prefill)
     status, raw = pending.wait()
