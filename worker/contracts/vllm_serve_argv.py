@@ -111,10 +111,10 @@ def _human_readable_int(text: str) -> int:
     text = text.strip()
     match = _HUMAN_READABLE_INT.fullmatch(text)
     if match is not None:
-        number, suffix = match.groups()
+        number, suffix = str(match.group(1)), str(match.group(2))
         if suffix in "kmgt":
             return int(float(number) * 10 ** (3 * ("kmgt".index(suffix) + 1)))
-        return int(number) * 2 ** (10 * ("KMGT".index(suffix) + 1))  # a decimal raises ValueError
+        return int(number) << (10 * ("KMGT".index(suffix) + 1))  # a decimal raises ValueError
     return int(text)
 
 
@@ -411,8 +411,11 @@ def _parse(parser: ServeParser, args: list[str], objects: set[int]) -> list[str]
     def judge_values(action: ServeAction, token: str, values: Sequence[str]) -> None:
         """argparse converts every value of the action and checks it against the choices: the first that
         fails ends the parse."""
-        for text in values if action.value is not None else ():
-            why = action.value.refusal(text)
+        kind = action.value
+        if kind is None:
+            return
+        for text in values:
+            why = kind.refusal(text)
             if why is not None:
                 raise _Refused(token, f"argument {action.name}: {why}")
 
