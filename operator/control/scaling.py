@@ -6,19 +6,28 @@ The routers are scraped pod by pod, at their ready pods' IPs on the router's por
 in a cluster and on the local rig alike, whose loopback pod IPs no Endpoints object may hold; the Service's
 one address would answer from one router at a time, and two routers' counters cannot be subtracted from
 each other). An engine is scraped at its pod IP on the engine's `http` port.
+
+A pod's page is not trusted with the operator's time or memory: a tick's pages are read at once, each
+whole within one wall-clock deadline however slowly it trickles, so a tick holds its clock thread one
+deadline at most however many of its pods answer slowly, and what is kept of them is bounded (`signals`).
 """
 
 from __future__ import annotations
 
+import errno
+import http.client
+import io
 import logging
+import selectors
+import socket
 import threading
 import time
-import urllib.request
+import urllib.parse
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Final, TypeVar
+from typing import Any, Final, TypeVar, cast
 
 from disagg.operator import conditions as cond
 from disagg.operator.api import ROLES, DisaggDeploymentSpec, Role
@@ -28,18 +37,29 @@ from disagg.operator.control.reconcile import Observed, Outcome, judge, reconcil
 from disagg.operator.naming import Installation, router_selector
 from disagg.operator.scaling import planner, targets
 from disagg.operator.scaling.retire import Busy
-from disagg.operator.scaling.signals import EngineSample, RouterSample, Sample, parse_engine, parse_router
+from disagg.operator.scaling.signals import (
+    EngineSample,
+    Histogram,
+    RouterSample,
+    Sample,
+    parse_engine,
+    parse_router,
+)
 from disagg.worker.contracts.engine_pods import engine_pod
 from disagg.worker.contracts.pod_contract import DRAINING_ANNOTATION, ENGINE_HTTP_PORT_NAME
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
+# The deadline of one tick's pages, from the first connect to the last byte of each.
 SCRAPE_TIMEOUT_S: Final = 2.0
 # A router's or engine's page is tens of KiB; one far larger is not a metrics page.
 MAX_SCRAPE_BYTES: Final = 4 << 20
-# Samples older than the longest window any spec may name are never read.
-KEEP_S: Final = 3600.0
+# Room for the status line, headers and chunk sizes around a page's body.
+_FRAMING_BYTES: Final = 64 << 10
+# Samples a deployment keeps: a 3600 s window at the default 5 s interval is 720 of them; a shorter
+# interval reads a long window as its newest samples.
+MAX_SAMPLES: Final = 1024
 
 
 @dataclass
@@ -48,6 +68,14 @@ class Memory:
 
     samples: deque[Sample] = field(default_factory=deque)
     history: dict[Role, planner.Recommendations] = field(default_factory=dict)
+
+    def record(self, sample: Sample, spec: DisaggDeploymentSpec) -> None:
+        """Keep what the spec's targets read of `sample` for as long as its windows read it (at most
+        `MAX_SAMPLES`): memory bounded by the deployment's pods and windows, whatever its pages hold."""
+        self.samples.append(sample.kept(_histograms(spec)))
+        keep = keep_s(spec)
+        while self.samples and (sample.at - self.samples[0].at > keep or len(self.samples) > MAX_SAMPLES):
+            self.samples.popleft()
 
 
 @dataclass
@@ -67,22 +95,128 @@ class Planners:
 
 
 def fetch_page(url: str) -> str | None:
-    """The page at `url`, or None when it cannot be had whole within `SCRAPE_TIMEOUT_S` and
-    `MAX_SCRAPE_BYTES`: a pod's answer is not trusted with the operator's memory or its executor's time
-    (a socket timeout bounds each read, not a peer that trickles)."""
+    """`fetch_pages` of one URL."""
+    return fetch_pages([url])[0]
+
+
+def fetch_pages(urls: Sequence[str]) -> list[str | None]:
+    """The page at each URL (http, at an IP address), or None where it cannot be had whole, with a 200,
+    within `MAX_SCRAPE_BYTES` and one deadline `SCRAPE_TIMEOUT_S` from now. The deadline bounds the whole
+    exchange of every page: a socket timeout bounds each read, not a peer that trickles a byte a second.
+    The pages are read at once, multiplexed on this thread, so the slow ones cost one deadline together and
+    a quick one is not queued behind them."""
     deadline = time.monotonic() + SCRAPE_TIMEOUT_S
-    chunks: list[bytes] = []
-    size = 0
+    pages: list[str | None] = [None] * len(urls)
+    selector = selectors.DefaultSelector()
     try:
-        with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as response:
-            while chunk := response.read(64 << 10):
-                size += len(chunk)
-                if size > MAX_SCRAPE_BYTES or time.monotonic() > deadline:
-                    return None
-                chunks.append(chunk)
-    except (OSError, ValueError):
+        for index, url in enumerate(urls):
+            exchange = _Exchange.start(url)
+            if exchange is not None:
+                selector.register(exchange.sock, selectors.EVENT_WRITE, (index, exchange))
+        while selector.get_map():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            for key, _ in selector.select(remaining):
+                index, exchange = key.data
+                try:
+                    finished = exchange.step(selector)
+                except (OSError, ValueError, http.client.HTTPException):
+                    finished, exchange.page = True, None
+                if finished:
+                    selector.unregister(exchange.sock)
+                    exchange.sock.close()
+                    pages[index] = exchange.page
+    finally:
+        for key in list(selector.get_map().values()):
+            cast(socket.socket, key.fileobj).close()
+        selector.close()
+    return pages
+
+
+@dataclass
+class _Exchange:
+    """One GET on a non-blocking socket: connect, send the request, read until the peer closes."""
+
+    sock: socket.socket
+    request: bytes
+    sent: int = 0
+    chunks: list[bytes] = field(default_factory=list)
+    size: int = 0
+    page: str | None = None
+
+    @classmethod
+    def start(cls, url: str) -> _Exchange | None:
+        try:
+            parts = urllib.parse.urlsplit(url)
+            host, port = parts.hostname, parts.port or 80
+            if parts.scheme != "http" or not host:
+                return None
+            # A pod's address is an IP: a name would need a lookup, which blocks past any deadline.
+            family, kind, proto, _, address = socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST
+            )[0]
+        except (OSError, ValueError):
+            return None
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        request = (
+            f"GET {target} HTTP/1.1\r\nHost: {parts.netloc}\r\nAccept: text/plain\r\n"
+            "Accept-Encoding: identity\r\nUser-Agent: disagg-operator\r\nConnection: close\r\n\r\n"
+        )
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            if sock.connect_ex(address) not in (0, errno.EINPROGRESS):
+                sock.close()
+                return None
+        except OSError:
+            sock.close()
+            return None
+        return cls(sock, request.encode("ascii"))
+
+    def step(self, selector: selectors.BaseSelector) -> bool:
+        """Go on as far as the socket allows; True once the exchange is over (`page` is its answer)."""
+        if self.sent < len(self.request):
+            if self.sent == 0 and self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                return True  # the connection was refused
+            self.sent += self.sock.send(self.request[self.sent :])
+            if self.sent == len(self.request):
+                selector.modify(self.sock, selectors.EVENT_READ, selector.get_key(self.sock).data)
+            return False
+        try:
+            chunk = self.sock.recv(64 << 10)
+        except BlockingIOError:
+            return False
+        if not chunk:
+            self.page = _body(b"".join(self.chunks))
+            return True
+        self.size += len(chunk)
+        if self.size > MAX_SCRAPE_BYTES + _FRAMING_BYTES:
+            return True
+        self.chunks.append(chunk)
+        return False
+
+
+class _Replay:
+    """A socket whose stream is bytes already read: http.client parses the response from it (status,
+    headers, a Content-Length or chunked body) as it would from the peer."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+
+    def makefile(self, *args: object, **kwargs: object) -> io.BytesIO:
+        return io.BytesIO(self._data)
+
+
+def _body(raw: bytes) -> str | None:
+    response = http.client.HTTPResponse(cast(socket.socket, _Replay(raw)), method="GET")
+    response.begin()
+    if response.status != 200:
         return None
-    return b"".join(chunks).decode("utf-8", errors="replace")
+    body = response.read()
+    if len(body) > MAX_SCRAPE_BYTES:
+        return None
+    return body.decode("utf-8", errors="replace")
 
 
 def router_addresses(pods: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -120,6 +254,23 @@ def _engine_roles(spec: DisaggDeploymentSpec) -> set[Role]:
     return roles
 
 
+def _histograms(spec: DisaggDeploymentSpec) -> set[Histogram]:
+    """The router histograms a role's target reads (the window keeps no other)."""
+    found: set[Histogram] = set()
+    prefill, decode = spec.prefill.autoscaling, spec.decode.autoscaling
+    if prefill is not None and prefill.target is not None and prefill.target.ttft_p90_seconds:
+        found.add("ttft")
+    if decode is not None and decode.target is not None and decode.target.inter_token_latency_p90_seconds:
+        found.add("itl")
+    return found
+
+
+def keep_s(spec: DisaggDeploymentSpec) -> float:
+    """How long a sample is read: the longest metric window of the planned roles."""
+    windows = [s.metric_window_seconds for role in ROLES if (s := spec.autoscaling(role)) is not None]
+    return float(max(windows, default=0))
+
+
 def scrape(
     kube: Kube,
     namespace: str,
@@ -128,24 +279,38 @@ def scrape(
     pods: Sequence[Mapping[str, Any]],
     at: float,
 ) -> Sample:
-    routers: dict[str, RouterSample] = {}
+    """Every ready router's page and the engine pages a target reads, fetched at once (`fetch_pages`). A
+    router's legs are kept for the deployment's own engines only."""
     selector = ",".join(f"{key}={value}" for key, value in router_selector(name).items())
-    for address in router_addresses(kube.list_pods(namespace, selector)):
-        text = fetch_page(f"http://{address}/metrics")
-        router = _parsed(parse_router, text, address)
+    addresses = router_addresses(kube.list_pods(namespace, selector))
+    wanted = _engine_roles(spec)
+    ours: set[str] = set()
+    engine_urls: dict[tuple[str, str], str | None] = {}
+    for pod in pods:
+        engine = engine_pod(pod)
+        if engine is None:
+            continue
+        ours.add(engine.engine_id)
+        ours.add(str((pod.get("metadata") or {}).get("name") or ""))
+        if engine.role not in wanted or engine.stage != 0 or engine.host is None:
+            continue
+        port = _http_port(pod)
+        engine_urls[(engine.role, engine.engine_id)] = (
+            None if port is None else f"http://{engine.host}:{port}/metrics"
+        )
+    urls = [f"http://{address}/metrics" for address in addresses]
+    urls += [url for url in engine_urls.values() if url is not None]
+    texts = iter(fetch_pages(urls))
+    routers: dict[str, RouterSample] = {}
+    for address in addresses:
+        router = _parsed(lambda text: parse_router(text, ours), next(texts), address)
         if router is not None:
             routers[address] = router
     engines: dict[tuple[str, str], EngineSample] = {}
-    wanted = _engine_roles(spec)
-    for pod in pods:
-        engine = engine_pod(pod)
-        if engine is None or engine.role not in wanted or engine.stage != 0 or engine.host is None:
-            continue
-        port = _http_port(pod)
-        text = None if port is None else fetch_page(f"http://{engine.host}:{port}/metrics")
-        sample = _parsed(parse_engine, text, engine.engine_id)
+    for (role, engine_id), url in engine_urls.items():
+        sample = _parsed(parse_engine, None if url is None else next(texts), engine_id)
         if sample is not None:
-            engines[(engine.role, engine.engine_id)] = sample
+            engines[(role, engine_id)] = sample
     return Sample(at, routers, engines)
 
 
@@ -208,9 +373,7 @@ def plan_tick(
     at = time.monotonic() if now is None else now
     pods = list(observed.pods(namespace, name))
     sample = scrape(kube, namespace, name, spec, pods, at)
-    memory.samples.append(sample)
-    while memory.samples and at - memory.samples[0].at > KEEP_S:
-        memory.samples.popleft()
+    memory.record(sample, spec)
     status = kube.latest_status(body)
     decisions = []
     for role in ROLES:

@@ -1,11 +1,23 @@
 """What the planner's tick reads before it scrapes: the ready router pods' addresses; and what a scrape takes
-from a pod's answer (a real HTTP server on loopback). Its interval is a setting (`test_settings.py`)."""
+from a pod's answer (real HTTP servers on loopback): a page whole within its size bound and one deadline
+however slowly it trickles, without holding the clock's threads, and only what the window reads of it. Its
+interval is a setting (`test_settings.py`)."""
 
 from __future__ import annotations
 
+import pickle
+import socket
+import threading
+import time
 from typing import Any
 
-from disagg.operator.control.scaling import MAX_SCRAPE_BYTES, fetch_page, router_addresses
+import pytest
+from dd_specs import valid_document
+
+from disagg.operator.api import DisaggDeploymentSpec
+from disagg.operator.control import scaling
+from disagg.operator.control.scaling import MAX_SCRAPE_BYTES, fetch_page, router_addresses, scrape
+from disagg.operator.runtime.ticker import Tick, Ticker
 
 
 def router_pod(ip: str, ready: bool, deleting: bool = False) -> dict[str, Any]:
@@ -39,3 +51,166 @@ def test_a_scrape_reads_a_page_whole_and_refuses_one_past_its_size_bound(
     assert fetch_page(url + "/metrics") == "vllm:num_requests_running 1\n"
     assert fetch_page(url + "/huge") is None
     assert fetch_page(url.rsplit(":", 1)[0] + ":1/metrics") is None  # nothing listens: missing, not an error
+
+
+class Trickle:
+    """Real HTTP peers on loopback that answer a byte at a time (after the headers, or within them) until
+    the test ends: the slow pod of the issue, which no per-read socket timeout ever fires on."""
+
+    def __init__(self, count: int, in_headers: bool = False) -> None:
+        self.stopping = threading.Event()
+        self.servers: list[socket.socket] = []
+        self.threads: list[threading.Thread] = []
+        self.in_headers = in_headers
+        for _ in range(count):
+            server = socket.create_server(("127.0.0.1", 0))
+            self.servers.append(server)
+            self._start(self._accept, server)
+
+    @property
+    def ports(self) -> list[int]:
+        return [server.getsockname()[1] for server in self.servers]
+
+    def _start(self, target: Any, *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        self.threads.append(thread)
+        thread.start()
+
+    def _accept(self, server: socket.socket) -> None:
+        server.settimeout(0.1)
+        while not self.stopping.is_set():
+            try:
+                peer, _ = server.accept()
+            except OSError:
+                continue
+            self._start(self._serve, peer)
+
+    def _serve(self, peer: socket.socket) -> None:
+        with peer:
+            try:
+                peer.recv(4096)
+                head = b"HTTP/1.1 200 OK\r\n"
+                if not self.in_headers:
+                    peer.sendall(head + b"Content-Length: 1000000\r\n\r\n")
+                while not self.stopping.wait(0.05):
+                    peer.sendall(b"X-Slow: a\r\n" if self.in_headers else b"#")
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self.stopping.set()
+        for server in self.servers:
+            server.close()
+        for thread in self.threads:
+            thread.join(5)
+
+
+@pytest.fixture
+def short_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scaling, "SCRAPE_TIMEOUT_S", 0.5)
+
+
+def _bounded(call: Any, bound_s: float = 15.0) -> Any:
+    """`call()` in a thread, failing the test when it has not returned within `bound_s`."""
+    result: list[Any] = []
+    thread = threading.Thread(target=lambda: result.append(call()), daemon=True)
+    thread.start()
+    thread.join(bound_s)
+    assert result, f"still running after {bound_s} s"
+    return result[0]
+
+
+@pytest.mark.parametrize("in_headers", [False, True])
+def test_a_page_that_trickles_is_given_up_at_the_deadline(short_deadline: None, in_headers: bool) -> None:
+    trickle = Trickle(1, in_headers=in_headers)
+    try:
+        assert _bounded(lambda: fetch_page(f"http://127.0.0.1:{trickle.ports[0]}/metrics")) is None
+    finally:
+        trickle.close()
+
+
+def autoscaled_spec() -> DisaggDeploymentSpec:
+    patch = {"decode": {"autoscaling": {"maxReplicas": 4, "target": {"runningRequests": 4}}}}
+    return DisaggDeploymentSpec.model_validate(valid_document(patch)["spec"])
+
+
+class Routers:
+    """What `scrape` asks the API server: the router pods, here at loopback ports."""
+
+    def __init__(self, ports: list[int]) -> None:
+        self.pods = [
+            {
+                "metadata": {"name": f"x-router-{port}"},
+                "spec": {
+                    "containers": [{"name": "router", "ports": [{"name": "http", "containerPort": port}]}]
+                },
+                "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
+            }
+            for port in ports
+        ]
+
+    def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        return self.pods
+
+
+def test_slow_routers_hold_a_scrape_one_deadline_and_a_healthy_one_still_answers(
+    short_deadline: None, pages: tuple[str, dict[str, bytes]]
+) -> None:
+    url, served = pages
+    served["/metrics"] = b'disagg_router_in_flight_requests{role="decode"} 3\n'
+    trickle = Trickle(12)
+    try:
+        kube = Routers([*trickle.ports, int(url.rsplit(":", 1)[1])])
+        sample = _bounded(lambda: scrape(kube, "ns", "x", autoscaled_spec(), [], 0.0))  # type: ignore[arg-type]
+    finally:
+        trickle.close()
+    assert list(sample.routers) == [f"127.0.0.1:{url.rsplit(':', 1)[1]}"]
+    assert next(iter(sample.routers.values())).in_flight == {"decode": 3.0}
+
+
+def test_slow_pods_of_two_deployments_leave_the_clocks_threads_to_a_third(short_deadline: None) -> None:
+    # The issue's case: two deployments with a trickling router each, on the clock's two threads.
+    trickle = Trickle(2)
+    spec = autoscaled_spec()
+    ran: dict[str, int] = {"a": 0, "b": 0, "c": 0}
+    kubes = {"a": Routers(trickle.ports[:1]), "b": Routers(trickle.ports[1:]), "c": Routers([])}
+
+    def tick(body: dict[str, Any]) -> None:
+        name = body["metadata"]["name"]
+        scrape(kubes[name], "ns", name, spec, [], 0.0)  # type: ignore[arg-type]
+        ran[name] += 1
+
+    bodies = [{"metadata": {"namespace": "ns", "name": name}} for name in ran]
+    ticker = Ticker(lambda: bodies, [Tick("planner", 0.1, lambda body: True, tick)], resolution=0.05)
+    ticker.start()
+    try:
+        for _ in range(300):
+            if ran["c"] >= 3:
+                break
+            time.sleep(0.05)
+    finally:
+        ticker.stop(timeout=5)
+        trickle.close()
+    assert ran["c"] >= 3, ran
+
+
+def test_a_hostile_router_page_is_kept_in_bounded_memory(pages: tuple[str, dict[str, bytes]]) -> None:
+    # Legs on engines that are not the deployment's, roles that are none, and the histogram a decode
+    # running-requests target does not read: the window keeps none of it.
+    lines = [f'disagg_router_outstanding_legs{{engine="e{i}",role="decode"}} 1' for i in range(2000)]
+    lines += [f'disagg_router_in_flight_requests{{role="r{i}"}} 1' for i in range(2000)]
+    lines += [f'disagg_router_time_to_first_token_seconds_bucket{{le="{i}",x="{j}"}} 1' for i in range(60)
+              for j in range(20)]  # fmt: skip
+    lines.append('disagg_router_in_flight_requests{role="decode"} 2')
+    url, served = pages
+    served["/metrics"] = ("\n".join(lines) + "\n").encode()
+    kube = Routers([int(url.rsplit(":", 1)[1])])
+    spec = autoscaled_spec()
+    memory = scaling.Memory()
+    for k in range(8):
+        memory.record(scrape(kube, "ns", "x", spec, [], k * 5.0), spec)  # type: ignore[arg-type]
+    assert len(memory.samples) == 7  # the default 30 s metric window
+    (router,) = memory.samples[-1].routers.values()
+    assert router.in_flight == {"decode": 2.0} and router.legs == {} and router.ttft == ()
+    # What the samples hold, whatever the page held (a page is about 200 KiB).
+    assert len(pickle.dumps(memory.samples)) < 4 << 10
