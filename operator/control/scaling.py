@@ -18,6 +18,7 @@ import errno
 import http.client
 import io
 import logging
+import re
 import selectors
 import socket
 import threading
@@ -144,6 +145,9 @@ class _Exchange:
     chunks: list[bytes] = field(default_factory=list)
     size: int = 0
     page: str | None = None
+    head_size: int | None = None
+    length: int | None = None
+    chunked: bool = False
 
     @classmethod
     def start(cls, url: str) -> _Exchange | None:
@@ -187,14 +191,36 @@ class _Exchange:
             chunk = self.sock.recv(64 << 10)
         except BlockingIOError:
             return False
-        if not chunk:
-            self.page = _body(b"".join(self.chunks))
-            return True
         self.size += len(chunk)
         if self.size > MAX_SCRAPE_BYTES + _FRAMING_BYTES:
             return True
         self.chunks.append(chunk)
-        return False
+        if chunk and not self._whole():
+            return False
+        self.page = _body(b"".join(self.chunks))
+        return True
+
+    def _whole(self) -> bool:
+        """Whether the response is complete before the peer closes (one that keeps the connection open
+        despite `Connection: close` would otherwise be read until the deadline): its Content-Length of body
+        after the headers, or a chunked body's last chunk."""
+        if self.head_size is None:
+            raw = b"".join(self.chunks)
+            self.chunks = [raw]
+            end = raw.find(b"\r\n\r\n")
+            if end < 0 and len(raw) > _FRAMING_BYTES:
+                raise ValueError("no end of the headers in the framing's room")
+            if end < 0:
+                return False
+            head = raw[:end]
+            self.head_size = end + 4
+            length = re.search(rb"(?im)^content-length:[ \t]*([0-9]{1,12})[ \t]*\r?$", head)
+            self.length = None if length is None else int(length.group(1))
+            self.chunked = re.search(rb"(?im)^transfer-encoding:[^\r\n]*chunked", head) is not None
+        if self.length is not None:
+            return self.size - self.head_size >= self.length
+        tail = b"".join(self.chunks[-2:])[-7:]
+        return self.chunked and tail == b"\r\n0\r\n\r\n"
 
 
 class _Replay:

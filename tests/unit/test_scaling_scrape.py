@@ -214,3 +214,33 @@ def test_a_hostile_router_page_is_kept_in_bounded_memory(pages: tuple[str, dict[
     assert router.in_flight == {"decode": 2.0} and router.legs == {} and router.ttft == ()
     # What the samples hold, whatever the page held (a page is about 200 KiB).
     assert len(pickle.dumps(memory.samples)) < 4 << 10
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\nqueued 1.0\n\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n7\r\nqueued \r\n5\r\n1.0\n\n\r\n0\r\n\r\n",
+    ],
+)
+def test_a_whole_answer_is_read_though_the_peer_keeps_the_connection_open(
+    short_deadline: None, response: bytes
+) -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def answer() -> None:
+        peer, _ = server.accept()
+        held.append(peer)
+        peer.recv(4096)
+        peer.sendall(response)
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        page = _bounded(lambda: fetch_page(f"http://127.0.0.1:{server.getsockname()[1]}/metrics"))
+    finally:
+        thread.join(5)
+        for sock in (*held, server):
+            sock.close()
+    assert page == "queued 1.0\n\n"
