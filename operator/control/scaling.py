@@ -7,13 +7,16 @@ in a cluster and on the local rig alike, whose loopback pod IPs no Endpoints obj
 one address would answer from one router at a time, and two routers' counters cannot be subtracted from
 each other). An engine is scraped at its pod IP on the engine's `http` port.
 
-A pod's page is not trusted with the operator's time or memory: a tick's pages are read at once, each
-whole within one wall-clock deadline however slowly it trickles, so a tick holds its clock thread one
-deadline at most however many of its pods answer slowly, and what is kept of them is bounded (`signals`).
+A pod's page is not trusted with the operator's time or memory. The pages are read off the clock's
+threads, on the `Scraper`'s one thread, every page of every deployment at once on non-blocking sockets,
+each whole within one wall-clock deadline however slowly it trickles: a tick reads the pages its last tick
+asked for and asks for the next, so it never waits on a pod and a slow pod delays no other deployment's
+tick. What is kept of the pages is bounded (`signals`, `Memory.record`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import http.client
 import io
@@ -37,7 +40,7 @@ from disagg.operator.control.k8s_apply import Kube
 from disagg.operator.control.reconcile import Observed, Outcome, judge, reconcile
 from disagg.operator.naming import Installation, router_selector
 from disagg.operator.scaling import planner, targets
-from disagg.operator.scaling.retire import Busy
+from disagg.operator.scaling.retire import UNKNOWN, Busy
 from disagg.operator.scaling.signals import (
     EngineSample,
     Histogram,
@@ -69,6 +72,20 @@ class Memory:
 
     samples: deque[Sample] = field(default_factory=deque)
     history: dict[Role, planner.Recommendations] = field(default_factory=dict)
+    pending: Scrape | None = None
+    """The scrape the last tick asked for, read by the next."""
+    busy: Busy = UNKNOWN
+    """The engines the routers had legs on at the newest scrape that answered, and when it was asked."""
+
+    def collect(self, spec: DisaggDeploymentSpec) -> None:
+        """Record the pending scrape if it is over (a slow one is read at a later tick)."""
+        if self.pending is None or not self.pending.pages.done():
+            return
+        sample = self.pending.sample()
+        self.record(sample, spec)
+        if sample.routers:
+            self.busy = Busy(sample.busy(), self.pending.wall)
+        self.pending = None
 
     def record(self, sample: Sample, spec: DisaggDeploymentSpec) -> None:
         """Keep what the spec's targets read of `sample` for as long as its windows read it (at most
@@ -85,6 +102,7 @@ class Planners:
 
     _memory: dict[tuple[str, str], Memory] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    scraper: Scraper = field(default_factory=lambda: Scraper())
 
     def of(self, key: tuple[str, str]) -> Memory:
         with self._lock:
@@ -95,44 +113,109 @@ class Planners:
             self._memory.pop(key, None)
 
 
-def fetch_page(url: str) -> str | None:
-    """`fetch_pages` of one URL."""
-    return fetch_pages([url])[0]
+class Pages:
+    """One tick's pages under way on the `Scraper`'s thread: `pages` (None where a page could not be had)
+    once `done`."""
+
+    def __init__(self, urls: Sequence[str], deadline: float) -> None:
+        self.urls = list(urls)
+        self.deadline = deadline
+        self.pages: list[str | None] = [None] * len(self.urls)
+        self.open: dict[int, _Exchange] = {}
+        self._done = threading.Event()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        return self._done.wait(timeout)
 
 
-def fetch_pages(urls: Sequence[str]) -> list[str | None]:
-    """The page at each URL (http, at an IP address), or None where it cannot be had whole, with a 200,
-    within `MAX_SCRAPE_BYTES` and one deadline `SCRAPE_TIMEOUT_S` from now. The deadline bounds the whole
-    exchange of every page: a socket timeout bounds each read, not a peer that trickles a byte a second.
-    The pages are read at once, multiplexed on this thread, so the slow ones cost one deadline together and
-    a quick one is not queued behind them."""
-    deadline = time.monotonic() + SCRAPE_TIMEOUT_S
-    pages: list[str | None] = [None] * len(urls)
-    selector = selectors.DefaultSelector()
-    try:
-        for index, url in enumerate(urls):
-            exchange = _Exchange.start(url)
-            if exchange is not None:
-                selector.register(exchange.sock, selectors.EVENT_WRITE, (index, exchange))
-        while selector.get_map():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            for key, _ in selector.select(remaining):
-                index, exchange = key.data
-                try:
-                    finished = exchange.step(selector)
-                except (OSError, ValueError, http.client.HTTPException):
-                    finished, exchange.page = True, None
-                if finished:
-                    selector.unregister(exchange.sock)
-                    exchange.sock.close()
-                    pages[index] = exchange.page
-    finally:
-        for key in list(selector.get_map().values()):
-            cast(socket.socket, key.fileobj).close()
-        selector.close()
-    return pages
+class Scraper:
+    """Every deployment's pages, read on one thread of its own, multiplexed on non-blocking sockets: a tick
+    hands its URLs over (`submit`) and reads what came back at its next tick, so no clock thread ever waits
+    on a pod. Each page is had whole, with a 200, within `MAX_SCRAPE_BYTES` and its batch's deadline
+    (`SCRAPE_TIMEOUT_S` after `submit`), which bounds the whole exchange: a socket timeout bounds each
+    read, not a peer that trickles a byte a second. URLs are http, at an IP address."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._new: list[Pages] = []
+        self._wake, self._waker = socket.socketpair()
+        self._waker.setblocking(False)
+        self._thread: threading.Thread | None = None
+
+    def submit(self, urls: Sequence[str]) -> Pages:
+        batch = Pages(urls, time.monotonic() + SCRAPE_TIMEOUT_S)
+        if not batch.urls:
+            batch._done.set()
+            return batch
+        with self._lock:
+            self._new.append(batch)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="disagg-scraper", daemon=True)
+                self._thread.start()
+        with contextlib.suppress(BlockingIOError):
+            self._waker.send(b"\0")
+        return batch
+
+    def _loop(self) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self._wake, selectors.EVENT_READ, None)
+        active: list[Pages] = []
+        while True:
+            try:
+                active = self._turn(selector, active)
+            except Exception:
+                # A pass that broke must not end the thread every planner tick waits on.
+                log.exception("the scraper's pass failed; its batches count as not answering")
+                for batch in active:
+                    self._end(selector, batch)
+                active = []
+
+    def _turn(self, selector: selectors.BaseSelector, active: list[Pages]) -> list[Pages]:
+        now = time.monotonic()
+        timeout = max(0.0, min(b.deadline for b in active) - now) if active else None
+        for key, _ in selector.select(timeout):
+            if key.data is None:
+                self._wake.recv(4096)
+                continue
+            batch, index, exchange = key.data
+            try:
+                finished = exchange.step(selector)
+            except (OSError, ValueError, http.client.HTTPException):
+                finished, exchange.page = True, None
+            if finished:
+                selector.unregister(exchange.sock)
+                exchange.sock.close()
+                batch.pages[index] = exchange.page
+                del batch.open[index]
+        with self._lock:
+            new, self._new = self._new, []
+        for batch in new:
+            for index, url in enumerate(batch.urls):
+                exchange = _Exchange.start(url)
+                if exchange is not None:
+                    batch.open[index] = exchange
+                    selector.register(exchange.sock, selectors.EVENT_WRITE, (batch, index, exchange))
+        now = time.monotonic()
+        kept = []
+        for batch in [*active, *new]:
+            if batch.open and now < batch.deadline:
+                kept.append(batch)
+            else:
+                self._end(selector, batch)
+        return kept
+
+    @staticmethod
+    def _end(selector: selectors.BaseSelector, batch: Pages) -> None:
+        """The batch is over: what has not answered by now did not answer."""
+        for exchange in batch.open.values():
+            with contextlib.suppress(KeyError, ValueError):
+                selector.unregister(exchange.sock)
+            exchange.sock.close()
+        batch.open.clear()
+        batch._done.set()
 
 
 @dataclass
@@ -297,47 +380,66 @@ def keep_s(spec: DisaggDeploymentSpec) -> float:
     return float(max(windows, default=0))
 
 
+@dataclass
+class Scrape:
+    """One tick's scrape: the pages it asked the `Scraper` for, and what makes a `Sample` of them."""
+
+    at: float
+    """When it was asked for, on the operator's clock: the sample's time."""
+    wall: datetime
+    """The same, on the wall: what a drain reads the routers' busy engines against."""
+    pages: Pages
+    routers: list[str]
+    engines: dict[tuple[str, str], int | None]
+    """Per (role, engine id), its page's index in `pages` (None: no port to ask)."""
+    ours: frozenset[str]
+    """The deployment's engine ids and pod names: the only legs kept of a router's page."""
+
+    def sample(self) -> Sample:
+        """What answered (`pages.done()` first)."""
+        routers: dict[str, RouterSample] = {}
+        for index, address in enumerate(self.routers):
+            router = _parsed(lambda text: parse_router(text, self.ours), self.pages.pages[index], address)
+            if router is not None:
+                routers[address] = router
+        engines: dict[tuple[str, str], EngineSample] = {}
+        for key, at_index in self.engines.items():
+            text = None if at_index is None else self.pages.pages[at_index]
+            sample = _parsed(parse_engine, text, key[1])
+            if sample is not None:
+                engines[key] = sample
+        return Sample(self.at, routers, engines)
+
+
 def scrape(
     kube: Kube,
+    scraper: Scraper,
     namespace: str,
     name: str,
     spec: DisaggDeploymentSpec,
     pods: Sequence[Mapping[str, Any]],
     at: float,
-) -> Sample:
-    """Every ready router's page and the engine pages a target reads, fetched at once (`fetch_pages`). A
-    router's legs are kept for the deployment's own engines only."""
+    wall: datetime,
+) -> Scrape:
+    """Ask `scraper` for every ready router's page and the engine pages a target reads."""
     selector = ",".join(f"{key}={value}" for key, value in router_selector(name).items())
     addresses = router_addresses(kube.list_pods(namespace, selector))
+    urls = [f"http://{address}/metrics" for address in addresses]
     wanted = _engine_roles(spec)
     ours: set[str] = set()
-    engine_urls: dict[tuple[str, str], str | None] = {}
+    engines: dict[tuple[str, str], int | None] = {}
     for pod in pods:
         engine = engine_pod(pod)
         if engine is None:
             continue
-        ours.add(engine.engine_id)
-        ours.add(str((pod.get("metadata") or {}).get("name") or ""))
+        ours.update((engine.engine_id, engine.name))
         if engine.role not in wanted or engine.stage != 0 or engine.host is None:
             continue
         port = _http_port(pod)
-        engine_urls[(engine.role, engine.engine_id)] = (
-            None if port is None else f"http://{engine.host}:{port}/metrics"
-        )
-    urls = [f"http://{address}/metrics" for address in addresses]
-    urls += [url for url in engine_urls.values() if url is not None]
-    texts = iter(fetch_pages(urls))
-    routers: dict[str, RouterSample] = {}
-    for address in addresses:
-        router = _parsed(lambda text: parse_router(text, ours), next(texts), address)
-        if router is not None:
-            routers[address] = router
-    engines: dict[tuple[str, str], EngineSample] = {}
-    for (role, engine_id), url in engine_urls.items():
-        sample = _parsed(parse_engine, None if url is None else next(texts), engine_id)
-        if sample is not None:
-            engines[(role, engine_id)] = sample
-    return Sample(at, routers, engines)
+        engines[(engine.role, engine.engine_id)] = None if port is None else len(urls)
+        if port is not None:
+            urls.append(f"http://{engine.host}:{port}/metrics")
+    return Scrape(at, wall, scraper.submit(urls), addresses, engines, frozenset(ours))
 
 
 def _parsed(parse: Callable[[str], T], text: str | None, source: str) -> T | None:
@@ -387,9 +489,12 @@ def plan_tick(
     installation: Installation,
     observed: Observed,
     memory: Memory,
+    scraper: Scraper,
     now: float | None = None,
 ) -> Outcome | None:
-    """One tick for one deployment: scrape, plan, write the targets, reconcile when something moved."""
+    """One tick for one deployment: read the scrape the last tick asked for and ask for the next, plan,
+    write the targets, reconcile when something moved. The plan reads samples up to an interval old, so
+    the tick never waits on a pod."""
     metadata = body["metadata"]
     namespace, name = metadata["namespace"], metadata["name"]
     verdict = judge(body.get("spec") or {}, installation)
@@ -397,9 +502,11 @@ def plan_tick(
         return None
     spec = verdict.spec
     at = time.monotonic() if now is None else now
-    pods = list(observed.pods(namespace, name))
-    sample = scrape(kube, namespace, name, spec, pods, at)
-    memory.record(sample, spec)
+    wall = datetime.now(UTC)
+    memory.collect(spec)
+    if memory.pending is None:
+        pods = list(observed.pods(namespace, name))
+        memory.pending = scrape(kube, scraper, namespace, name, spec, pods, at, wall)
     status = kube.latest_status(body)
     decisions = []
     for role in ROLES:
@@ -411,7 +518,6 @@ def plan_tick(
             role, scaling, list(memory.samples), current, memory.history.get(role, ()), at
         )
         decisions.append(decision)
-    wall = datetime.now(UTC)
     previous = cond.parse(status.get("conditions"))
     settling = _behind(spec, status, observed, namespace, name)
     update = targets.condition(decisions, previous, settling, wall)
@@ -428,5 +534,4 @@ def plan_tick(
         status["conditions"] = cond.to_json(conditions)
     if not moved and not settling:
         return None
-    busy = Busy(sample.busy() if sample.routers else None, wall)
-    return reconcile(kube, {**body, "status": status}, installation, observed, busy)
+    return reconcile(kube, {**body, "status": status}, installation, observed, memory.busy)

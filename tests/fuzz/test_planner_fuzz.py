@@ -134,9 +134,12 @@ def test_hostile_http_answers_never_raise_and_end_by_the_deadline(monkeypatch: p
     thread.start()
     url = f"http://127.0.0.1:{server.getsockname()[1]}/metrics"
     outcomes: Counter[str] = Counter()
+    scraper = scaling.Scraper()
     try:
         for start in range(0, PAGES, 8):
-            for page in scaling.fetch_pages([url] * min(8, PAGES - start)):
+            batch = scraper.submit([url] * min(8, PAGES - start))
+            assert batch.wait(15.0), "the scraper did not end the batch within its bound"
+            for page in batch.pages:
                 assert page is None or len(page) <= scaling.MAX_SCRAPE_BYTES
                 outcomes["page" if page is not None else "none"] += 1
     finally:

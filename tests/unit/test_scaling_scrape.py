@@ -9,6 +9,7 @@ import pickle
 import socket
 import threading
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -16,8 +17,26 @@ from dd_specs import valid_document
 
 from disagg.operator.api import DisaggDeploymentSpec
 from disagg.operator.control import scaling
-from disagg.operator.control.scaling import MAX_SCRAPE_BYTES, fetch_page, router_addresses, scrape
+from disagg.operator.control.scaling import MAX_SCRAPE_BYTES, Scraper, router_addresses, scrape
 from disagg.operator.runtime.ticker import Tick, Ticker
+from disagg.operator.scaling.signals import Sample
+
+SCRAPER = Scraper()
+WALL = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def fetch_page(url: str) -> str | None:
+    """One page through the operator's scraper, waited for here (a tick reads it at its next)."""
+    pages = SCRAPER.submit([url])
+    assert pages.wait(15.0), "the scraper did not end the batch within its bound"
+    return pages.pages[0]
+
+
+def sampled(kube: Any, spec: DisaggDeploymentSpec, at: float = 0.0) -> Sample:
+    """A tick's scrape of `kube`'s routers, waited for."""
+    asked = scrape(kube, SCRAPER, "ns", "x", spec, [], at, WALL)
+    assert asked.pages.wait(15.0), "the scraper did not end the batch within its bound"
+    return asked.sample()
 
 
 def router_pod(ip: str, ready: bool, deleting: bool = False) -> dict[str, Any]:
@@ -110,21 +129,11 @@ def short_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(scaling, "SCRAPE_TIMEOUT_S", 0.5)
 
 
-def _bounded(call: Any, bound_s: float = 15.0) -> Any:
-    """`call()` in a thread, failing the test when it has not returned within `bound_s`."""
-    result: list[Any] = []
-    thread = threading.Thread(target=lambda: result.append(call()), daemon=True)
-    thread.start()
-    thread.join(bound_s)
-    assert result, f"still running after {bound_s} s"
-    return result[0]
-
-
 @pytest.mark.parametrize("in_headers", [False, True])
 def test_a_page_that_trickles_is_given_up_at_the_deadline(short_deadline: None, in_headers: bool) -> None:
     trickle = Trickle(1, in_headers=in_headers)
     try:
-        assert _bounded(lambda: fetch_page(f"http://127.0.0.1:{trickle.ports[0]}/metrics")) is None
+        assert fetch_page(f"http://127.0.0.1:{trickle.ports[0]}/metrics") is None
     finally:
         trickle.close()
 
@@ -161,37 +170,48 @@ def test_slow_routers_hold_a_scrape_one_deadline_and_a_healthy_one_still_answers
     trickle = Trickle(12)
     try:
         kube = Routers([*trickle.ports, int(url.rsplit(":", 1)[1])])
-        sample = _bounded(lambda: scrape(kube, "ns", "x", autoscaled_spec(), [], 0.0))  # type: ignore[arg-type]
+        sample = sampled(kube, autoscaled_spec())
     finally:
         trickle.close()
     assert list(sample.routers) == [f"127.0.0.1:{url.rsplit(':', 1)[1]}"]
     assert next(iter(sample.routers.values())).in_flight == {"decode": 3.0}
 
 
-def test_slow_pods_of_two_deployments_leave_the_clocks_threads_to_a_third(short_deadline: None) -> None:
-    # The issue's case: two deployments with a trickling router each, on the clock's two threads.
+def test_slow_pods_of_two_deployments_leave_the_clocks_threads_to_a_third(
+    short_deadline: None, pages: tuple[str, dict[str, bytes]]
+) -> None:
+    # The issue's case: two deployments with a trickling router each, on the clock's two threads. Each tick
+    # asks for its pages and reads those its last tick asked for: the third's answers keep coming.
+    url, served = pages
+    served["/metrics"] = b'disagg_router_in_flight_requests{role="decode"} 1\n'
     trickle = Trickle(2)
     spec = autoscaled_spec()
-    ran: dict[str, int] = {"a": 0, "b": 0, "c": 0}
-    kubes = {"a": Routers(trickle.ports[:1]), "b": Routers(trickle.ports[1:]), "c": Routers([])}
+    answered: dict[str, int] = {"a": 0, "b": 0, "c": 0}
+    healthy = Routers([int(url.rsplit(":", 1)[1])])
+    kubes = {"a": Routers(trickle.ports[:1]), "b": Routers(trickle.ports[1:]), "c": healthy}
+    pending: dict[str, scaling.Scrape] = {}
 
     def tick(body: dict[str, Any]) -> None:
         name = body["metadata"]["name"]
-        scrape(kubes[name], "ns", name, spec, [], 0.0)  # type: ignore[arg-type]
-        ran[name] += 1
+        asked = pending.get(name)
+        if asked is not None and asked.pages.done():
+            answered[name] += bool(asked.sample().routers)
+            del pending[name]
+        if name not in pending:
+            pending[name] = scrape(kubes[name], SCRAPER, "ns", name, spec, [], time.monotonic(), WALL)
 
-    bodies = [{"metadata": {"namespace": "ns", "name": name}} for name in ran]
+    bodies = [{"metadata": {"namespace": "ns", "name": name}} for name in answered]
     ticker = Ticker(lambda: bodies, [Tick("planner", 0.1, lambda body: True, tick)], resolution=0.05)
     ticker.start()
     try:
         for _ in range(300):
-            if ran["c"] >= 3:
+            if answered["c"] >= 3:
                 break
             time.sleep(0.05)
     finally:
         ticker.stop(timeout=5)
         trickle.close()
-    assert ran["c"] >= 3, ran
+    assert answered["c"] >= 3 and answered["a"] == answered["b"] == 0, answered
 
 
 def test_a_hostile_router_page_is_kept_in_bounded_memory(pages: tuple[str, dict[str, bytes]]) -> None:
@@ -208,7 +228,7 @@ def test_a_hostile_router_page_is_kept_in_bounded_memory(pages: tuple[str, dict[
     spec = autoscaled_spec()
     memory = scaling.Memory()
     for k in range(8):
-        memory.record(scrape(kube, "ns", "x", spec, [], k * 5.0), spec)  # type: ignore[arg-type]
+        memory.record(sampled(kube, spec, k * 5.0), spec)
     assert len(memory.samples) == 7  # the default 30 s metric window
     (router,) = memory.samples[-1].routers.values()
     assert router.in_flight == {"decode": 2.0} and router.legs == {} and router.ttft == ()
@@ -238,7 +258,7 @@ def test_a_whole_answer_is_read_though_the_peer_keeps_the_connection_open(
     thread = threading.Thread(target=answer, daemon=True)
     thread.start()
     try:
-        page = _bounded(lambda: fetch_page(f"http://127.0.0.1:{server.getsockname()[1]}/metrics"))
+        page = fetch_page(f"http://127.0.0.1:{server.getsockname()[1]}/metrics")
     finally:
         thread.join(5)
         for sock in (*held, server):
