@@ -308,6 +308,12 @@ PRINTER_COLUMNS: Final[tuple[dict[str, Any], ...]] = (
         "description": "Routable prefill/decode pairs of all pairs (the Routable condition names the rest).",
     },
     {
+        "name": "Transport",
+        "type": "string",
+        "jsonPath": ".status.kvTransport",
+        "description": "The transports the pairs' KV took, as UCX chose them (status.kvTransports per pair).",
+    },
+    {
         "name": "Revision",
         "type": "string",
         "jsonPath": ".status.revision",

@@ -7,6 +7,12 @@ failure's reason and a message naming every failing stage and pod, so `kubectl d
 failed against which decode pod, and why. Engines whose live hashes agree but differ from the spec's
 prediction are True with reason `CompatibilityHashPredictionDiffers`, naming the likely factor.
 
+A prefill pod's peer report also says, per decode pod, the transport UCX chose for its KV and the bytes and
+GB/s pushed (`worker.reporting.transport_report`): `pair_transports` lists them for the status,
+`transport_summary` sums them up for `kubectl get` (`shm 2/2`), and `transport_verdict` turns
+`KVTransferReady` False with `KVTransportMismatch` where a pair's KV took another transport than the spec's
+`kvTransfer.transport`.
+
 `Routable` counts the (prefill engine, decode pod) pairs the router may send requests to, by the same
 `pairing.routing_from_pods` over the same pods (their `disagg.io/kv-peers` reports), and names each excluded
 pair with its reason, so `kubectl get disagg` says which pair gets no traffic and why.
@@ -21,7 +27,9 @@ from typing import Any, Final
 
 from disagg.operator.api import REASON_PATTERN, ConditionStatus
 from disagg.worker.contracts.pairing import Exclusion, Routing
+from disagg.worker.contracts.peer_report import PeerReportError, decode_peer_report
 from disagg.worker.contracts.pod_contract import PEER_REPORT_ANNOTATION, POD_CONDITION, ROLE_LABEL
+from disagg.worker.contracts.ucx_lanes import satisfies
 from disagg.worker.kv.layout import natural_sort_key
 
 _ROLE_ORDER: Final = {"prefill": 0, "decode": 1}
@@ -29,6 +37,22 @@ _ROLE_ORDER: Final = {"prefill": 0, "decode": 1}
 PREDICTION_DIFFERS: Final = "CompatibilityHashPredictionDiffers"
 # The Routable message lists excluded pairs up to about this many characters (a condition holds 32768).
 MAX_ROUTABLE_MESSAGE: Final = 8000
+
+
+MAX_PAIR_TRANSPORTS: Final = 256
+"""Pairs listed in the status (the summary counts them all)."""
+
+
+@dataclass(frozen=True)
+class PairTransport:
+    """What one prefill pod's worker says of its KV to one decode pod."""
+
+    prefill_pod: str
+    decode_pod: str
+    transport: str
+    lanes: str
+    kv_bytes: int
+    gbps: float
 
 
 @dataclass(frozen=True)
@@ -41,6 +65,7 @@ class PodKV:
     status: ConditionStatus | None
     reason: str
     message: str
+    transports: tuple[PairTransport, ...] = ()
 
     @property
     def where(self) -> str:
@@ -62,6 +87,7 @@ def pod_kv(pod: Mapping[str, Any]) -> PodKV:
     name = str(metadata.get("name", ""))
     role = str((metadata.get("labels") or {}).get(ROLE_LABEL, ""))
     stage = _ordinal(name) if role == "prefill" else None
+    transports = _transports(name, metadata) if role == "prefill" else ()
     for condition in (pod.get("status") or {}).get("conditions") or ():
         if condition.get("type") == POD_CONDITION:
             return PodKV(
@@ -71,8 +97,72 @@ def pod_kv(pod: Mapping[str, Any]) -> PodKV:
                 status=ConditionStatus(condition.get("status", "Unknown")),
                 reason=_reason(condition.get("reason")),
                 message=str(condition.get("message") or ""),
+                transports=transports,
             )
-    return PodKV(name=name, role=role, stage=stage, status=None, reason="", message="")
+    return PodKV(name=name, role=role, stage=stage, status=None, reason="", message="", transports=transports)
+
+
+def _transports(name: str, metadata: Mapping[str, Any]) -> tuple[PairTransport, ...]:
+    text = (metadata.get("annotations") or {}).get(PEER_REPORT_ANNOTATION)
+    if not text:
+        return ()
+    try:
+        report = decode_peer_report(text)
+    except PeerReportError:
+        return ()  # Routable names an unreadable report; the transport is then unknown, not an error.
+    return tuple(
+        PairTransport(name, v.pod, v.transport, v.lanes, v.kv_bytes, v.gbps)
+        for v in report.peers
+        if v.transport
+    )
+
+
+def pair_transports(pods: Iterable[PodKV]) -> list[PairTransport]:
+    """Every reported pair's transport, prefill pods in stage order, at most `MAX_PAIR_TRANSPORTS`."""
+    ordered = sorted(pods, key=lambda pod: natural_sort_key(pod.name))
+    pairs = [
+        pair
+        for pod in ordered
+        for pair in sorted(pod.transports, key=lambda p: natural_sort_key(p.decode_pod))
+    ]
+    return pairs[:MAX_PAIR_TRANSPORTS]
+
+
+def transport_summary(pods: Iterable[PodKV]) -> str | None:
+    """`shm 2/2`: how many of the pairs the prefill pods reported took each transport (None before any)."""
+    counts: dict[str, int] = {}
+    for pod in pods:
+        for pair in pod.transports:
+            counts[pair.transport] = counts.get(pair.transport, 0) + 1
+    total = sum(counts.values())
+    if not total:
+        return None
+    return ", ".join(f"{transport} {n}/{total}" for transport, n in sorted(counts.items()))[:64]
+
+
+def transport_verdict(verdict: KVVerdict, pods: Iterable[PodKV], demanded: str) -> KVVerdict:
+    """`verdict`, unless it is True and a pair's KV took another transport than `demanded`: then False with
+    `KVTransportMismatch`, naming each such pair. A failed or pending handshake keeps its own reason."""
+    if verdict.status is not ConditionStatus.TRUE:
+        return verdict
+    wrong = [
+        pair
+        for pair in pair_transports(pods)
+        if not satisfies(demanded, pair.lanes.split(",") if pair.lanes else [pair.transport])
+    ]
+    if not wrong:
+        return verdict
+    details = "; ".join(
+        f"prefill pod {p.prefill_pod} to decode pod {p.decode_pod}: {p.transport}"
+        + (f" ({p.lanes})" if p.lanes else "")
+        for p in wrong
+    )
+    return KVVerdict(
+        ConditionStatus.FALSE,
+        "KVTransportMismatch",
+        f"spec.kvTransfer.transport is {demanded} but {len(wrong)} pair(s) moved KV over another "
+        f"transport, as UCX chose it: {details}",
+    )
 
 
 def aggregate(pods: Iterable[PodKV]) -> KVVerdict:

@@ -18,12 +18,21 @@ from disagg.operator.api import (
     ConditionStatus,
     DisaggDeploymentStatus,
     EngineKind,
+    PairTransportStatus,
     RevisionStatus,
     Role,
     RoleHashes,
     RoleStatus,
 )
-from disagg.operator.kv_status import PodKV, aggregate, routable, routable_pairs
+from disagg.operator.kv_status import (
+    PodKV,
+    aggregate,
+    pair_transports,
+    routable,
+    routable_pairs,
+    transport_summary,
+    transport_verdict,
+)
 from disagg.operator.naming import (
     COMPONENT_LABEL,
     GENERATION_ANNOTATION,
@@ -110,6 +119,7 @@ def compute(
     selectors: Mapping[Role, str] | None = None,
     scaling: bool = False,
     engine_kinds: Mapping[Role, EngineKind] | None = None,
+    transport: str = "any",
 ) -> DisaggDeploymentStatus:
     """The whole status; `violations` are every refusal (pre-flight rules and engine-argument conflicts);
     `routing` is `pairing.routing_from_pods` of the pods, `reported` whether any pod has a peer report;
@@ -117,7 +127,8 @@ def compute(
     workloads and pods (None for a refused spec); `desired` each role's replica target and `selectors` its
     pods' label selector (`scaling.targets`); `scaling` whether a role is autoscaled (else a `Scaling`
     condition left from when one was goes); `engine_kinds` the kind each role's engine was built as
-    (`builders.engine.engine_kind`)."""
+    (`builders.engine.engine_kind`); `transport` the spec's `kvTransfer.transport`, which every pair's KV
+    must have taken."""
     updates: list[Condition] = []
     applied = sorted({w.generation for w in workloads if w.generation is not None})
     if violations:
@@ -176,7 +187,7 @@ def compute(
                 )
             )
     updates.append(_available(_serving(workloads, rollout), violations, now))
-    verdict = aggregate(pods)
+    verdict = transport_verdict(aggregate(pods), pods, transport)
     updates.append(cond.desired(cond.KV_TRANSFER_READY, verdict.status, verdict.reason, verdict.message, now))
     pairs = routable(routing, reported)
     updates.append(cond.desired(cond.ROUTABLE, pairs.status, pairs.reason, pairs.message, now))
@@ -189,6 +200,19 @@ def compute(
         topology=report.plan.to_status() if report.plan is not None else None,
         compatibility_hashes=RoleHashes(prefill=report.hashes["prefill"], decode=report.hashes["decode"]),
         routable_pairs=routable_pairs(routing),
+        kv_transport=transport_summary(pods),
+        kv_transports=[
+            PairTransportStatus(
+                prefill_pod=p.prefill_pod,
+                decode_pod=p.decode_pod,
+                transport=p.transport,
+                lanes=p.lanes or None,
+                kv_bytes=p.kv_bytes,
+                gbps=p.gbps,
+            )
+            for p in pair_transports(pods)
+        ]
+        or None,
         endpoint=endpoint,
         **_revisions(rollout),
     )

@@ -37,6 +37,7 @@ from disagg.rig.local import HOST, free_port
 from disagg.rig.local_engines import LocalEngines
 from disagg.worker.contracts.pairing import DecodeTarget, Pair, PrefillTarget, Routing
 from disagg.worker.router.cli import window_edge
+from disagg.worker.router.config import RouterConfig
 
 START_TIMEOUT_S = 60.0
 
@@ -98,8 +99,8 @@ class LocalRouter:
     routing: Routing
     port: int = field(default_factory=free_port)
     canary: bool = True
-    # `disagg router run` arguments the operator generated that the local router honours
-    # (`--recompute-window-edge`).
+    # `disagg router run` arguments the local router honours: the operator's (`--recompute-window-edge`), and
+    # `--decode-timeout` for a test to bound a decode leg that can never start.
     args: tuple[str, ...] = ()
     _proc: subprocess.Popen[bytes] | None = field(init=False, default=None)
     _dir: Path = field(init=False)
@@ -268,13 +269,10 @@ async def load_run(
     return report
 
 
-async def _serve(
-    port: int, routing: Routing, canary: bool, window_edges: tuple[tuple[int, int], ...]
-) -> None:
+async def _serve(port: int, routing: Routing, config: RouterConfig) -> None:
     from disagg.worker.router.app import Router, start
-    from disagg.worker.router.config import RouterConfig
 
-    router = Router(RouterConfig(kv_canary=canary, window_edges=window_edges))
+    router = Router(config)
     router.set_routing(routing)
     runner = await start(router, HOST, port)
     stop = asyncio.Event()
@@ -293,10 +291,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--recompute-window-edge", dest="window_edges", action="append", type=window_edge, default=[]
     )
+    parser.add_argument("--decode-timeout", type=float, default=RouterConfig.decode_timeout_s)
     parser.add_argument("routing_file", type=Path)
     args = parser.parse_args(argv)
     routing = decode_routing(args.routing_file.read_text())
-    asyncio.run(_serve(args.port, routing, args.canary, tuple(args.window_edges)))
+    config = RouterConfig(
+        kv_canary=args.canary, window_edges=tuple(args.window_edges), decode_timeout_s=args.decode_timeout
+    )
+    asyncio.run(_serve(args.port, routing, config))
     return 0
 
 

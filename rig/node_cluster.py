@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from disagg.rig.demo_serving import ROUTABLE, curl_command, sse_text
 from disagg.rig.local import REPO
 
 SCRIPT = REPO / "hack" / "node.sh"
@@ -187,3 +190,60 @@ def helm_install(node: NodeCluster, extra: Sequence[str] = ()) -> subprocess.Com
         "5m",
         timeout=360,
     )
+
+
+def wait_operator(node: NodeCluster) -> dict[str, Any]:
+    """The operator's pod once Ready (the chart installed)."""
+    pods = wait_for(
+        "the operator's pod Ready",
+        lambda: [
+            p for p in node.pods(OPERATOR_NAMESPACE, "app.kubernetes.io/component=operator") if pod_ready(p)
+        ],
+        timeout_s=180,
+    )
+    pod: dict[str, Any] = pods[0]
+    return pod
+
+
+def apply_sample(node: NodeCluster, sample: Path, pods: int, timeout_s: float = 420) -> str:
+    """`kubectl apply -f sample`, then Routable, Available and its `pods` pods (the router's too) Ready;
+    returns its name. A sample that does not get there fails with the pods and the latest events."""
+    node.kubectl("apply", "-f", str(sample))
+    name: str = yaml.safe_load(sample.read_text())["metadata"]["name"]
+
+    def ready() -> bool:
+        # Routable (the READY column) holds with one pair; Available once every engine pod is ready.
+        status = node.json("get", "disagg", name).get("status") or {}
+        true = {c.get("type") for c in status.get("conditions") or [] if c.get("status") == "True"}
+        found = node.pods("default", f"disagg.io/deployment={name}")
+        return {ROUTABLE, "Available"} <= true and len(found) == pods and all(pod_ready(p) for p in found)
+
+    try:
+        wait_for(
+            f"DisaggDeployment {name} Routable and Available, its {pods} pods Ready",
+            ready,
+            timeout_s=timeout_s,
+            interval_s=2,
+        )
+    except NodeError as exc:
+        listed = node.kubectl("get", "pods", "-o", "wide", check=False).stdout
+        events = node.kubectl("get", "events", "--sort-by=.lastTimestamp", check=False).stdout[-4000:]
+        raise NodeError(f"{exc}\n{listed}\n{events}") from exc
+    return name
+
+
+def router_url(node: NodeCluster, name: str) -> str:
+    """The completions URL at the router Service's ClusterIP: kube-proxy's rules take it to the pod."""
+    svc = node.json("get", "service", f"{name}-router")
+    return f"http://{svc['spec']['clusterIP']}:{svc['spec']['ports'][0]['port']}/v1/completions"
+
+
+def curl_text(node: NodeCluster, name: str, model: str, prompt: str, max_tokens: int) -> str:
+    """A streamed completion through the router's Service, sent with curl as a person would; its text."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    proc = subprocess.run(
+        curl_command(router_url(node, name), body), capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        raise NodeError(failure(proc))
+    return sse_text(proc.stdout)

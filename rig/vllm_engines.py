@@ -38,7 +38,7 @@ from disagg.rig.vllm_node import ENGINE_VENV, core_for, engine_process, pinned, 
 from disagg.worker.connector.side_channel import fetch_payloads
 from disagg.worker.contracts.pairing import DecodeTarget, Pair, PrefillTarget, Routing
 from disagg.worker.contracts.payload_facts import PayloadFacts, payload_facts
-from disagg.worker.contracts.pod_contract import ENGINE_CONTAINER, ROLE_LABEL
+from disagg.worker.contracts.pod_contract import ENGINE_CONTAINER, ROLE_LABEL, UCX_LOG_FILE_ENV
 
 TINY_MODEL_SCRIPT: Final = REPO / "hack" / "vllm" / "tiny_model.py"
 MODEL_CACHE: Final = (
@@ -238,6 +238,9 @@ class VllmEngines:
 
     def _spawn(self, pod: EnginePod, core: int) -> _Proc:
         argv, env = engine_process(pod.argv, pod.env, pod.ip, core)
+        if UCX_LOG_FILE_ENV in env:
+            # The pod's /dev/shm is its own; here it would be the host's, shared by every engine.
+            env[UCX_LOG_FILE_ENV] = str(self.shm(pod) / Path(env[UCX_LOG_FILE_ENV]).name)
         log = self.workdir / f"{pod.name}.log"
         with log.open("ab") as out:
             popen = subprocess.Popen(
@@ -265,7 +268,7 @@ class VllmEngines:
 
     def kill(self, pod: EnginePod) -> None:
         """SIGKILL the pod's engine and everything it started, as a node losing the container would."""
-        proc = next(p for p in self._procs if p.pod.name == pod.name)
+        proc = self._proc(pod)
         _signal_group(proc.popen, signal.SIGKILL)
         proc.popen.wait()
 
@@ -277,6 +280,23 @@ class VllmEngines:
         self._procs[index] = self._spawn(pod, self._procs[index].core)
         self.wait_ready()
 
+    def shm(self, pod: EnginePod) -> Path:
+        """The folder that stands for the pod's /dev/shm (where its engine's UCX log goes)."""
+        folder = self.workdir / f"{pod.name}.shm"
+        folder.mkdir(exist_ok=True)
+        return folder
+
+    def pause(self, pod: EnginePod) -> None:
+        """SIGSTOP the pod's engine and everything it started: a decoder that a node has starved. Its socket
+        still accepts connections (the kernel queues them), but it reads, schedules and heartbeats nothing."""
+        _signal_group(self._proc(pod).popen, signal.SIGSTOP)
+
+    def resume(self, pod: EnginePod) -> None:
+        _signal_group(self._proc(pod).popen, signal.SIGCONT)
+
+    def _proc(self, pod: EnginePod) -> _Proc:
+        return next(p for p in self._procs if p.pod.name == pod.name)
+
     def check_alive(self) -> None:
         for proc in self._procs:
             if proc.popen.poll() is not None:
@@ -285,11 +305,10 @@ class VllmEngines:
                 )
 
     def log_tail(self, pod: EnginePod, chars: int = 6000) -> str:
-        proc = next(p for p in self._procs if p.pod.name == pod.name)
-        return proc.log.read_text(errors="replace")[-chars:]
+        return self._proc(pod).log.read_text(errors="replace")[-chars:]
 
     def log_text(self, pod: EnginePod) -> str:
-        return next(p for p in self._procs if p.pod.name == pod.name).log.read_text(errors="replace")
+        return self._proc(pod).log.read_text(errors="replace")
 
     def heads(self, role: str) -> list[EnginePod]:
         return [pod for pod in self.pods if pod.role == role and pod.serves_http]

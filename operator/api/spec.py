@@ -104,6 +104,16 @@ class KVPoolSpec(ApiModel):
         return None if self.size_limit is None else quantity_bytes(self.size_limit)
 
 
+class KVTransport(enum.StrEnum):
+    """The transport the KV must take; the names of `disagg.worker.contracts.ucx_lanes.TRANSPORTS`."""
+
+    ANY = "any"
+    RDMA = "rdma"
+    TCP = "tcp"
+    SHM = "shm"
+    CUDA_IPC = "cuda_ipc"
+
+
 class KVTransferSpec(ApiModel):
     """How KV blocks move from prefill to decode."""
 
@@ -123,6 +133,13 @@ class KVTransferSpec(ApiModel):
         default=30,
         ge=1,
         description="How long prefill keeps finished KV blocks for decode (kv_lease_duration).",
+    )
+    transport: KVTransport = Field(
+        default=KVTransport.ANY,
+        description="The transport KV must take: any (UCX chooses), rdma, tcp, shm or cuda_ipc. Anything "
+        "but any leaves UCX only that transport (UCX_TLS), so a node without it fails at the sidecar's start "
+        "or the handshake with UCX's reason instead of falling back; each pair's real transport is in "
+        "status.kvTransports either way.",
     )
     rdma: RDMASpec | None = Field(
         default=None, description="RDMA devices per pod; omit on nodes without RDMA."

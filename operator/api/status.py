@@ -113,6 +113,21 @@ class RoleHashes(ApiModel):
     decode: str = Field(description="sha256 of the decode role's factors.")
 
 
+class PairTransportStatus(ApiModel):
+    """The transport one prefill pod's worker's KV took to one decode pod, as UCX itself chose it."""
+
+    prefill_pod: str = Field(max_length=253, description="The prefill pod (one PP stage) that writes the KV.")
+    decode_pod: str = Field(max_length=253, description="The decode pod it writes into.")
+    transport: str = Field(
+        max_length=64, description="The lanes' family: rdma, tcp, shm, cuda_ipc, or several joined by +."
+    )
+    lanes: str | None = Field(
+        default=None, max_length=96, description="The UCX lanes as UCX printed them, e.g. cma/memory."
+    )
+    kv_bytes: int = Field(default=0, ge=0, description="Bytes of KV written to the pair's decode engine.")
+    gbps: float = Field(default=0.0, ge=0, description="Those bytes over the WRITEs' seconds, in GB/s.")
+
+
 class RevisionStatus(ApiModel):
     """One revision of the engines (what their pairs depend on) while it has workloads."""
 
@@ -153,6 +168,17 @@ class DisaggDeploymentStatus(ApiModel):
         default=None,
         max_length=64,
         description="Routable (prefill engine, decode pod) pairs of all pairs, e.g. 3/4 (see Routable).",
+    )
+    kv_transport: str | None = Field(
+        default=None,
+        max_length=64,
+        description="The transports of the pairs the prefill pods reported, e.g. shm 2/2.",
+    )
+    kv_transports: list[PairTransportStatus] | None = Field(
+        default=None,
+        max_length=256,
+        description="Per pair, the transport UCX chose for its KV (from UCX's own protocol selection), with "
+        "bytes and GB/s.",
     )
     revision: str | None = Field(
         default=None,

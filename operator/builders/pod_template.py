@@ -45,6 +45,7 @@ from disagg.worker.contracts.pod_contract import (
     COMPATIBILITY_HASH_ENV,
     DEPLOYMENT_ENV,
     KV_POOL_ENV,
+    KV_TRANSPORT_ENV,
     METRICS_PORT_ENV,
     NODE_NAME_ENV,
     PIPELINE_PARALLEL_SIZE_ENV,
@@ -59,7 +60,10 @@ from disagg.worker.contracts.pod_contract import (
     SIDECAR_CONTAINER,
     TENSOR_PARALLEL_SIZE_ENV,
     TOPOLOGY_FILE_ENV,
+    UCX_LOG_FILE,
+    UCX_LOG_FILE_ENV,
 )
+from disagg.worker.contracts.ucx_lanes import ucx_env
 
 KV_POOL_VOLUME: Final = "kv-pool"
 KV_POOL_DIR: Final = "/dev/hugepages"
@@ -164,6 +168,14 @@ def engine_pod_template(
         [{"name": KV_POOL_ENV, "value": KV_POOL_FILE}] if huge_pages else []
     )
     engine = engine_container(spec, role, plan, stage_service=stage_service, identity_env=identity)
+    # Whichever process owns the NIXL agent gets UCX's settings for the demanded transport and prints its lane
+    # selection into /dev/shm, which both containers mount: the transfer sidecar reads its own, a watching
+    # sidecar its vLLM engine's, and both report each pair's real transport.
+    transport = spec.kv_transfer.transport.value
+    ucx = [
+        {"name": key, "value": value}
+        for key, value in {**ucx_env(transport), UCX_LOG_FILE_ENV: UCX_LOG_FILE}.items()
+    ]
     side_channel = {
         "name": SIDE_CHANNEL_PORT_NAME,
         "containerPort": spec.kv_transfer.side_channel_port,
@@ -179,7 +191,7 @@ def engine_pod_template(
     engine_container_spec: dict[str, Any] = {
         "name": ENGINE_CONTAINER,
         "image": role_image(spec, role),
-        "env": list(engine.env),
+        "env": list(engine.env) + (ucx if engine_moves_kv else []),
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}]
         + ([side_channel] if engine_moves_kv else []),
         "resources": container_resources(this.resources, rdma if engine_moves_kv else None, huge_pages),
@@ -215,7 +227,9 @@ def engine_pod_template(
             *identity,
             {"name": COMPATIBILITY_HASH_ENV, "value": compat_hash},
             {"name": METRICS_PORT_ENV, "value": str(spec.worker.metrics_port)},
+            {"name": KV_TRANSPORT_ENV, "value": transport},
             *(engine_env or ()),
+            *([] if engine_moves_kv else ucx),
         ],
         "ports": [{"name": "metrics", "containerPort": spec.worker.metrics_port, "protocol": "TCP"}]
         + ([] if engine_moves_kv else [side_channel]),

@@ -329,6 +329,7 @@ def _write_status(
         selectors={role: scaling_targets.selector(metadata["name"], role) for role in ROLES},
         scaling=spec is not None and any(spec.autoscaling(role) for role in ROLES),
         engine_kinds=None if spec is None else {role: engine_kind(spec, role) for role in ROLES},
+        transport="any" if spec is None else spec.kv_transfer.transport.value,
     )
     rendered = to_json(status)
     if rendered == current:

@@ -26,7 +26,7 @@ from disagg.operator.policies.engine_args import (
 )
 from disagg.operator.policies.engine_release import engine_release_is_supported, sliding_window_kv_loads_whole
 from disagg.operator.policies.handshake import handshake_factors_match
-from disagg.operator.policies.pods import kv_pool_is_valid, worker_image_is_named
+from disagg.operator.policies.pods import kv_pool_is_valid, transport_has_devices, worker_image_is_named
 from disagg.operator.policies.policy import Policy, PolicyInput, evaluate_chain
 from disagg.operator.policies.reference_engine import reference_engine_can_run
 from disagg.operator.policies.topology import (
@@ -103,6 +103,7 @@ _BEFORE_BUILD: Final[tuple[Policy, ...]] = (
     decode_context_is_not_split,
     reference_engine_can_run,
     worker_image_is_named,
+    transport_has_devices,
 )
 
 

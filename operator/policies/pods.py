@@ -1,12 +1,12 @@
-"""The policies on what the pods need from the spec or the installation: a valid KV pool and a sidecar
-image. Pure.
+"""The policies on what the pods need from the spec or the installation: a valid KV pool, a sidecar image,
+and the devices of the transport the spec demands. Pure.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from disagg.operator.api import DisaggDeploymentSpec
+from disagg.operator.api import DisaggDeploymentSpec, KVTransport
 from disagg.operator.naming import TRANSFER_IMAGE_ENV, WORKER_IMAGE_ENV, Installation
 from disagg.operator.policies.policy import PolicyInput
 from disagg.worker.kv.errors import Violation
@@ -79,5 +79,25 @@ def worker_image_violations(spec: DisaggDeploymentSpec, installation: Installati
             f"spec.worker.image is not set and the operator has no default sidecar image "
             f"({WORKER_IMAGE_ENV} and {TRANSFER_IMAGE_ENV} are unset): set spec.worker.image, or install the "
             "operator with the Helm chart, which sets them from worker.image and worker.transferImage",
+        )
+    ]
+
+
+def transport_has_devices(given: PolicyInput) -> Sequence[Violation]:
+    return transport_violations(given.spec)
+
+
+def transport_violations(spec: DisaggDeploymentSpec) -> list[Violation]:
+    """`rdma` demanded of pods that request no RDMA device: UCX would find none and every sidecar would fail
+    at its start, so the spec is refused before any pod exists."""
+    kv = spec.kv_transfer
+    if kv.transport is not KVTransport.RDMA or kv.rdma is not None:
+        return []
+    return [
+        Violation(
+            "KVTransportNeedsRdma",
+            "spec.kvTransfer.transport is rdma but spec.kvTransfer.rdma requests no RDMA device, so UCX "
+            "would find none in the pods: set spec.kvTransfer.rdma (e.g. {resourceName: rdma/ib, count: 1}) "
+            "or set spec.kvTransfer.transport to any",
         )
     ]

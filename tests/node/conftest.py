@@ -1,10 +1,11 @@
 """Fixtures for the node suite: the real one-node cluster of `hack/node.sh`, and the user's path onto it.
 
-The cluster is brought up here unless it already runs (`make cluster-up`), and taken down at the end only if
-this session brought it up. The user's path runs once per session, as the README writes it: the images that
-`make image` built are pushed to the node's registry with `skopeo copy`, the chart is installed with `helm`
-pointing at them (the operator runs as a Deployment from its image), and `examples/reference-pp2-hma.yaml` is
-applied as it is (containerd mirrors ghcr.io from the node's registry).
+The cluster is brought up here unless it already runs (`make cluster-up`), and taken down after the node
+suite only if the suite brought it up (the rest of `make test` then runs without a kubelet beside it). The
+user's path runs once per suite, as the README writes it: the images that `make image` built are pushed to the
+node's registry with `skopeo copy`, the chart is installed with `helm` pointing at them (the operator runs as
+a Deployment from its image), and `examples/reference-pp2-hma.yaml` is applied as it is (containerd mirrors
+ghcr.io from the node's registry).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import pytest
 from node_suite import MAX_TOKENS, PROMPT
 
 from disagg.rig import node_cluster
-from disagg.rig.demo_serving import REFERENCE_SAMPLE, ROUTABLE, monolithic_text
-from disagg.rig.node_cluster import NodeCluster, NodeError, failure, pod_ready, wait_for
+from disagg.rig.demo_serving import REFERENCE_SAMPLE, monolithic_text
+from disagg.rig.node_cluster import NodeCluster, failure
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -26,7 +27,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.node)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def node() -> Iterator[NodeCluster]:
     started_here = node_cluster.call_script("status").returncode != 0
     if started_here:
@@ -42,58 +43,26 @@ def node() -> Iterator[NodeCluster]:
                 pytest.fail(failure(down), pytrace=False)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def version() -> str:
     return node_cluster.image_version()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def operator_installed(node: NodeCluster, version: str) -> dict[str, Any]:
     """Both images pushed, the chart installed; the operator's pod, Ready."""
     node_cluster.push_images(node, version)
     node_cluster.helm_install(node)
-    pods = wait_for(
-        "the operator's pod Ready",
-        lambda: [
-            p
-            for p in node.pods(node_cluster.OPERATOR_NAMESPACE, "app.kubernetes.io/component=operator")
-            if pod_ready(p)
-        ],
-        timeout_s=180,
-    )
-    pod: dict[str, Any] = pods[0]
-    return pod
+    return node_cluster.wait_operator(node)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def reference(node: NodeCluster, operator_installed: dict[str, Any]) -> str:
-    """`kubectl apply -f examples/reference-pp2-hma.yaml`, then Routable, Available and every pod Ready;
+    """`kubectl apply -f examples/reference-pp2-hma.yaml`, then Routable, Available and its 5 pods Ready;
     returns its name."""
-    node.kubectl("apply", "-f", str(REFERENCE_SAMPLE))
-    name = "tiny-pp2"
-
-    def ready() -> bool:
-        # Routable (the READY column) holds with one pair; Available once every engine pod is ready; and the
-        # router's pod itself.
-        status = node.json("get", "disagg", name).get("status") or {}
-        true = {c.get("type") for c in status.get("conditions") or [] if c.get("status") == "True"}
-        pods = node.pods("default", f"disagg.io/deployment={name}")
-        return {ROUTABLE, "Available"} <= true and len(pods) == 5 and all(pod_ready(p) for p in pods)
-
-    try:
-        wait_for(
-            f"DisaggDeployment {name} Routable and Available, its 5 pods Ready",
-            ready,
-            timeout_s=420,
-            interval_s=2,
-        )
-    except NodeError as exc:
-        pods = node.kubectl("get", "pods", "-o", "wide", check=False).stdout
-        events = node.kubectl("get", "events", "--sort-by=.lastTimestamp", check=False).stdout[-4000:]
-        raise NodeError(f"{exc}\n{pods}\n{events}") from exc
-    return name
+    return node_cluster.apply_sample(node, REFERENCE_SAMPLE, pods=5)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def expected_text() -> str:
     return monolithic_text(PROMPT, MAX_TOKENS)

@@ -101,6 +101,13 @@ def kv_received(node: NodeCluster, decode_pod: str) -> int:
     return sum(1 for line in log.splitlines() if '"msg": "KV ready"' in line)
 
 
+def crossed_canaries(node: NodeCluster, deployment: str, decode_pod: str) -> int:
+    """How many KV canaries the router logged as crossed into the decode pod."""
+    [router] = node.pods("default", f"disagg.io/deployment={deployment},disagg.io/component=router")
+    log = node.kubectl("logs", router["metadata"]["name"], "--tail", "-1").stdout
+    return sum(1 for line in log.splitlines() if "KV canary" in line and f"{decode_pod}: KV crossed" in line)
+
+
 def test_container_killed_is_restarted_and_its_pair_serves_again(
     node: NodeCluster, reference: str, expected_text: str
 ) -> None:
@@ -119,9 +126,17 @@ def test_container_killed_is_restarted_and_its_pair_serves_again(
         restarted = status["restartCount"] == engine["restartCount"] + 1
         return now if restarted and since is not None and since != was_ready_since else None
 
+    canaries = crossed_canaries(node, reference, name)
     wait_for(f"{name}'s engine restarted by the kubelet and the pod Ready again", restarted_and_ready, 240)
+    # The same pod, address and sidecar: only its restart count tells the router the pair is new, and the
+    # router sends it a canary again before any client's request.
+    wait_for(
+        f"a KV canary across {name}'s pairs after the restart",
+        lambda: crossed_canaries(node, reference, name) > canaries,
+        120,
+    )
     # Requests until one has crossed the restarted engine's pair (its sidecar received the KV), every text
-    # identical to the monolithic run. (The router admits the pair again without a canary: same pod.)
+    # identical to the monolithic run.
     received = kv_received(node, name)
     for _ in range(24):
         assert curl_text(node, reference, model) == expected_text

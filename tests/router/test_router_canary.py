@@ -95,6 +95,24 @@ def test_a_restarted_engine_is_canaried_again() -> None:
     run(go())
 
 
+def test_an_engine_container_restarted_under_the_same_id_is_canaried_again() -> None:
+    # A reference engine's container restarted by the kubelet keeps its pod, address and sidecar (so its id):
+    # only the pod's restart count changes, and that alone makes the pair new.
+    async def go() -> None:
+        async with rig(routed=False, canary=True) as r:
+            pair = pair_of(r.prefill, r.decode)
+            r.router.set_routing(routing_of(pair))
+            await until(lambda: bool(r.router.routing and r.router.routing.pairs))
+            restarted = dataclasses.replace(pair, prefill=dataclasses.replace(pair.prefill, restarts=1))
+            r.router.set_routing(routing_of(restarted))
+            assert r.router.routing is not None and r.router.routing.pairs == ()
+            await until(lambda: bool(r.router.routing and r.router.routing.pairs))
+            canaries = [rec for rec in r.prefill.received if rec.body["prompt"] == CANARY_PROMPT]
+            assert len(canaries) == 2
+
+    run(go())
+
+
 def test_a_request_arriving_while_the_first_canary_runs_waits_for_it() -> None:
     async def go() -> None:
         async with rig(routed=False, canary=True) as r:

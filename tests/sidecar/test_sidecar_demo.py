@@ -74,6 +74,24 @@ def test_health_and_metrics_after_the_transfers(run: tuple[DemoCluster, list[Req
     )
 
 
+def test_each_stage_reports_the_transport_ucx_chose_for_its_pair_and_the_bytes_it_moved(
+    run: tuple[DemoCluster, list[RequestResult]],
+) -> None:
+    """On loopback, UCX's default moves a WRITE with CMA: the report says so from UCX's own selection."""
+    cluster, _ = run
+    for stage, worker in enumerate(cluster.workers[:2]):
+        _, text = cluster.http_get(worker, "/metrics")
+        pair = {"prefill": "demo-prefill", "decode": "demo-decode"}
+        info = metric(text, "disagg_kv_transport_info", transport="shm", lanes="cma/memory", **pair)
+        assert info == 1, text
+        assert metric(text, "disagg_kv_pair_bytes_total", **pair) == stage_bytes(stage)
+        seconds = metric(text, "disagg_kv_pair_transfer_seconds_total", **pair)
+        assert seconds is not None and seconds > 0
+        assert (metric(text, "disagg_kv_pair_bandwidth_gbps", **pair) or 0) > 0
+    _, text = cluster.http_get(cluster.workers[2], "/metrics")
+    assert "disagg_kv_transport_info{" not in text
+
+
 def test_sigterm_stops_every_sidecar_with_exit_code_0(run: tuple[DemoCluster, list[RequestResult]]) -> None:
     cluster, _ = run
     processes = [proc.popen for proc in cluster.sidecars]

@@ -363,6 +363,24 @@ def test_a_pods_essentials_pair_read_and_report_as_the_pod_at_a_fraction_of_its_
         assert len(json.dumps(kept[name])) * 4 < len(json.dumps(each))
 
 
+def test_container_restarts_reach_the_targets_and_survive_the_essentials() -> None:
+    pods = healthy()
+    pods[STAGES[1]]["status"]["containerStatuses"] = [
+        {"name": "engine", "restartCount": 2, "image": "x", "state": {"running": {}}},
+        {"name": "sidecar", "restartCount": 1},
+    ]
+    pods[D2]["status"]["containerStatuses"] = [
+        {"name": "engine", "restartCount": True},
+        {"restartCount": "3"},
+    ]
+    for source in (pods.values(), [essentials(each) for each in pods.values()]):
+        routing = routing_from_pods(source)
+        assert {pair.prefill.restarts for pair in routing.pairs} == {3}
+        # Only whole counts count: a boolean or a string is no restart.
+        assert {pair.decode.pod: pair.decode.restarts for pair in routing.pairs} == {D1: 0, D2: 0}
+    assert "image" not in json.dumps(essentials(pods[STAGES[1]]))
+
+
 def test_during_a_rolling_version_change_old_pairs_with_old_and_new_with_new() -> None:
     old, new = ("gemma-prefill-0-0", "gemma-prefill-0-1"), ("gemma-prefill-1-0", "gemma-prefill-1-1")
     ids = {"gemma-prefill-0": "gemma-prefill-0" + SUFFIX, "gemma-prefill-1": "gemma-prefill-1-5e6f7a8b"}

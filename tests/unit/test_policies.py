@@ -33,6 +33,7 @@ def test_the_chain_reads_top_to_bottom() -> None:
         "decode_context_is_not_split",
         "reference_engine_can_run",
         "worker_image_is_named",
+        "transport_has_devices",
         "objects_build",
     ]
     assert REFUSAL_CHAIN[: len(COMPATIBILITY_CHAIN)] == COMPATIBILITY_CHAIN

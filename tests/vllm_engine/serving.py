@@ -4,9 +4,10 @@ run of the same prompts, and the decoder's own count of where its prompt tokens 
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,8 @@ def _prompt(words: int) -> str:
 PROMPTS: tuple[str, ...] = tuple(_prompt(n) for n in (1, 8, 40, 120, 300, 5, 60))
 MAX_TOKENS = 16
 TOKENS_SOURCE = "vllm:prompt_tokens_by_source_total"
+# What an engine holds for requests: none running or waiting, and no KV block in use.
+RUNNING = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
 def post(url: str, body: dict[str, Any], timeout_s: float = 180.0) -> dict[str, Any]:
@@ -35,6 +38,36 @@ def post(url: str, body: dict[str, Any], timeout_s: float = 180.0) -> dict[str, 
     with urllib.request.urlopen(request, timeout=timeout_s) as response:
         answer: dict[str, Any] = json.load(response)
     return answer
+
+
+def request(
+    url: str, body: dict[str, Any], headers: dict[str, str] | None = None, timeout_s: float = 180.0
+) -> tuple[int, bytes]:
+    """A completion's status and body, an error status included."""
+    headers = headers or {"Content-Type": "application/json"}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def engine_metrics(url: str) -> str:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def holds_nothing(url: str) -> bool:
+    text = engine_metrics(url)
+    return all(metric(text, name) == 0 for name in RUNNING) and metric(text, "vllm:kv_cache_usage_perc") == 0
+
+
+def wait_until(probe: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not probe():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.5)
 
 
 @dataclass

@@ -13,6 +13,7 @@ import pytest
 from serving import PROMPTS, Serving, serving
 
 from disagg.rig.vllm_engines import tiny_deployment
+from disagg.worker.reporting.engine_lanes import EngineLanes
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +52,15 @@ def test_fifty_consecutive_requests_equal_the_monolithic_run_and_their_kv_was_tr
     # Every prompt token of the 50 requests came by KV transfer; the decoder computed none of them.
     assert dense.prompt_tokens("external_kv_transfer") - external == prompt_tokens
     assert dense.prompt_tokens("local_compute") == local
+
+
+def test_the_prefill_engines_own_ucx_log_names_the_transport_its_kv_took(dense: Serving) -> None:
+    # What a watching sidecar reads in the pod's /dev/shm (`reporting.engine_lanes`): the lanes vLLM's agent
+    # chose for its WRITEs, as its UCX printed them under the operator's generated UCX settings. On loopback,
+    # shared memory (cma) or tcp.
+    dense.through_router(PROMPTS[2])
+    prefill = dense.engines.heads("prefill")[0]
+    assert prefill.env.get("UCX_PROTO_INFO") == "y", prefill.env
+    stats = EngineLanes(dense.engines.shm(prefill)).snapshot()
+    assert stats, f"no put table in {sorted(p.name for p in dense.engines.shm(prefill).iterdir())}"
+    assert stats["any decoder"].transport in ("shm", "tcp", "shm+tcp"), stats["any decoder"]

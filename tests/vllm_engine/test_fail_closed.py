@@ -11,7 +11,6 @@ routes one pair, so that which engine dies is the case's choice.
 from __future__ import annotations
 
 import json
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -19,15 +18,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from serving import MAX_TOKENS, PROMPTS, post
+from serving import MAX_TOKENS, PROMPTS, holds_nothing, post, request, wait_until
 
 from disagg.rig.local_router import LocalRouter
-from disagg.rig.vllm_engines import EnginePod, VllmEngines, metric, tiny_deployment
+from disagg.rig.vllm_engines import EnginePod, VllmEngines, tiny_deployment
 from disagg.worker.router.protocol import COMPLETIONS, build_legs, parse_client_request
 
 # Long enough to outlast a decoder's restart: the restarted decoder must still find the KV held for it.
 LEASE_S = 300
-RUNNING = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
 @pytest.fixture(scope="module")
@@ -38,29 +36,6 @@ def engines() -> Iterator[VllmEngines]:
 
 def router_for(engines: VllmEngines, decoder: EnginePod) -> LocalRouter:
     return LocalRouter(engines.routing([decoder]))
-
-
-def request(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-    headers = headers or {"Content-Type": "application/json"}
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), headers)
-    try:
-        with urllib.request.urlopen(req, timeout=180) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-
-
-def holds_nothing(pod: EnginePod) -> bool:
-    with urllib.request.urlopen(pod.url + "/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return all(metric(text, name) == 0 for name in RUNNING) and metric(text, "vllm:kv_cache_usage_perc") == 0
-
-
-def wait_until(probe: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not probe():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.5)
 
 
 def test_the_generated_config_fails_a_load_that_did_not_arrive_whole(engines: VllmEngines) -> None:
@@ -113,7 +88,7 @@ def test_a_decoder_killed_mid_stream_ends_the_stream_with_an_error_and_the_prefi
     # The prefill holds nothing for the request (its KV had crossed before the first token; otherwise its
     # lease would return the blocks).
     prefill = engines.heads("prefill")[0]
-    wait_until(lambda: holds_nothing(prefill), LEASE_S + 60, "the prefill still holds the request's KV")
+    wait_until(lambda: holds_nothing(prefill.url), LEASE_S + 60, "the prefill still holds the request's KV")
 
 
 def test_a_dead_prefill_fails_the_request_naming_it_and_the_decoder_holds_nothing(
@@ -136,4 +111,4 @@ def test_a_dead_prefill_fails_the_request_naming_it_and_the_decoder_holds_nothin
             assert status == 502, raw
             error = json.loads(raw)["error"]
             assert error["type"] == "upstream_error" and "prefill engine" in error["message"], error
-    wait_until(lambda: holds_nothing(decoder), 60, "the decoder still holds the failed requests")
+    wait_until(lambda: holds_nothing(decoder.url), 60, "the decoder still holds the failed requests")

@@ -22,7 +22,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from disagg.worker.kv.errors import PeerUnreachable, TransferFailed
+from disagg.worker.connector.ucx_log import UcxLog
+from disagg.worker.contracts.ucx_lanes import put_lanes
+from disagg.worker.kv.errors import KVTransportUnavailable, PeerUnreachable, TransferFailed
 
 LOCAL_AGENT = "NIXL_INIT_AGENT"
 MEM_TYPES = ("DRAM", "VRAM")
@@ -135,14 +137,26 @@ class NixlTransport:
         *,
         progress_thread: bool = False,
         ucx_params: Mapping[str, str] | None = None,
+        ucx_log: UcxLog | None = None,
     ) -> None:
         api = _nixl_api()
         conf = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[])
         self.name = agent_name
+        self._ucx_log = ucx_log
         self._agent = api.nixl_agent(agent_name, conf)
-        self._agent.create_backend("UCX", {"engine_config": UCX_ENGINE_CONFIG, **(ucx_params or {})})
+        try:
+            self._agent.create_backend("UCX", {"engine_config": UCX_ENGINE_CONFIG, **(ucx_params or {})})
+        except Exception as exc:
+            problems = ucx_log.read_new().problems if ucx_log is not None else ()
+            why = "; ".join(problems[:3]) or "UCX gave no reason in its log"
+            raise KVTransportUnavailable(
+                f"NIXL could not start its UCX backend ({type(exc).__name__}): {why}"
+            ) from exc
         self._registrations: dict[Registration, Any] = {}
         self._peers: set[str] = set()
+        self._lanes: dict[str, tuple[str, ...]] = {}
+        if ucx_log is not None:
+            ucx_log.read_new()
 
     # -- memory ---------------------------------------------------------------------------------------------
 
@@ -185,11 +199,36 @@ class NixlTransport:
             ) from exc
         name = raw.decode() if isinstance(raw, bytes) else str(raw)
         self._peers.add(name)
+        self._lanes[name] = self._new_peer_lanes()
         return name
+
+    def _new_peer_lanes(self) -> tuple[str, ...]:
+        """The put lanes UCX chose for the peer just loaded, from what it printed while loading it.
+
+        UCX prints a configuration's tables once, when an endpoint first needs it; a peer whose endpoint
+        reuses an earlier configuration prints nothing. Then the peer has that configuration's lanes if every
+        configuration seen so far has the same ones, and is unknown (no lanes) if they differ."""
+        if self._ucx_log is None:
+            return ()
+        printed = put_lanes(self._ucx_log.read_new().tables, self._worker)
+        if printed:
+            return tuple(dict.fromkeys(lane for lanes in printed.values() for lane in lanes))
+        known = set(put_lanes(self._ucx_log.tables, self._worker).values())
+        return known.pop() if len(known) == 1 else ()
+
+    @property
+    def _worker(self) -> str:
+        # The UCX worker NIXL makes for an agent carries the agent's name.
+        return self.name
+
+    def lanes(self, peer: str) -> tuple[str, ...]:
+        """The UCX lanes this agent's WRITEs to `peer` go over, as UCX printed them (empty if unknown)."""
+        return self._lanes.get(peer, ())
 
     def remove_peer(self, name: str) -> None:
         if name in self._peers:
             self._peers.discard(name)
+            self._lanes.pop(name, None)
             try:
                 self._agent.remove_remote_agent(name)
             except Exception as exc:

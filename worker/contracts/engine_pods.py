@@ -41,6 +41,7 @@ _ENV_READ: Final = frozenset(
 _PORTS_READ: Final = frozenset({SIDE_CHANNEL_PORT_NAME, ENGINE_HTTP_PORT_NAME})
 _OWN_LABELS: Final = "disagg.io/"
 _CONDITIONS_READ: Final = frozenset({"Ready", POD_CONDITION})
+_CONTAINER_STATUS_FIELDS: Final = ("name", "restartCount")
 _ENV_FIELDS: Final = ("name", "value")
 _PORT_FIELDS: Final = ("name", "containerPort")
 _CONDITION_FIELDS: Final = ("type", "status", "reason", "message")
@@ -66,6 +67,9 @@ class EnginePod:
     """The pod's `Ready` condition is True (which includes its readiness gates)."""
     deleting: bool
     annotations: Mapping[str, str]
+    restarts: int = 0
+    """The kubelet's restarts of the pod's containers, summed: a restarted engine container keeps its pod, IP
+    and (for the reference engine) its sidecar's id, so this is what tells the router its pairs are new."""
 
     @property
     def draining(self) -> bool:
@@ -187,6 +191,9 @@ def essentials(pod: Mapping[str, Any]) -> dict[str, Any]:
     }
     if "podIP" in status:
         kept_status["podIP"] = status["podIP"]
+    statuses = [_mapping(item) for item in _sequence(status.get("containerStatuses"))]
+    if statuses:
+        kept_status["containerStatuses"] = [_kept(item, _CONTAINER_STATUS_FIELDS) for item in statuses]
     return {"metadata": kept_metadata, "spec": {"containers": kept_containers}, "status": kept_status}
 
 
@@ -233,4 +240,15 @@ def engine_pod(pod: Mapping[str, Any]) -> EnginePod | None:
         ready=pod_ready(pod),
         deleting=bool(metadata.get("deletionTimestamp")),
         annotations=annotations,
+        restarts=restarts(pod),
     )
+
+
+def restarts(pod: Mapping[str, Any]) -> int:
+    """The sum of the pod's containers' `restartCount` (a value that is not a count counts 0)."""
+    total = 0
+    for item in _sequence(_mapping(pod.get("status")).get("containerStatuses")):
+        count = _mapping(item).get("restartCount")
+        if isinstance(count, int) and not isinstance(count, bool) and count > 0:
+            total += count
+    return total

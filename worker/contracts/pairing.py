@@ -59,6 +59,8 @@ class PrefillTarget:
     pp_size: int
     stage_pods: tuple[str, ...]
     kv_hash: str
+    restarts: int = 0
+    """Container restarts of the stage pods, summed (`EnginePod.restarts`)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class DecodeTarget:
     http_port: int
     tp_size: int
     kv_hash: str
+    restarts: int = 0
 
 
 @dataclass(frozen=True)
@@ -192,6 +195,7 @@ def _prefill_target(engine: _Engine) -> PrefillTarget:
         pp_size=engine.pp_size,
         stage_pods=tuple(engine.stages[stage].pod.name for stage in sorted(engine.stages)),
         kv_hash=report.kv_hash if report is not None else "",
+        restarts=sum(reported.pod.restarts for reported in engine.stages.values()),
     )
 
 
@@ -204,6 +208,7 @@ def _decode_target(decode: _Reported) -> DecodeTarget:
         http_port=decode.pod.http_port,
         tp_size=decode.pod.tp_size,
         kv_hash=report.kv_hash if report is not None else "",
+        restarts=decode.pod.restarts,
     )
 
 

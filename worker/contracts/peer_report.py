@@ -42,6 +42,8 @@ MAX_DIFFERS_CHARS: Final = 160
 REASON_PATTERN: Final = "^[A-Z][A-Za-z0-9]*$"
 MAX_IN_FLIGHT: Final = 1_000_000
 OK_REASON: Final = "HandshakesSucceeded"
+MAX_TRANSPORT_CHARS: Final = 64
+MAX_LANES_CHARS: Final = 96
 
 PodName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS)]
 EngineId = Annotated[str, msgspec.Meta(max_length=MAX_ENGINE_ID_CHARS)]
@@ -70,6 +72,15 @@ class PeerVerdict(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omi
     differs: Annotated[str, msgspec.Meta(max_length=MAX_DIFFERS_CHARS)] = ""
     """For a hash refusal: what the payloads show of the difference (its start), "" if unknown. Readers of
     reports written before it read ""."""
+    transport: Annotated[str, msgspec.Meta(max_length=MAX_TRANSPORT_CHARS)] = ""
+    """A prefill pod's word on the pair's KV: the family of the lanes UCX chose for its WRITEs to the peer
+    (`shm`, `rdma`, `tcp`, `cuda_ipc`, or several joined by `+`; `contracts.ucx_lanes`), "" until known."""
+    lanes: Annotated[str, msgspec.Meta(max_length=MAX_LANES_CHARS)] = ""
+    """Those lanes as UCX printed them, comma-separated (`cma/memory`, `rc_mlx5/mlx5_0:1`)."""
+    kv_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Bytes of KV this pod's worker wrote to the peer's engine (the canary's and clients' requests)."""
+    gbps: Annotated[float, msgspec.Meta(ge=0, le=1e6)] = 0.0
+    """Those bytes over the WRITEs' seconds, in GB/s."""
 
 
 class InFlight(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):

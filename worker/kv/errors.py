@@ -112,6 +112,12 @@ class TransferFailed(DisaggError):
     reason = "TransferFailed"
 
 
+class KVTransportUnavailable(DisaggError):
+    """UCX cannot make the transport `spec.kvTransfer.transport` demands (its own reason in the message)."""
+
+    reason = "KVTransportUnavailable"
+
+
 class RegistrationTimeout(TransferFailed):
     """A decoder's push registration that no prefill worker completed before the watchdog fired."""
 

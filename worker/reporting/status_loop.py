@@ -15,7 +15,7 @@ import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import urllib3
 from kubernetes import client
@@ -35,9 +35,20 @@ from disagg.worker.reporting.in_flight import engine_in_flight, metrics_url
 from disagg.worker.reporting.peer_check import Outcome, check_round, peer_role
 from disagg.worker.reporting.pod_report import PodReporter
 from disagg.worker.reporting.startup import StartupGrace
+from disagg.worker.reporting.transport_report import TRANSPORT_ENV, with_transports
 from disagg.worker.sidecar.config import SidecarConfig
+from disagg.worker.sidecar.pairs import PairStats
 
 log = logging.getLogger("disagg.worker.reporting.status_loop")
+
+
+class PairSource(Protocol):
+    """Each pair's transport and bandwidth, by decode engine id: a transfer sidecar's ledger
+    (`sidecar.pairs.PairLedger`), or a vLLM engine's lanes (`engine_lanes.EngineLanes`)."""
+
+    def snapshot(self) -> Mapping[str, PairStats]: ...
+
+
 DEFAULT_INTERVAL_S = 10.0
 SERVICE_ACCOUNT_TOKEN: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 
@@ -58,14 +69,20 @@ def report_once(
     timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
     check: Check | None = None,
     grace: StartupGrace | None = None,
+    pairs: PairSource | None = None,
+    transport: str = "any",
 ) -> None:
     """One round: list the peers, handshake each (`check`, by default `peer_check.check_round` with
-    `local` and the startup `grace`), write this pod's condition and Events."""
+    `local` and the startup `grace`), write this pod's condition and Events; with a prefill worker's `pairs`,
+    each pair's transport and bandwidth too, warning where it is not the `transport` the spec demands."""
     pods = reporter.list_pods(peer_selector(deployment, config))
     if check is None:
-        reporter.report(check_round(config, local, pods, timeout_s=timeout_s, grace=grace))
+        outcome = check_round(config, local, pods, timeout_s=timeout_s, grace=grace)
     else:
-        reporter.report(check(pods))
+        outcome = check(pods)
+    if pairs is not None:
+        outcome = with_transports(outcome, pairs.snapshot(), transport)
+    reporter.report(outcome)
 
 
 class PeerReporter:
@@ -87,7 +104,11 @@ class PeerReporter:
         *,
         interval_s: float = DEFAULT_INTERVAL_S,
         check: Check | None = None,
+        pairs: PairSource | None = None,
+        transport: str = "any",
     ) -> None:
+        self.pairs = pairs
+        self.transport = transport
         self.config = config
         self.local = local
         self.reporter = reporter
@@ -108,8 +129,10 @@ class PeerReporter:
         *,
         interval_s: float = DEFAULT_INTERVAL_S,
         check: Check | None = None,
+        pairs: PairSource | None = None,
     ) -> PeerReporter:
-        """The reporter of the pod `env` names (`POD_NAMESPACE`, `POD_NAME`, `DISAGG_DEPLOYMENT`)."""
+        """The reporter of the pod `env` names (`POD_NAMESPACE`, `POD_NAME`, `DISAGG_DEPLOYMENT`, and the
+        demanded `DISAGG_KV_TRANSPORT`)."""
         # While the pod drains, its reports say what its engine still has in flight.
         url = metrics_url(config)
         reporter = PodReporter(
@@ -119,7 +142,16 @@ class PeerReporter:
             in_flight=lambda: engine_in_flight(url),
         )
         deployment = _required(env, DEPLOYMENT_ENV)
-        return cls(config, local, reporter, deployment, interval_s=interval_s, check=check)
+        return cls(
+            config,
+            local,
+            reporter,
+            deployment,
+            interval_s=interval_s,
+            check=check,
+            pairs=pairs,
+            transport=env.get(TRANSPORT_ENV) or "any",
+        )
 
     def start(self, local: LocalKV | None = None) -> PeerReporter:
         """Start the rounds; with `local`, planning against that registered KV (a transfer sidecar's)."""
@@ -143,6 +175,8 @@ class PeerReporter:
                     self.deployment,
                     check=self.check,
                     grace=self.grace,
+                    pairs=self.pairs,
+                    transport=self.transport,
                 )
             except (client.ApiException, urllib3.exceptions.HTTPError) as exc:
                 log.warning("%s: could not report to the API server this round: %s", self.reporter.pod, exc)

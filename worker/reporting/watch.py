@@ -43,6 +43,7 @@ from disagg.worker.kv import rules, wire
 from disagg.worker.kv.decode_checks import LocalRegion, PrefillRank, check_decode_agent
 from disagg.worker.kv.errors import CompatibilityHashMismatch, DisaggError, WorkerConfigError
 from disagg.worker.kv.layout import AttentionKind
+from disagg.worker.reporting.engine_lanes import EngineLanes
 from disagg.worker.reporting.peer_check import (
     Advertised,
     Outcome,
@@ -351,6 +352,8 @@ def run(env: Mapping[str, str], stop: threading.Event, *, interval_s: float = DE
             env,
             interval_s=interval_s,
             check=lambda pods: watch_round(config, pod, pods, grace=grace),
+            # A prefill engine's agent writes the KV: its UCX log names the transport of its pairs.
+            pairs=EngineLanes() if config.role == "prefill" else None,
         )
         log.info(
             "%s: watching %s engine %s (pp %d) on %s:%d and its peers",

@@ -5,8 +5,10 @@ not say that the first request will. Against real vLLM engines, the first reques
 its KV (the decoder's first handshake with the prefill missed vLLM's fixed 5 s window while the engines'
 cores were busy, and the prefill's lease expired with the blocks unread). So before a pair gets client
 traffic the router sends one request of its own through it, both legs, as a client's request would go, with
-a one-token answer; only its success makes the pair routable. A pair is known by both engines' live ids and
-addresses: an engine that restarts draws a new id (the operator's launcher), so its pairs are probed again.
+a one-token answer; only its success makes the pair routable. A pair is known by both engines' live ids,
+addresses and container restarts: a vLLM engine that restarts draws a new id (the operator's launcher), but a
+reference engine's container restarted by the kubelet keeps its pod, address and sidecar, and only its
+restart count says that its pairs must be probed again.
 A failed canary is retried every `retry_s`, and the pair is excluded with the reason meanwhile.
 
 A verified pair that leaves the routing for a moment (a peer report rewritten while a decoder joins, a
@@ -32,11 +34,12 @@ log = logging.getLogger("disagg.worker.router.canary")
 PENDING_REASON = "KVCanaryPending"
 FAILED_REASON = "KVCanaryFailed"
 
-PairKey = tuple[str, str, str, str]
+PairKey = tuple[str, str, int, str, str, int]
 
 
 def pair_key(pair: Pair) -> PairKey:
-    return (pair.prefill.engine_id, pair.prefill.host, pair.decode.engine_id, pair.decode.host)
+    prefill, decode = pair.prefill, pair.decode
+    return (prefill.engine_id, prefill.host, prefill.restarts, decode.engine_id, decode.host, decode.restarts)
 
 
 @dataclass

@@ -91,6 +91,33 @@ class SidecarMetrics:
             registry=r,
         )
         self.info.labels(role, engine_id, str(pp_rank), str(tp_rank)).set(1)
+        # Per pair, from the prefill worker that writes the KV, labelled with the engines' live ids.
+        self.transport_info = Gauge(
+            "disagg_kv_transport_info",
+            "1 for the transport UCX chose for this prefill worker's WRITEs to a decode engine (its lanes "
+            "as UCX printed them, e.g. cma/memory, rc_mlx5/mlx5_0:1).",
+            ["prefill", "decode", "transport", "lanes"],
+            registry=r,
+        )
+        self.pair_bytes = Counter(
+            "disagg_kv_pair_bytes",
+            "Bytes of KV this prefill worker wrote to a decode engine (completed WRITEs).",
+            ["prefill", "decode"],
+            registry=r,
+        )
+        self.pair_seconds = Counter(
+            "disagg_kv_pair_transfer_seconds",
+            "Seconds from posting to completing this prefill worker's WRITEs to a decode engine; "
+            "rate(bytes) / rate(seconds) is the pair's bandwidth.",
+            ["prefill", "decode"],
+            registry=r,
+        )
+        self.pair_bandwidth = Gauge(
+            "disagg_kv_pair_bandwidth_gbps",
+            "GB/s of the latest push from this prefill worker to a decode engine.",
+            ["prefill", "decode"],
+            registry=r,
+        )
 
     def render(self) -> bytes:
         out: bytes = generate_latest(self.registry)

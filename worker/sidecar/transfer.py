@@ -35,6 +35,7 @@ It runs to some 430 lines: it is the one loop that owns the NIXL agent, and its 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -50,6 +51,7 @@ from disagg.worker.connector.producer import PushProducer, Sent
 from disagg.worker.connector.push import Failure, Handshake, LocalKV, RemoteEngine, agent_name
 from disagg.worker.connector.side_channel import SideChannelServer
 from disagg.worker.connector.transport import NixlTransport
+from disagg.worker.connector.ucx_log import UcxLog
 from disagg.worker.kv.errors import (
     DisaggError,
     DuplicateRequest,
@@ -86,6 +88,7 @@ from disagg.worker.sidecar.engine_socket import EngineConnection, EngineSocketSe
 from disagg.worker.sidecar.layout_checks import check_block_ids, expected_layout
 from disagg.worker.sidecar.logs import event
 from disagg.worker.sidecar.metrics import Health, HttpServer, SidecarMetrics
+from disagg.worker.sidecar.pairs import PairLedger
 from disagg.worker.sidecar.republisher import Republisher
 
 log = logging.getLogger(__name__)
@@ -119,7 +122,16 @@ class _Tracked:
 
 
 class Sidecar:
-    def __init__(self, config: SidecarConfig, reporter: KVReporter | None = None) -> None:
+    def __init__(
+        self,
+        config: SidecarConfig,
+        reporter: KVReporter | None = None,
+        ucx_log: UcxLog | None = None,
+        pairs: PairLedger | None = None,
+    ) -> None:
+        """`ucx_log` is this process's UCX log with protocol selection on (`connector.ucx_log.enable`): the
+        transport report per pair reads it. The process entry point turns it on; without it, pairs' lanes
+        are unknown. `pairs` is the ledger of each pair's transport and pushes (shared with the reporter)."""
         self.config = config
         self.peer_reporter = reporter
         self.metrics = SidecarMetrics(config.role, config.engine_id, config.pp_rank, config.tp_rank)
@@ -134,7 +146,11 @@ class Sidecar:
         self._connector: PushProducer | PushConsumer | None = None
         peer_role = "decode" if config.role == "prefill" else "prefill"
         self._handshake_latency = self.metrics.handshake_latency.labels(peer_role)
-        self.transport = NixlTransport(agent_name(config.engine_id, config.pp_rank, config.tp_rank))
+        self.pairs = pairs if pairs is not None else PairLedger()
+        self._transport_labels: dict[str, tuple[str, str]] = {}
+        self.transport = NixlTransport(
+            agent_name(config.engine_id, config.pp_rank, config.tp_rank), ucx_log=ucx_log
+        )
         self.http = HttpServer(config.metrics_host, config.metrics_port, self.metrics, self.health).start()
         self.side_channel = SideChannelServer(config.side_channel_host, config.side_channel_port).start()
         self.republisher = Republisher(config, self.side_channel).start()
@@ -382,6 +398,7 @@ class Sidecar:
             return
         for engine_id, reason in connector.take_evictions():
             self.metrics.peer_evictions.labels(reason).inc()
+            self._forget_pair(engine_id)
             _event(logging.INFO, "peer engine evicted", engine_id=engine_id, reason=reason)
         self.metrics.peer_engines.set(len(connector.connected_engines))
 
@@ -389,17 +406,48 @@ class Sidecar:
         for handshake in handshakes:
             seconds = handshake.done_at - handshake.started_at
             self._handshake_latency.observe(seconds)
+            lanes = tuple(
+                dict.fromkeys(lane for agent in handshake.agents for lane in self.transport.lanes(agent))
+            )
+            if self.config.role == "prefill":
+                self._pair_transport(handshake.engine_id, lanes)
             _event(
                 logging.INFO,
                 "peer engine connected",
                 engine_id=handshake.engine_id,
                 agents=list(handshake.agents),
                 seconds=round(seconds, 6),
+                lanes=list(lanes),
             )
+
+    def _pair_transport(self, decode_engine_id: str, lanes: tuple[str, ...]) -> None:
+        """The pair's transport as UCX chose it, in the ledger the peer report reads and in the metric."""
+        stats = self.pairs.connected(decode_engine_id, lanes)
+        old = self._transport_labels.pop(decode_engine_id, None)
+        if old is not None:
+            self.metrics.transport_info.remove(self.config.engine_id, decode_engine_id, *old)
+        labels = (stats.transport or "unknown", ",".join(lanes))
+        self._transport_labels[decode_engine_id] = labels
+        self.metrics.transport_info.labels(self.config.engine_id, decode_engine_id, *labels).set(1)
+
+    def _forget_pair(self, engine_id: str) -> None:
+        self.pairs.forget(engine_id)
+        old = self._transport_labels.pop(engine_id, None)
+        if old is None:
+            return
+        self.metrics.transport_info.remove(self.config.engine_id, engine_id, *old)
+        for metric in (self.metrics.pair_bytes, self.metrics.pair_seconds, self.metrics.pair_bandwidth):
+            with contextlib.suppress(KeyError):
+                metric.remove(self.config.engine_id, engine_id)
 
     def _sent(self, sent: Sent) -> None:
         seconds = sent.done_at - sent.posted_at
         self.metrics.bytes_pushed.inc(sent.nbytes)
+        stats = self.pairs.sent(sent.decode_engine_id, sent.nbytes, seconds)
+        pair = (self.config.engine_id, sent.decode_engine_id)
+        self.metrics.pair_bytes.labels(*pair).inc(sent.nbytes)
+        self.metrics.pair_seconds.labels(*pair).inc(max(seconds, 0.0))
+        self.metrics.pair_bandwidth.labels(*pair).set(stats.last_gbps)
         self.metrics.transfers.labels("sent").inc()
         self._finish(sent.request_id, "sent", KVSent(sent.request_id, sent.nbytes, seconds))
         _event(
@@ -410,6 +458,8 @@ class Sidecar:
             decode_request_id=sent.decode_request_id,
             bytes=sent.nbytes,
             seconds=round(seconds, 6),
+            transport=stats.transport,
+            gbps=round(stats.last_gbps, 3),
         )
 
     def _fail(self, failure: Failure) -> None:
