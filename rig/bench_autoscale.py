@@ -37,8 +37,10 @@ from disagg.rig.local_serving import (
     wait_until_served,
 )
 from disagg.rig.serving_load import LoadThread
+from disagg.worker.contracts.pod_contract import DRAINING_ANNOTATION
 
 NAME = "scale"
+ROLES = ("prefill", "decode")
 LOW, HIGH = 1, 16
 MAX_DECODERS = 2
 TARGET_RUNNING = 6
@@ -183,6 +185,9 @@ class AutoscaleRun:
     port: int = field(default_factory=lambda: 20000 + secrets.randbelow(20000))
     counts: list[tuple[float, int, int, int]] = field(default_factory=list)
     """(when, desired decoders, decode pods, prefill engines) at every wait step."""
+    during_scale_down: Callable[[], None] | None = None
+    """Called once while a decoder the planner scaled away drains (a test kills and restarts the operator
+    there: the new one must finish the drain from what the cluster shows, removing that decoder alone)."""
 
     def __post_init__(self) -> None:
         self.core = client.CoreV1Api(self.api)
@@ -243,6 +248,18 @@ class AutoscaleRun:
             for e in sorted(items, key=when)
         ]
 
+    def pod_names(self) -> dict[str, list[str]]:
+        """The live pods' names by role."""
+        return {
+            role: sorted(p["metadata"]["name"] for p in self.pods(role)) for role in ("prefill", "decode")
+        }
+
+    def draining(self) -> bool:
+        """Some decode pod is marked to drain."""
+        return any(
+            DRAINING_ANNOTATION in (p["metadata"].get("annotations") or {}) for p in self.pods("decode")
+        )
+
     def scaling(self) -> dict[str, Any]:
         return next((c for c in self.status().get("conditions") or () if c["type"] == "Scaling"), {})
 
@@ -290,11 +307,21 @@ class AutoscaleRun:
                     "the planner to scale decode down", lambda: self.desired("decode") == 1, loop.check
                 )
                 reason_down = self.scaling().get("reason")
-                scaled_down = self.wait(
-                    "the drained decoders to go", lambda: len(self.pods("decode")) == 1, loop.check
-                )
+                before_down = self.pod_names()
+                hook = [self.during_scale_down] if self.during_scale_down is not None else []
+                added: set[str] = set()
+
+                def gone() -> bool:
+                    if hook and self.draining():
+                        hook.pop()()
+                    names = self.pod_names()["decode"]
+                    added.update(set(names) - set(before_down["decode"]))
+                    return len(names) == 1
+
+                scaled_down = self.wait("the drained decoders to go", gone, loop.check)
                 time.sleep(3)
                 loop.check()
+                after_down = self.pod_names()
             finally:
                 load.stop()
             end = time.monotonic()
@@ -308,6 +335,9 @@ class AutoscaleRun:
             "failures": failures[:5],
             "peak_decoders": peak,
             "max_decoders_seen": max((c[1] for c in self.counts), default=0),
+            "pods_before_down": before_down,
+            "pods_after_down": after_down,
+            "decode_pods_added_down": sorted(added),
             "max_prefill_seen": max((c[3] for c in self.counts), default=0),
             "decide_up_s": decided_up,
             "scale_up_s": decided_up + scaled_up,

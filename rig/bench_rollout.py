@@ -198,8 +198,9 @@ class RolloutRun:
     workdir: Path
     say: Callable[[str], None] = print
     during_rollout: Callable[[], None] | None = None
-    """Called once while the version change waits for the new revision's pairs (a test restarts the
-    operator there: the rollout must resume from what the cluster shows)."""
+    """Called once while the version change waits for the new revision's pairs, and once more while the old
+    revision drains (a test kills and restarts the operator there: the rollout must resume from what the
+    cluster shows)."""
     port: int = field(default_factory=lambda: 20000 + secrets.randbelow(20000))
 
     def __post_init__(self) -> None:
@@ -268,7 +269,9 @@ class RolloutRun:
                 start = time.monotonic()
                 self.apply(new)
 
-                hook = [self.during_rollout] if self.during_rollout is not None else []
+                hooks = (
+                    {"RolloutWaitingForRoutablePairs", "RolloutDraining"} if self.during_rollout else set()
+                )
 
                 def done() -> bool:
                     progressing = self.condition("Progressing")
@@ -277,8 +280,9 @@ class RolloutRun:
                     step = (progressing.get("message") or "").split(";")[0]
                     if step.startswith("step ") and (not steps or steps[-1] != step):
                         steps.append(step)
-                    if hook and reason == "RolloutWaitingForRoutablePairs":
-                        hook.pop()()
+                    if reason in hooks and self.during_rollout is not None:
+                        hooks.discard(reason)
+                        self.during_rollout()
                     return (self.get().get("status") or {}).get("revision") != first and self.settled()
 
                 duration = self.wait("the rollout to complete", done, loop.check)

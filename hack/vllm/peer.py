@@ -231,6 +231,53 @@ def _nargs_code(parser, action) -> str:
     return f"{code}{'o' if _takes_an_object(parser, action) else ''}"
 
 
+# The value types the option table names (`vllm_serve_argv` converts a value as each does); any other type is
+# left out of the table, and its values are not judged.
+_VALUE_TYPES = {"int": int, "float": float, "str": str, "json": json.loads}
+
+
+def _closure(function: Any, name: str) -> Any:
+    """The variable `name` a closure (vLLM's optional_type and parse_type wrappers) captured."""
+    cells = (cell.cell_contents for cell in function.__closure__ or ())
+    return dict(zip(function.__code__.co_freevars, cells, strict=True))[name]
+
+
+def _value_code(action) -> str:
+    """How the parser judges the action's value: "=" then its type ("int", "float", "str", "json", "hint" and
+    "hint-auto" for vLLM's human-readable integers, "lower_" for its lower-cased choices), "?" first when
+    "" and "None" read as None (vLLM's optional_type), and ":" with the choices as compact JSON; "" when the
+    action takes no value or its type is none of these (its values are not judged)."""
+    import argparse
+
+    from vllm.utils import argparse_utils
+
+    if action.nargs == 0 or isinstance(action, argparse._HelpAction | argparse._VersionAction):
+        return ""
+    kind = action.type
+    optional = getattr(kind, "__qualname__", "").endswith("optional_type.<locals>._optional_type")
+    if optional:
+        kind = _closure(kind, "return_type")
+    if getattr(kind, "__qualname__", "").endswith("parse_type.<locals>._parse_type"):
+        kind = _closure(kind, "return_type")
+    names = {id(f): name for name, f in _VALUE_TYPES.items()}
+    names[id(argparse_utils.human_readable_int)] = "hint"
+    names[id(argparse_utils.human_readable_int_or_auto)] = "hint-auto"
+    name = "str" if kind is None else names.get(id(kind))
+    if name is None and getattr(kind, "__name__", "") == "<lambda>":
+        probes = ("Ab-c_D", "x", "A-B-C", "é-Ü")
+        if all(kind(p) == p.lower().replace("-", "_") for p in probes):
+            name = "lower_"
+    # A plain string without choices is every value: nothing to judge.
+    if name is None or (name == "str" and action.choices is None):
+        return ""
+    code = f"={'?' if optional else ''}{name}"
+    if action.choices is not None:
+        choices = json.dumps(list(action.choices), separators=(",", ":"))
+        assert " " not in choices, f"{action.option_strings}: a choice with a space: {choices}"
+        code += f":{choices}"
+    return code
+
+
 def serve_option_table() -> dict[str, Any]:
     """The release's `vllm serve` option table as disagg.worker.contracts.vllm_serve_options ships it:
     whether argparse abbreviations are on, the positionals' nargs, and one line per action: its nargs code
@@ -244,14 +291,15 @@ def serve_option_table() -> dict[str, Any]:
     grouped: dict[int, tuple[Any, list[str]]] = {}
     for option, action in parser._option_string_actions.items():
         grouped.setdefault(id(action), (action, []))[1].append(option)
-    lines = sorted(
-        " ".join([_nargs_code(parser, action), *sorted(options, key=lambda o: (not o.startswith("--"), o))])
-        for action, options in grouped.values()
-    )
+    rows = []
+    for action, options in grouped.values():
+        names = sorted(options, key=lambda o: (not o.startswith("--"), o))
+        value = _value_code(action)
+        rows.append((names[0], " ".join([_nargs_code(parser, action), *([value] if value else []), *names])))
     return {
         "allow_abbrev": parser.allow_abbrev,
         "positionals": [_nargs_code(parser, a).rstrip("o") for a in parser._get_positional_actions()],
-        "actions": sorted(lines, key=lambda line: line.split(" ", 2)[1]),
+        "actions": [line for _, line in sorted(rows)],
     }
 
 

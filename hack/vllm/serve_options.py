@@ -33,8 +33,10 @@ Written by `{COMMAND}` from each release's own parser
 Per release (the version its wheel was read from): whether argparse abbreviations are on, the positionals'
 nargs (`vllm serve [model_tag]`), and one line per action: its nargs ("0", "1", "?", "*", "+", a count, or
 "exit" for help), with "o" appended when its value may be a JSON object (so vLLM's dotted keys of it parse),
-then every option string the parser registered (`--no-` negations and vLLM's `--enable-`/`--disable-` pairs
-included; underscore spellings are vLLM's rewriting, not options).
+then how its type and choices judge a value where they do ("=", "?" when "" and "None" read as None, the type:
+int, float, str, json, hint or hint-auto for vLLM's human-readable integers, lower_ for its lower-cased
+choices; ":" and the choices as JSON), then every option string the parser registered (`--no-` negations and
+vLLM's `--enable-`/`--disable-` pairs included; underscore spellings are vLLM's rewriting, not options).
 """
 
 from collections.abc import Mapping

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import textwrap
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -79,13 +80,28 @@ def parse_deployment(text: str, path: str) -> DisaggDeployment:
     if not isinstance(documents[0], dict):
         raise SpecFileError(f"{path} must hold a YAML mapping, found {type(documents[0]).__name__}")
     try:
-        return DisaggDeployment.model_validate(documents[0])
+        # By the wire names alone, as the API server reads it: `kubectl apply` refuses `max_surge` as an
+        # unknown field, so a check that passed it would pass a file that cannot be applied.
+        return DisaggDeployment.model_validate(documents[0], by_alias=True, by_name=False)
     except ValidationError as error:
         errors = [
-            FieldError(_field_path(tuple(item["loc"])), item["msg"].removeprefix("Value error, "))
+            FieldError(_field_path(tuple(item["loc"])), _field_message(item))
             for item in error.errors(include_url=False)
         ]
         raise SpecFileError(f"{path} is not a valid DisaggDeployment", errors) from None
+
+
+def _field_message(item: Mapping[str, Any]) -> str:
+    """Pydantic's message, with an unknown field named as the API server names it (and the wire spelling
+    of a snake_case one)."""
+    from pydantic.alias_generators import to_camel
+
+    if item["type"] != "extra_forbidden":
+        return str(item["msg"]).removeprefix("Value error, ")
+    name = str(item["loc"][-1])
+    camel = to_camel(name)
+    hint = f" (did you mean {camel}?)" if camel != name and "_" in name else ""
+    return f"unknown field {name!r}{hint}"
 
 
 def _object_name(dd: DisaggDeployment) -> str:

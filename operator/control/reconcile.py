@@ -133,7 +133,8 @@ def _judge(raw_json: str, installed: Installation) -> Verdict:
 
 def _evaluate(raw_spec: Any, installed: Installation) -> Verdict:
     try:
-        spec = DisaggDeploymentSpec.model_validate(raw_spec)
+        # The wire names alone, as the API server and `disagg check` read a spec.
+        spec = DisaggDeploymentSpec.model_validate(raw_spec, by_alias=True, by_name=False)
     except ValidationError as error:
         problems = "; ".join(
             f"spec.{'.'.join(str(part) for part in item['loc'])}: {item['msg']}" for item in error.errors()

@@ -74,13 +74,15 @@ def ticks(
         post(body, outcome)
 
     def plan_replicas(body: Mapping[str, Any]) -> None:
-        """Scrape the routers, let the planner set each role's target in the status, and reconcile when a
-        count moved or a scale-down's drain is under way."""
+        """Read the routers' (and engines') pages asked for at the last tick and ask for the next (on the
+        scraper's thread: this one never waits on a pod), let the planner set each role's target in the
+        status, and reconcile when a count moved or a scale-down's drain is under way."""
         metadata = body["metadata"]
         key = (metadata["namespace"], metadata["name"])
         with refresh.holding(key):
             current = fresh(key, metadata.get("uid"))
-            outcome = plan_tick(kube, current, installation, observed, planners.of(key)) if current else None
+            memory, scraper = planners.of(key), planners.scraper
+            outcome = plan_tick(kube, current, installation, observed, memory, scraper) if current else None
         post(body, outcome)
 
     return [

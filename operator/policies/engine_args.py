@@ -15,7 +15,7 @@ from typing import Final
 from disagg.operator.builders.engine import arg_violations, user_args, vllm_serve_args
 from disagg.operator.policies.policy import PolicyInput
 from disagg.worker.contracts.releases import release_of
-from disagg.worker.contracts.vllm_serve_argv import UNRECOGNIZED, refused_engine_args
+from disagg.worker.contracts.vllm_serve_argv import UNRECOGNIZED, refused_engine_args, vllm_spelling
 from disagg.worker.kv.errors import Violation
 from disagg.worker.kv.rules import (
     decode_context_parallel,
@@ -29,8 +29,9 @@ def engine_arguments_agree(given: PolicyInput) -> Sequence[Violation]:
 
 def engine_arguments_parse(given: PolicyInput) -> Sequence[Violation]:
     """Extra arguments the role's vLLM release refuses (an unknown flag, a missing value, an ambiguous
-    abbreviation), judged in the whole argv the pod passes, as its parser reads it. The operator's own
-    arguments always parse (an interop test holds them to every release's parser)."""
+    abbreviation, a value its type or choices refuse: `--max-num-seqs abc`), judged in the whole argv the
+    pod passes, as its parser reads it. The operator's own arguments always parse (an interop test holds
+    them to every release's parser)."""
     found: list[Violation] = []
     for role in ("prefill", "decode"):
         argv = vllm_serve_args(given.spec, role)
@@ -41,9 +42,11 @@ def engine_arguments_parse(given: PolicyInput) -> Sequence[Violation]:
             continue  # UnsupportedEngineVersion says so; no table to judge the arguments by
         written, kept = argv
         version = release.tested
-        users = set(kept)
-        for token, why in refused_engine_args(version, [*written, *kept]):
-            if token not in users:
+        # The parser names a token as vLLM rewrote it (`--max_num_seqs` as `--max-num-seqs`): each the user's.
+        users = {vllm_spelling(token): token for token in reversed(kept)} | {token: token for token in kept}
+        for refused, why in refused_engine_args(version, [*written, *kept]):
+            token = users.get(refused)
+            if token is None:
                 continue
             where = (
                 "spec.engine.extraArgs" if token in given.spec.engine.extra_args else f"spec.{role}.extraArgs"

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from disagg.operator.api import DecodeAutoscaling, PrefillAutoscaling, Role
+from disagg.operator.api import MAX_REPLICAS, DecodeAutoscaling, PrefillAutoscaling, Role
 from disagg.operator.scaling import signals
 from disagg.operator.scaling.signals import Sample
 
@@ -32,6 +32,8 @@ AT_MAX: Final = "AtMaxReplicas"
 METRICS_MISSING: Final = "MetricsMissing"
 STABLE: Final = "Stable"
 QUANTILE: Final = 0.9
+# More than any role may have: what a recommendation past every bound (an infinite ratio) reads as.
+_BEYOND: Final = MAX_REPLICAS + 1
 
 Recommendations = tuple[tuple[float, int, bool], ...]
 """(when, count, seeded) of the planner's past recommendations, oldest first; a seeded one is the count in
@@ -69,8 +71,17 @@ class Decision:
 def measure(
     role: Role, scaling: PrefillAutoscaling | DecodeAutoscaling, samples: Sequence[Sample], now: float
 ) -> Measure:
-    """The role's target metric over the spec's metric window."""
-    window = signals.within(samples, scaling.metric_window_seconds, now)
+    """The role's target metric over the spec's metric window; a NaN (what sums and differences of a
+    hostile page's huge values can make) reads as missing."""
+    m = _measure(role, scaling, signals.within(samples, scaling.metric_window_seconds, now))
+    if m.value is not None and math.isnan(m.value):
+        return Measure(m.name, None, m.target, m.total, m.unit)
+    return m
+
+
+def _measure(
+    role: Role, scaling: PrefillAutoscaling | DecodeAutoscaling, window: Sequence[Sample]
+) -> Measure:
     over = f" p90 over {scaling.metric_window_seconds}s"
     if isinstance(scaling, PrefillAutoscaling):
         assert scaling.target is not None
@@ -106,15 +117,16 @@ def _latency(value: float | None, window: Sequence[Sample]) -> float | None:
 
 
 def recommend(m: Measure, current: int, tolerance: float) -> int:
-    """This tick's count, before stabilization and bounds."""
+    """This tick's count, before stabilization and bounds. A page's value or a target at the float edges
+    (1e308 legs in flight, a target of 5e-324) makes an infinite ratio: it recommends more than any bound,
+    never a count `ceil` cannot make."""
     assert m.value is not None
     per_replica = m.value / current if m.total and current > 0 else m.value
     ratio = per_replica / m.target
     if current > 0 and abs(ratio - 1.0) <= tolerance:
         return current
-    if m.total:
-        return math.ceil(m.value / m.target - 1e-9)
-    return math.ceil(max(current, 1) * ratio - 1e-9)
+    wanted = m.value / m.target if m.total else max(current, 1) * ratio
+    return math.ceil(min(max(wanted - 1e-9, 0.0), _BEYOND))
 
 
 def plan(

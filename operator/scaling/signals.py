@@ -3,6 +3,12 @@ the figures over a window of samples (a histogram's quantile from its bucket inc
 counter's rate). Pure: the text comes from `control/`. A page that is not Prometheus text raises `ValueError`
 (the caller counts that pod as not answering); a NaN or infinite value is no reading and is skipped.
 
+What a page may hold is bounded before it is kept: only the roles' legs in flight, the legs of the
+deployment's own engines, and at most `MAX_BUCKETS` bucket bounds per histogram (a page with more is not the
+router's, and raises `ValueError`); a sample stored for the window (`Sample.kept`) keeps only the
+histograms a target reads and no legs, so the planner's memory per deployment is bounded by its pods and
+windows, not by what a pod's page holds.
+
 Counters and histograms are cumulative and per process: a window's figure is the difference between its
 last and first sample, bucket by bucket; a value that went down is a restarted process, whose new count is
 the whole increase (as Prometheus's `increase` reads a reset).
@@ -10,10 +16,11 @@ the whole increase (as Prometheus's `increase` reads a reset).
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, Literal
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -24,6 +31,11 @@ OUTSTANDING: Final = "disagg_router_outstanding_legs"
 QUEUED: Final = "disagg_router_queued_requests"
 KV_USAGE: Final = "vllm:kv_cache_usage_perc"
 PROMPT_TOKENS: Final = "vllm:prompt_tokens"
+
+# The router's histograms have about twenty; a page past this bound is not one of its pages.
+MAX_BUCKETS: Final = 64
+ROLE_NAMES: Final = ("prefill", "decode")
+Histogram = Literal["ttft", "itl"]
 
 Buckets = tuple[tuple[float, float], ...]
 """A histogram's cumulative counts by upper bound (`le`), ascending, +Inf last."""
@@ -65,6 +77,20 @@ class Sample:
         """Engines (prefill engine ids, decode pods) some router has a leg in flight on."""
         return frozenset(engine for r in self.routers.values() for (_, engine), n in r.legs.items() if n > 0)
 
+    def kept(self, histograms: Collection[Histogram]) -> Sample:
+        """What the window needs of this sample: the named histograms, and no legs (only the newest
+        sample's busy engines are read, before it is stored)."""
+        routers = {
+            address: dataclasses.replace(
+                router,
+                ttft=router.ttft if "ttft" in histograms else (),
+                itl=router.itl if "itl" in histograms else (),
+                legs={},
+            )
+            for address, router in self.routers.items()
+        }
+        return Sample(self.at, routers, self.engines)
+
 
 def _buckets(samples: Iterable[tuple[str, Mapping[str, str], float]], name: str) -> Buckets:
     """Cumulative bucket counts summed over every label set (endpoints) of one histogram."""
@@ -76,17 +102,27 @@ def _buckets(samples: Iterable[tuple[str, Mapping[str, str], float]], name: str)
             except ValueError:
                 raise ValueError(f"{name}: bucket bound {labels['le']!r} is not a number") from None
             summed[bound] = summed.get(bound, 0.0) + value
+            if len(summed) > MAX_BUCKETS:
+                raise ValueError(f"{name}: more than {MAX_BUCKETS} bucket bounds")
     return tuple(sorted(summed.items()))
 
 
-def parse_router(text: str) -> RouterSample:
-    """The router's `/metrics` (Prometheus text) as what the planner reads of it."""
+def parse_router(text: str, engines: Collection[str] | None = None) -> RouterSample:
+    """The router's `/metrics` (Prometheus text) as what the planner reads of it: the legs of `engines`
+    only (every engine's when None)."""
     flat = [(name, labels, value) for name, labels, value in _samples(text) if math.isfinite(value)]
-    in_flight = {labels["role"]: v for name, labels, v in flat if name == IN_FLIGHT and "role" in labels}
+    in_flight = {
+        labels["role"]: v
+        for name, labels, v in flat
+        if name == IN_FLIGHT and labels.get("role") in ROLE_NAMES
+    }
     legs = {
         (labels["role"], labels["engine"]): v
         for name, labels, v in flat
-        if name == OUTSTANDING and "role" in labels and "engine" in labels
+        if name == OUTSTANDING
+        and labels.get("role") in ROLE_NAMES
+        and "engine" in labels
+        and (engines is None or labels["engine"] in engines)
     }
     queued = sum(v for name, _, v in flat if name == QUEUED)
     return RouterSample(_buckets(flat, TTFT), _buckets(flat, ITL), in_flight, legs, queued)
@@ -148,7 +184,7 @@ def quantile(q: float, buckets: Buckets) -> float | None:
     return lower_bound
 
 
-def window_quantile(q: float, samples: Sequence[Sample], histogram: str) -> tuple[float | None, float]:
+def window_quantile(q: float, samples: Sequence[Sample], histogram: Histogram) -> tuple[float | None, float]:
     """The q-quantile of a router histogram (`"ttft"` or `"itl"`) over the samples, summed over the routers
     present at both ends, and how many observations it is from; (None, 0) without two samples."""
     if len(samples) < 2:

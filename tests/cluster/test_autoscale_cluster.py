@@ -1,11 +1,13 @@
 """A load step (concurrency 1 -> 16 -> 1) on the real API server with the reference engine as processes: the
 planner scales decode (the role whose target the step breaks) up within its bounds and back down after its
-scale-down window, prefill stays, and no request fails (the decoders going away are drained first).
+scale-down window, prefill stays, and no request fails (the decoders going away are drained first), though
+the operator is killed (SIGKILL) while the decoder it scaled away drains.
 
 The scenario is `disagg bench autoscale`'s (`rig.bench_autoscale.AutoscaleRun`)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,18 @@ def test_a_load_step_scales_decode_up_and_back_down_with_no_failed_request(
         result = cluster.kubectl_apply(document)
         assert result.returncode == 0, result.stderr
 
-    result = AutoscaleRun(cluster.cp.api_client, cluster.cp.kubeconfig, ns, apply, tmp_path).run()
+    killed: list[float] = []
+
+    def restart_operator() -> None:
+        # SIGKILL mid-scale-down, a decoder draining: the new operator (which remembers no sample and no
+        # recommendation) finishes the drain from what the cluster shows.
+        operator.kill()
+        operator.start()
+        killed.append(time.monotonic())
+
+    result = AutoscaleRun(
+        cluster.cp.api_client, cluster.cp.kubeconfig, ns, apply, tmp_path, during_scale_down=restart_operator
+    ).run()
 
     assert result["failed"] == 0, "\n".join([*result["failures"], "events:", *result["events"]])
     assert 1 < result["peak_decoders"] <= MAX_DECODERS
@@ -39,3 +52,11 @@ def test_a_load_step_scales_decode_up_and_back_down_with_no_failed_request(
     assert deletions, result["events"]
     # Down only after the window: the load fell, and the count held at least that long.
     assert result["decide_down_s"] >= DOWN_WINDOW_S - 1
+    # Killed while a decoder drained, and converged: one of the decoders there before went and the other
+    # stayed (none lost), prefill's engines are untouched, and no decode pod was added but the ReplicaSet's
+    # brief replacement for the deleted one, which the scale-down removes (none duplicated).
+    assert killed, "the scale-down's drain was never seen"
+    before, after = result["pods_before_down"], result["pods_after_down"]
+    assert len(after["decode"]) == 1 and set(after["decode"]) < set(before["decode"]), (before, after)
+    assert after["prefill"] == before["prefill"]
+    assert len(result["decode_pods_added_down"]) <= 1, result["decode_pods_added_down"]

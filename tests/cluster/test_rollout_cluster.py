@@ -1,5 +1,6 @@
 """A KV-incompatible engine version change rolled out on the real API server under load, with the operator
-restarted mid-rollout; then a revision the policies refuse, and one only the live hashes tell apart.
+killed (SIGKILL) and restarted mid-rollout twice, while the new revision waits for its pairs and while the
+old one drains; then a revision the policies refuse, and one only the live hashes tell apart.
 
 The scenario is `disagg bench rollout`'s (`rig.bench_rollout.RolloutRun`): a reference-engine deployment
 (a PP2 prefill engine, two decoders, the router; `maxSurge: 1`) with every container a local process, a
@@ -31,9 +32,12 @@ def test_a_version_change_rolls_out_beside_the_old_revision_with_no_failed_reque
         result = cluster.kubectl_apply(document)
         assert result.returncode == 0, result.stderr
 
+    restarts: list[str] = []
+
     def restart_operator() -> None:
         operator.kill()
         operator.start()
+        restarts.append("restarted")
 
     run = RolloutRun(
         cluster.cp.api_client, cluster.cp.kubeconfig, ns, apply, tmp_path, during_rollout=restart_operator
@@ -41,6 +45,8 @@ def test_a_version_change_rolls_out_beside_the_old_revision_with_no_failed_reque
     result = run.run()
 
     change = result["version_change"]
+    # Killed while waiting for the new pairs and again while the old revision drained.
+    assert restarts == ["restarted", "restarted"], change["phases"]
     assert change["failed"] == 0 and change["mismatched"] == 0, change["failures"]
     assert change["requests"] >= MIN_REQUESTS
     # Every state the pods passed through, in order, none skipped however loaded the machine: a pairless

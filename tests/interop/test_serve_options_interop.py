@@ -127,3 +127,44 @@ def test_refused_engine_args_judges_as_the_releases_parser(
     print(f"vLLM {version}: {len(argvs)} argvs: {counts}, {len(disagreements)} disagreements")
     assert disagreements == [], "\n".join(map(repr, disagreements))
     assert len(argvs) >= 200 and min(counts.values()) >= 50, counts
+
+
+# Values each value-judging action is given, beside its choices in other spellings: what int, float, JSON and
+# vLLM's human-readable integers and optional types accept and refuse.
+VALUES = (
+    "x", "1", "-1", "1.5", "1e3", "2k", "1.5K", "1K", "auto", "AUTO", "None", "", "{}", "[1]", "nan", " 7 ",
+    "٣", "²", "1_000", "0x10",
+)  # fmt: skip
+VALUES_PER_ACTION = 5
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_values_are_judged_as_the_releases_parser_converts_them(
+    vllm_peers: PeerFactory, version: str
+) -> None:
+    """Both refuse a value (argparse's exit status 2) or neither; vLLM's checks after parsing, which the
+    table does not judge, may still refuse what both parse."""
+    peer: VllmPeer = vllm_peers(version)
+    parser = serve_parser(version)
+    rng = random.Random(f"{SEED}-values-{version}")
+    actions = {id(a): a for a in parser.actions.values() if a.value is not None and a.nargs in (1, "?", "+")}
+    cases = []
+    for action in sorted(actions.values(), key=lambda a: a.options[0]):
+        assert action.value is not None
+        choices = [str(c) for c in action.value.choices or () if c is not None]
+        spelt = [c.upper().replace("_", "-") for c in choices[:2]]
+        for value in rng.sample([*VALUES, *choices[:2], *spelt], VALUES_PER_ACTION):
+            cases.append([f"{action.options[0]}={value}"])
+    counts = {"refused by both": 0, "parsed by both": 0}
+    disagreements = []
+    for args in cases:
+        argv = [MODEL, *args]
+        ours = refused_engine_args(version, argv)
+        theirs = peer.call("parse_refusal", argv=argv)
+        refused = theirs is not None and theirs.startswith("exit status 2")
+        if bool(ours) != refused:
+            disagreements.append((args, ours, theirs))
+        counts["refused by both" if ours else "parsed by both"] += 1
+    print(f"vLLM {version}: {len(cases)} values: {counts}, {len(disagreements)} disagreements")
+    assert disagreements == [], "\n".join(map(repr, disagreements))
+    assert min(counts.values()) >= 50, counts

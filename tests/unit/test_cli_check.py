@@ -103,6 +103,26 @@ def test_check_schema_error_exits_2_with_the_field_path(
     ]
 
 
+def test_check_refuses_unknown_fields_as_the_api_server_does(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # `kubectl apply` refuses a snake_case spelling as an unknown field: so does the check, naming it.
+    path = _write(
+        tmp_path,
+        valid_document(
+            {"rollout": {"max_surge": 1}, "decode": {"block_size": 32}, "router": {"colour": "blue"}}
+        ),
+    )
+    code, out, _ = run(capsys, "check", str(path))
+    assert code == 2
+    assert out.splitlines() == [
+        f"{path} is not a valid DisaggDeployment",
+        "  spec.decode.block_size: unknown field 'block_size' (did you mean blockSize?)",
+        "  spec.router.colour: unknown field 'colour'",
+        "  spec.rollout.max_surge: unknown field 'max_surge' (did you mean maxSurge?)",
+    ]
+
+
 def test_check_schema_error_as_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     path = _write(tmp_path, valid_document({"kvTransfer": {"connector": "RDMA"}}))
     code, out, _ = run(capsys, "check", "-o", "json", str(path))

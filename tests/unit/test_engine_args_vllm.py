@@ -168,3 +168,49 @@ def test_the_table_of_the_roles_release_judges() -> None:
         Installation(worker_image="w:1"),
     )
     assert [v.reason for v in older.violations] == ["UnknownEngineArgument"], older.violations
+
+
+@pytest.mark.parametrize(
+    ("args", "why"),
+    [
+        (["--max-num-seqs", "abc"], "argument --max-num-seqs: invalid int value: 'abc'"),
+        (["--seed=x"], "argument --seed: invalid int value: 'x'"),
+        (["--max-model-len", "lots"], "invalid human_readable_int_or_auto value: 'lots'"),
+        (["--gpu-memory-utilization", "high"], "--gpu-memory-utilization: invalid float value: 'high'"),
+        (["--chat-template-content-format", "xml"], "invalid choice: 'xml' (choose from 'auto', 'openai'"),
+        (["--max-model-len", "1.5K"], "invalid human_readable_int_or_auto value: '1.5K'"),
+    ],
+)
+def test_a_value_the_releases_parser_refuses_is_refused_with_its_words(args: list[str], why: str) -> None:
+    (found,) = unknown(decode=args)
+    assert found.startswith(
+        f"spec.decode.extraArgs sets {args[0]!r}, which vLLM 0.33.0's `vllm serve` refuses"
+    )
+    assert why in found
+
+
+def test_a_value_after_an_underscore_spelling_is_refused_under_the_users_spelling() -> None:
+    (found,) = unknown(engine=["--max_num_seqs", "many"])
+    assert found.startswith("spec.engine.extraArgs sets '--max_num_seqs'") and "invalid int value" in found
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--max-model-len", "2k"],
+        ["--max-model-len", "auto"],
+        ["--max-num-seqs", " 8 "],
+        ["--gpu-memory-utilization=0.8"],
+        ["--chat-template-content-format", "openai"],
+        ["--moe-backend", "Deep-Gemm"],
+        ["--collect-detailed-traces", "None"],
+    ],
+)
+def test_values_the_releases_parser_converts_are_kept(args: list[str]) -> None:
+    assert unknown(engine=args) == []
+
+
+def test_a_value_nested_past_the_parsers_stack_is_refused_not_raised() -> None:
+    deep = "[" * 3000
+    assert len(unknown(engine=["--compilation-config.mode", deep])) == 1
+    assert len(unknown(engine=["--allowed-origins", deep])) == 1

@@ -240,4 +240,5 @@ def test_an_old_autoscaling_mode_is_admitted_with_a_warning() -> None:
 @pytest.mark.parametrize("size", ["²", "٣", "9" * 4096])
 def test_a_context_parallel_size_that_is_no_ascii_number_does_not_crash_the_verdict(size: str) -> None:
     found = reasons({"prefill": {"extraArgs": ["--prefill-context-parallel-size", size]}})
-    assert "PrefillContextParallel" in found or found == []
+    # int() reads "٣" as 3; vLLM's parser refuses "²" as no int at all.
+    assert "PrefillContextParallel" in found or found == ["UnknownEngineArgument"]

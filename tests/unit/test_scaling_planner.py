@@ -301,3 +301,37 @@ def test_the_clock_plans_a_stored_spec_in_either_spelling(mode: str | None) -> N
     assert planned({"spec": {"decode": {"autoscaling": scaling}}})
     assert not planned({"spec": {"decode": {"autoscaling": {"mode": "external"}}}})
     assert not planned({"spec": {"decode": {}}})
+
+
+@pytest.mark.parametrize(
+    ("target", "series", "want", "reason"),
+    [
+        # An admitted target at the float edge: any load divides to infinity.
+        ({"runningRequests": 5e-324}, [1.0, 1.0], 4, planner.AT_MAX),
+        ({"interTokenLatencyP90Seconds": 5e-324}, [1.0, 1.0], 1, planner.STABLE),
+        # A page's values at the float edge (two routers' sum overflows to infinity).
+        ({"runningRequests": 1}, [1e308, 1e308], 4, planner.AT_MAX),
+        ({"runningRequests": 1}, [-1e308, -1e308], 1, planner.STABLE),
+        ({"runningRequests": 1.7976931348623157e308}, [1e308, 1e308], 4, planner.AT_MAX),
+    ],
+)
+def test_float_edges_plan_within_the_bounds(
+    target: dict[str, float], series: list[float], want: int, reason: str
+) -> None:
+    scaling = decode_scaling(target=target)
+    samples = [
+        Sample(k * 5.0, {f"10.0.0.{r}:8000": RouterSample(in_flight={"decode": v}) for r in (1, 2)})
+        for k, v in enumerate(series)
+    ]
+    decision = run(scaling, samples, 1)[-1]
+    assert (decision.desired, decision.reason) == (want, reason)
+
+
+def test_a_histogram_of_huge_counts_reads_as_missing_not_nan() -> None:
+    def page(count: float) -> RouterSample:
+        return RouterSample(itl=((0.1, count), (1.0, 1.7976931348623157e308), (float("inf"), count)))
+
+    samples = [Sample(0.0, {ROUTER: page(-1.7976931348623157e308)}), Sample(5.0, {ROUTER: page(1e308)})]
+    scaling = decode_scaling(target={"interTokenLatencyP90Seconds": 0.05})
+    decision = run(scaling, samples, 2)[-1]
+    assert (decision.desired, decision.reason) == (2, planner.METRICS_MISSING)

@@ -19,9 +19,14 @@ release reads it, from the release's option table (`vllm_serve_options`, generat
   nargs allows ("expected one argument" where it finds none); tokens nobody takes are "unrecognized
   arguments"; help exits.
 
-Not judged: whether a value suits its option (types, choices, a dotted key's sub-key: vLLM converts values
-after parsing), vLLM's checks after parsing (`validate_parsed_serve_args`, `create_engine_config`), and what
-a `--config` file holds. tests/interop/test_serve_options_interop.py checks the judgement against each
+- Each value goes through its action's type and choices as argparse does (`--max-num-seqs abc`: "invalid
+  int value"), for the types the table names (int, float, JSON, vLLM's human-readable integers, its
+  optional and lower-cased variants, plain strings with choices); an action of another type (vLLM's config
+  dataclasses, dict-or-string) has its values taken as they are.
+
+Not judged: a dotted key's sub-key, ranges and vLLM's other checks after parsing
+(`validate_parsed_serve_args`, `create_engine_config`: `--gpu-memory-utilization 7` parses), and what a
+`--config` file holds. tests/interop/test_serve_options_interop.py checks the judgement against each
 release's own parser.
 """
 
@@ -49,6 +54,71 @@ _HUMAN_READABLE_INT: Final = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
 
 
 @dataclass(frozen=True)
+class ValueKind:
+    """How an action's type and choices judge one value (the table's `=` code)."""
+
+    # "int", "float", "str", "json", "hint", "hint-auto" or "lower_" (`_converted`).
+    kind: str
+    # vLLM's optional_type: "" and "None" read as None.
+    optional: bool
+    choices: tuple[object, ...] | None
+
+    def refusal(self, text: str) -> str | None:
+        """argparse's complaint about `text` as this action's value, or None when it converts and is a
+        choice."""
+        if self.optional and text in ("", "None"):
+            value: object = None
+        else:
+            try:
+                value = _converted(self.kind, text)
+            except (ValueError, TypeError):
+                return f"invalid {_TYPE_NAMES.get(self.kind, self.kind)} value: {text!r}"
+            except RecursionError:
+                return f"{text[:32]!r}... nests deeper than the parser's stack (it fails on it)"
+        if self.choices is not None and value not in self.choices:
+            shown = ", ".join(repr(c) for c in self.choices)
+            return f"invalid choice: {value!r} (choose from {shown})"
+        return None
+
+
+# The names argparse's message gives vLLM's types.
+_TYPE_NAMES: Final = {
+    "hint": "human_readable_int",
+    "hint-auto": "human_readable_int_or_auto",
+    "json": "loads",
+}
+
+
+def _converted(kind: str, text: str) -> object:
+    """The value as the type vLLM's parser gives the action reads it (the same CPython converts both)."""
+    if kind == "int":
+        return int(text)
+    if kind == "float":
+        return float(text)
+    if kind == "json":
+        return json.loads(text)
+    if kind == "lower_":
+        return text.lower().replace("-", "_")
+    if kind == "hint-auto" and (text.strip() == "-1" or text.strip().lower() == "auto"):
+        return -1
+    if kind in ("hint", "hint-auto"):
+        return _human_readable_int(text)
+    return text
+
+
+def _human_readable_int(text: str) -> int:
+    """vLLM's `human_readable_int` (vllm/utils/argparse_utils.py, the same in 0.31 to 0.34)."""
+    text = text.strip()
+    match = _HUMAN_READABLE_INT.fullmatch(text)
+    if match is not None:
+        number, suffix = str(match.group(1)), str(match.group(2))
+        if suffix in "kmgt":
+            return int(float(number) * 10 ** (3 * ("kmgt".index(suffix) + 1)))
+        return int(number) << (10 * ("KMGT".index(suffix) + 1))  # a decimal raises ValueError
+    return int(text)
+
+
+@dataclass(frozen=True)
 class ServeAction:
     """One action of the serve parser: its option strings and what it takes."""
 
@@ -57,6 +127,8 @@ class ServeAction:
     nargs: int | str
     # Whether its value may be a JSON object, so whether vLLM's dotted keys of it can parse.
     takes_object: bool
+    # How each value is judged; None: taken as it is.
+    value: ValueKind | None = None
 
     @property
     def name(self) -> str:
@@ -79,7 +151,15 @@ def _nargs(code: str) -> int | str:
 
 def _action(line: str) -> ServeAction:
     code, *options = line.split(" ")
-    return ServeAction(tuple(options), _nargs(code.removesuffix("o")), code.endswith("o"))
+    value = _value_kind(options.pop(0)) if options[0].startswith("=") else None
+    return ServeAction(tuple(options), _nargs(code.removesuffix("o")), code.endswith("o"), value)
+
+
+def _value_kind(code: str) -> ValueKind:
+    """`=[?]kind[:choices as JSON]`."""
+    kind, _, choices = code[1:].partition(":")
+    optional = kind.startswith("?")
+    return ValueKind(kind.removeprefix("?"), optional, tuple(json.loads(choices)) if choices else None)
 
 
 @cache
@@ -131,9 +211,7 @@ def _rewrite(args: list[str]) -> tuple[list[str], set[int]]:
     processed: list[str] = []
     for index, arg in enumerate(args):
         if arg.startswith("--"):
-            key, equals, value = arg.partition("=")
-            processed.append(_DASHED_PART.sub(lambda m: m.group(0).replace("_", "-"), key, count=1))
-            processed[-1] += equals + value
+            processed.append(vllm_spelling(arg))
         elif arg.startswith("-O") and arg != "-O":
             processed += ["--optimization-level", arg[3:] if arg[2] == "=" else arg[2:]]
         elif arg == "-O" and index + 1 < len(args) and args[index + 1] in {"0", "1", "2", "3"}:
@@ -141,6 +219,14 @@ def _rewrite(args: list[str]) -> tuple[list[str], set[int]]:
         else:
             processed.append(arg)
     return _gather_dotted(processed)
+
+
+def vllm_spelling(token: str) -> str:
+    """A `--` token as vLLM's rewriting spells it (underscores to dashes before the first `.` and `=`)."""
+    if not token.startswith("--"):
+        return token
+    key, equals, value = token.partition("=")
+    return _DASHED_PART.sub(lambda m: m.group(0).replace("_", "-"), key, count=1) + equals + value
 
 
 def _move_model(args: list[str]) -> list[str]:
@@ -204,7 +290,12 @@ def _gather_dotted(processed: list[str]) -> tuple[list[str], set[int]]:
             consumed.add(index + 1)
         else:
             raise _Refused(arg, f"{arg} has no value (vLLM's parser fails on a dotted key at the end)")
-        parsed = _dotted_value(value)
+        try:
+            parsed = _dotted_value(value)
+        except RecursionError:
+            # vLLM's parser dies of it too; the operator's judgement must not.
+            why = f"{arg}: its value nests deeper than the parser's stack"
+            raise _Refused(processed[index], why) from None
         if arg.endswith("+"):
             arg, parsed = arg[:-1], list(value.split(","))
         key, *keys = arg.split(".")
@@ -317,6 +408,17 @@ def _parse(parser: ServeParser, args: list[str], objects: set[int]) -> list[str]
         if action.nargs == "exit":
             raise _Refused(option, "vLLM's parser prints its help and exits")
 
+    def judge_values(action: ServeAction, token: str, values: Sequence[str]) -> None:
+        """argparse converts every value of the action and checks it against the choices: the first that
+        fails ends the parse."""
+        kind = action.value
+        if kind is None:
+            return
+        for text in values:
+            why = kind.refusal(text)
+            if why is not None:
+                raise _Refused(token, f"argument {action.name}: {why}")
+
     def consume_optional(start: int) -> int:
         action, option, explicit = options[start]
         while True:
@@ -329,6 +431,7 @@ def _parse(parser: ServeParser, args: list[str], objects: set[int]) -> list[str]
                 if made and not action.takes_object:
                     raise _Refused(args[start], f"argument {action.name}: invalid value: {made[0]}")
                 take(action, option)
+                judge_values(action, args[start], args[start + 1 : start + 1 + count])
                 return start + 1 + count
             count = _match_argument(action, "A", args[start])
             if count == 0 and option[1] != "-" and explicit != "":
@@ -341,6 +444,7 @@ def _parse(parser: ServeParser, args: list[str], objects: set[int]) -> list[str]
                 action, explicit = parser.actions[option], explicit[1:] or None
             elif count == 1:
                 take(action, option)
+                judge_values(action, args[start], [explicit])
                 return start + 1
             else:
                 raise _Refused(args[start], f"argument {action.name}: ignored explicit argument {explicit!r}")
