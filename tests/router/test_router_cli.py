@@ -35,6 +35,9 @@ def test_every_bound_is_a_flag_that_reaches_the_config() -> None:
         "--queue-timeout-s": ("queue_timeout_s", "0.5"),
         "--retry-after-s": ("retry_after_s", "6"),
         "--stall-timeout": ("stall_timeout_s", "11"),
+        "--eject-after-failures": ("eject_after_failures", "5"),
+        "--eject-s": ("eject_s", "2.5"),
+        "--max-eject-s": ("max_eject_s", "30"),
     }
     config = config_from(parse(*(x for flag, (_, value) in flags.items() for x in (flag, value))))
     for flag, (field, value) in flags.items():

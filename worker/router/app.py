@@ -26,19 +26,21 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
 from typing import Any, Final
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from disagg.worker.contracts.pairing import Pair, Routing
+from disagg.worker.contracts.pairing import Exclusion, Pair, Routing
 from disagg.worker.router.admission import Admission
 from disagg.worker.router.balance import Balancer, Ticket
 from disagg.worker.router.canary import KvCanary
 from disagg.worker.router.client_body import ClientBodies
 from disagg.worker.router.config import RouterConfig
 from disagg.worker.router.metrics import DISCONNECTED, RequestClock, RouterMetrics, RouterState, fault_outcome
+from disagg.worker.router.outliers import EJECTED_REASON, Outliers
 from disagg.worker.router.protocol import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
@@ -88,6 +90,10 @@ class Router:
             RouterState(self.balancer, self.admission, self.gate, lambda: self.routing)
         )
         self.watch_alive = watch_alive
+        self.outliers = Outliers(
+            self.config.eject_after_failures, self.config.eject_s, self.config.max_eject_s
+        )
+        self._readmissions: set[asyncio.TimerHandle] = set()
         self._session: aiohttp.ClientSession | None = None
         # What discovery found; `routing` is what clients are routed over (its canaried pairs only).
         self.discovered: Routing | None = None
@@ -104,10 +110,67 @@ class Router:
 
     def _publish(self) -> None:
         routing = self.discovered
+        if routing is not None:
+            routing = self._without_ejected(routing)
         if routing is not None and self.canary is not None:
             routing = self.canary.admit(routing)
         self.routing = routing
         self.admission.wake_all()
+
+    def _without_ejected(self, routing: Routing) -> Routing:
+        """`routing` without the pairs of an engine ejected for its failures (`outliers`), as exclusions."""
+        now = asyncio.get_running_loop().time()
+        kept: list[Pair] = []
+        ejected: list[Exclusion] = []
+        for pair in routing.pairs:
+            out = [
+                e for e in (pair.prefill.engine_id, pair.decode.engine_id) if self.outliers.ejected(e, now)
+            ]
+            if not out:
+                kept.append(pair)
+                continue
+            ejected.append(
+                Exclusion(
+                    prefill=pair.prefill.head_pod,
+                    decode=pair.decode.pod,
+                    reason=EJECTED_REASON,
+                    message=f"{pair.prefill.head_pod} ↔ {pair.decode.pod}: "
+                    + "; ".join(f"engine {e} {self.outliers.why(e)}" for e in out),
+                )
+            )
+        if not ejected:
+            return routing
+        return replace(routing, pairs=tuple(kept), exclusions=(*routing.exclusions, *ejected))
+
+    def _leg_failed(self, engine_id: str, leg: str, error: RouterError) -> None:
+        """A client request's leg failed by its engine's fault: past the outlier bound the engine leaves the
+        routing now, and comes back through the canary when its hold ends."""
+        if error.fault not in (Fault.UPSTREAM, Fault.TIMEOUT):
+            return
+        loop = asyncio.get_running_loop()
+        hold = self.outliers.failed(
+            engine_id,
+            f"failed {self.config.eject_after_failures} {leg} legs in a row (the last: {error.reason})",
+            loop.time(),
+        )
+        if hold is None:
+            return
+        log.warning(
+            "ejected the %s engine %s for %g s: %s", leg, engine_id, hold, self.outliers.why(engine_id)
+        )
+        if self.canary is not None:
+            self.canary.forget(engine_id)
+        handle = loop.call_later(hold, self._readmit)
+        self._readmissions.add(handle)
+        self._publish()
+
+    def _readmit(self) -> None:
+        now = asyncio.get_running_loop().time()
+        self._readmissions = {h for h in self._readmissions if h.when() > now}
+        self._publish()
+
+    def _leg_served(self, engine_id: str) -> None:
+        self.outliers.succeeded(engine_id, asyncio.get_running_loop().time())
 
     async def _canary_probe(self, pair: Pair) -> None:
         """One request of the router's own through `pair`, both legs as a client's go, one token long:
@@ -178,6 +241,8 @@ class Router:
         try:
             yield
         finally:
+            for handle in self._readmissions:
+                handle.cancel()
             if self.canary is not None:
                 await self.canary.close()
             await self._session.close()
@@ -311,24 +376,38 @@ class Router:
                         done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                         for task in done:
                             # The first leg to fail decides the error; `finally` closes the other.
-                            task.result()
+                            try:
+                                task.result()
+                            except RouterError as exc:
+                                if task is prefill:
+                                    self._leg_failed(pair.prefill.engine_id, "prefill", exc)
+                                else:
+                                    self._leg_failed(pair.decode.engine_id, "decode", exc)
+                                raise
+                            if task is prefill:
+                                self._leg_served(pair.prefill.engine_id)
                     answer = prefill.result()
                     response, started = decode.result()
-                    if loses_window_edge(self.config.window_edges, answer.prompt_tokens):
-                        legs, (response, started) = await self._serve_alone(
-                            pair, client_request, legs, response, "WindowEdge", clock
-                        )
-                    if not client_request.stream:
-                        body = await self._decode_body(response, legs, started, clock)
+                    try:
+                        if loses_window_edge(self.config.window_edges, answer.prompt_tokens):
+                            legs, (response, started) = await self._serve_alone(
+                                pair, client_request, legs, response, "WindowEdge", clock
+                            )
+                        if not client_request.stream:
+                            body = await self._decode_body(response, legs, started, clock)
+                    except RouterError as exc:
+                        self._leg_failed(pair.decode.engine_id, "decode", exc)
+                        raise
             except TimeoutError:
                 # Every leg's own timeout is a RouterError by now: this is the request's deadline.
                 raise self._deadline_error() from None
             if not client_request.stream:
+                self._leg_served(pair.decode.engine_id)
                 self.metrics.succeeded(clock)
                 return web.Response(
                     body=body, content_type="application/json", headers={REQUEST_ID_HEADER: legs.request_id}
                 )
-            return await self._relay(request, response, legs, started, deadline, clock)
+            return await self._relay(request, response, pair, legs, started, deadline, clock)
         finally:
             for task in (prefill, decode):
                 task.cancel()
@@ -491,6 +570,7 @@ class Router:
         self,
         request: web.Request,
         response: aiohttp.ClientResponse,
+        pair: Pair,
         legs: Legs,
         started: float,
         deadline: float | None,
@@ -541,6 +621,7 @@ class Router:
                             if token:
                                 self.metrics.token_event(clock)
                             if done:
+                                self._leg_served(pair.decode.engine_id)
                                 self.metrics.decode_complete(clock, started)
                                 self.metrics.succeeded(clock)
                                 await out.write_eof()
@@ -554,6 +635,8 @@ class Router:
         except RouterError as exc:
             # The status has gone out: the error goes as an event, as vLLM sends one, then the stream ends. A
             # client that does not read gets a second to take it.
+            if exc.reason != "RequestTimeout":
+                self._leg_failed(pair.decode.engine_id, "decode", exc)
             self.metrics.failed(clock, exc.reason, fault_outcome(exc.fault))
             log.warning("%s %s: %s: %s", legs.endpoint, legs.request_id, exc.reason, exc.message)
             with contextlib.suppress(ConnectionError, TimeoutError):

@@ -114,6 +114,16 @@ class KvCanary:
             )
         return replace(routing, pairs=tuple(admitted), exclusions=(*routing.exclusions, *waiting))
 
+    def forget(self, engine_id: str) -> None:
+        """Every pair with the engine `engine_id` must pass a canary again before it is admitted (the engine
+        was ejected for its failures)."""
+        for key in [key for key in self._pairs if engine_id in (key[0], key[2])]:
+            state = self._pairs.pop(key)
+            if state.task is not None:
+                state.task.cancel()
+        for key in [key for key in self._left if engine_id in (key[0], key[2])]:
+            del self._left[key]
+
     def in_flight(self) -> bool:
         """A pair's canary is running: its first request, or the retries after a failed one (against real
         vLLM, the first request to a restarted engine often loses its handshake's 5 s window). A request

@@ -118,6 +118,27 @@ def register(subparsers: Any) -> None:
         default=defaults.retry_after_s,
         help="the Retry-After, in seconds, of every 503 the router sheds load with (default %(default)s)",
     )
+    eject = run.add_argument_group("outlier ejection (an engine whose legs keep failing leaves the routing)")
+    eject.add_argument(
+        "--eject-after-failures",
+        type=int,
+        default=defaults.eject_after_failures,
+        help="failed legs in a row after which an engine's pairs leave the routing; they come back through "
+        "the KV canary when the hold ends (0: never eject; default %(default)s)",
+    )
+    eject.add_argument(
+        "--eject-s",
+        type=float,
+        default=defaults.eject_s,
+        help="seconds an engine is ejected for, doubled for each ejection since it last served a leg "
+        "(default %(default)s)",
+    )
+    eject.add_argument(
+        "--max-eject-s",
+        type=float,
+        default=defaults.max_eject_s,
+        help="the longest an ejection lasts, however often the engine failed (default %(default)s)",
+    )
     canary = run.add_argument_group("the KV canary (a pair is routed to only once KV has crossed it)")
     canary.add_argument(
         "--no-kv-canary",
@@ -230,6 +251,9 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         max_queued=args.max_queued,
         queue_timeout_s=args.queue_timeout_s,
         retry_after_s=args.retry_after_s,
+        eject_after_failures=args.eject_after_failures,
+        eject_s=args.eject_s,
+        max_eject_s=args.max_eject_s,
         kv_canary=args.kv_canary,
         canary_timeout_s=args.canary_timeout_s,
         canary_retry_s=args.canary_retry_s,

@@ -47,6 +47,11 @@ class RouterConfig:
     # a window's first key (`releases.loses_window_edge`) is served again by the decoder alone, without the
     # transfer, and its first answer discarded (`--recompute-window-edge`).
     window_edges: tuple[tuple[int, int], ...] = ()
+    # --- outlier ejection (`outliers`): an engine whose legs fail this many times in a row (0: never) leaves
+    # the routing for eject_s, doubled for each ejection since it last served a leg, up to max_eject_s
+    eject_after_failures: int = 3
+    eject_s: float = 5.0
+    max_eject_s: float = 300.0
     # --- the KV canary (`canary`): a pair is routed to only after a request of the router's own crossed it
     kv_canary: bool = True
     canary_timeout_s: float = 60.0
