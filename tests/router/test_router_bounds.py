@@ -164,7 +164,7 @@ def test_a_chunked_body_is_refused_as_it_streams_past_the_bound() -> None:
     run(go())
 
 
-def test_bodies_being_read_share_a_memory_budget() -> None:
+def test_bodies_being_read_share_a_memory_budget_fairly() -> None:
     async def go() -> None:
         config = RouterConfig(
             max_body_buffer_bytes=64 * 1024, max_request_bytes=1024 * 1024, body_timeout_s=30
@@ -175,16 +175,74 @@ def test_bodies_being_read_share_a_memory_budget() -> None:
             writer.write(head(Content_Length=str(512 * 1024)) + b"x" * 60 * 1024)
             await writer.drain()
             await until(lambda: r.router.bodies.buffered >= 60 * 1024)
-            # ... so a body that would pass it is shed, with a Retry-After ...
+            # ... more than its share once another body is read: a body within its own share cuts it ...
             body = {**COMPLETION, "prompt": "y" * 16 * 1024}
-            status, headers, raw = await r.post("/v1/completions", body)
-            assert status == 503 and headers["Retry-After"] == "1"
-            assert json.loads(raw)["error"]["type"] == "service_unavailable"
-            # ... and once the slow one is gone, the budget is back.
+            status, _, raw = await r.post("/v1/completions", body)
+            assert status == 200, raw
+            status, cut = status_and_body(await closed_by_router(reader))
+            assert status == 503 and cut["error"]["type"] == "service_unavailable"
+            assert "more than its share" in cut["error"]["message"]
             writer.close()
             await until(lambda: r.router.bodies.buffered == 0)
-            assert (await r.post("/v1/completions", body))[0] == 200
-            del reader
+            # ... and one body alone may not pass the whole budget.
+            status, headers, raw = await r.post("/v1/completions", {**COMPLETION, "prompt": "z" * 80 * 1024})
+            assert status == 503 and headers["Retry-After"] == "1"
+            assert json.loads(raw)["error"]["type"] == "service_unavailable"
+            assert r.router.bodies.buffered == 0
+
+    run(go())
+
+
+def test_sixteen_slow_uploads_do_not_lock_other_clients_out() -> None:
+    """16 uploads that fill the whole body budget and stall: every other client is still served (each
+    within its share cuts one of them), where it got 503 until the uploads' body timeout."""
+
+    async def go() -> None:
+        uploads, each = 16, 64 * 1024
+        config = RouterConfig(
+            max_body_buffer_bytes=uploads * each,
+            max_request_bytes=4 * each,
+            body_timeout_s=30,
+            min_body_rate_bytes_s=0,
+        )
+        async with rig(config) as r:
+            connections = [await raw_connection(r) for _ in range(uploads)]
+            for _, writer in connections:
+                writer.write(head(Content_Length=str(4 * each)) + b"x" * each)
+                await writer.drain()
+            await until(lambda: r.router.bodies.buffered == uploads * each)
+            for i in range(8):
+                status, _, raw = await r.post("/v1/completions", {**COMPLETION, "prompt": f"client {i}"})
+                assert status == 200, raw
+            # The uploads cut are told so, with a Retry-After, and closed.
+            answers = [asyncio.create_task(closed_by_router(reader, 30)) for reader, _ in connections]
+            done, _ = await asyncio.wait(answers, return_when=asyncio.FIRST_COMPLETED)
+            for answer in done:
+                raw = answer.result()
+                assert raw.startswith(b"HTTP/1.1 503 ") and b"Retry-After: 1" in raw, raw[:200]
+            for answer in answers:
+                answer.cancel()
+            for _, writer in connections:
+                writer.close()
+            assert 'outcome="RequestBodyEvicted"' in await metrics(r)
+
+    run(go())
+
+
+def test_an_upload_slower_than_the_rate_floor_gets_408_before_its_body_timeout() -> None:
+    async def go() -> None:
+        config = RouterConfig(body_timeout_s=30, min_body_rate_bytes_s=64 * 1024, body_rate_grace_s=0.2)
+        async with rig(config) as r:
+            reader, writer = await raw_connection(r)
+            writer.write(head(Content_Length=str(100_000)) + b'{"prompt": "' + b"x" * 1024)
+            await writer.drain()
+            # Bounded well under the body timeout: only the rate floor can answer in time.
+            status, body = status_and_body(await closed_by_router(reader, 15))
+            writer.close()
+            assert status == 408 and "slower than 65536 bytes/s" in body["error"]["message"]
+            assert r.prefill.received == [] and r.decode.received == []
+            assert 'outcome="RequestBodyTooSlow"' in await metrics(r)
+            assert r.router.bodies.buffered == 0
 
     run(go())
 

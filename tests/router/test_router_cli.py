@@ -35,6 +35,8 @@ def test_every_bound_is_a_flag_that_reaches_the_config() -> None:
         "--queue-timeout-s": ("queue_timeout_s", "0.5"),
         "--retry-after-s": ("retry_after_s", "6"),
         "--stall-timeout": ("stall_timeout_s", "11"),
+        "--min-body-rate-bytes-s": ("min_body_rate_bytes_s", "100"),
+        "--body-rate-grace-s": ("body_rate_grace_s", "0.25"),
         "--eject-after-failures": ("eject_after_failures", "5"),
         "--eject-s": ("eject_s", "2.5"),
         "--max-eject-s": ("max_eject_s", "30"),

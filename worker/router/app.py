@@ -65,7 +65,9 @@ ENGINE_KEEPALIVE_S: Final = 3.0
 log = logging.getLogger("disagg.worker.router")
 
 # Request body failures after which the connection cannot carry another request.
-_BODY_UNREADABLE: Final = frozenset({"RequestBodyTimeout", "InvalidRequestBody"})
+_BODY_UNREADABLE: Final = frozenset(
+    {"RequestBodyTimeout", "RequestBodyTooSlow", "RequestBodyEvicted", "InvalidRequestBody"}
+)
 # The canary's prompt: a few tokens of any tokenizer, so one block crosses the pair.
 CANARY_PROMPT: Final = "KV canary: does the cache cross this pair?"
 

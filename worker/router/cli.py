@@ -71,6 +71,19 @@ def register(subparsers: Any) -> None:
         "408 and is disconnected (default %(default)s)",
     )
     clients.add_argument(
+        "--min-body-rate-bytes-s",
+        type=int,
+        default=defaults.min_body_rate_bytes_s,
+        help="the least average rate, from its headers on, at which a body must arrive once the grace has "
+        "passed; a slower one gets 408 and is disconnected (0: no floor; default %(default)s)",
+    )
+    clients.add_argument(
+        "--body-rate-grace-s",
+        type=float,
+        default=defaults.body_rate_grace_s,
+        help="seconds a body may take before the rate floor applies (default %(default)s)",
+    )
+    clients.add_argument(
         "--max-request-bytes",
         type=int,
         default=defaults.max_request_bytes,
@@ -81,8 +94,9 @@ def register(subparsers: Any) -> None:
         "--max-body-buffer-bytes",
         type=int,
         default=defaults.max_body_buffer_bytes,
-        help="request body bytes the router holds while reading bodies, summed over every client; a body "
-        "that would pass it gets 503 with Retry-After (default %(default)s)",
+        help="request body bytes the router holds while reading bodies, summed over every client and shared "
+        "fairly: when it is full, a body over its share (the budget over the bodies being read) gets 503 "
+        "with Retry-After, and a body within its share cuts those over theirs (default %(default)s)",
     )
     clients.add_argument(
         "--request-timeout-s",
@@ -244,6 +258,8 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         max_connections=args.max_connections,
         header_timeout_s=args.header_timeout_s,
         body_timeout_s=args.body_timeout_s,
+        min_body_rate_bytes_s=args.min_body_rate_bytes_s,
+        body_rate_grace_s=args.body_rate_grace_s,
         max_request_bytes=args.max_request_bytes,
         max_body_buffer_bytes=args.max_body_buffer_bytes,
         request_timeout_s=args.request_timeout_s,

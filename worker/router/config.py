@@ -13,7 +13,8 @@ class RouterConfig:
 
     # --- clients: what one may hold, and for how long
     max_request_bytes: int = 8 * 1024 * 1024
-    # The request bodies being read at once, summed: what slow uploads can make the router hold.
+    # The request bodies being read at once, summed: what slow uploads can make the router hold. Shared
+    # fairly (`client_body`): a body within its share is never refused for bytes others hold.
     max_body_buffer_bytes: int = 128 * 1024 * 1024
     max_connections: int = 4096
     # From a connection's start (or its previous response) to its request's last header byte; an idle
@@ -21,6 +22,10 @@ class RouterConfig:
     header_timeout_s: float = 10.0
     # From the request's headers to its body's last byte.
     body_timeout_s: float = 60.0
+    # The rate floor: a body must arrive at this average from its headers on (0: no floor), once the grace
+    # has passed; a slower one gets 408.
+    min_body_rate_bytes_s: int = 32 * 1024
+    body_rate_grace_s: float = 5.0
     # From the request's headers to its answer's end, queueing included (0: none).
     request_timeout_s: float = 3600.0
     # --- backpressure (`admission`): decode legs one decoder may hold (0: no bound), and the wait for room
