@@ -80,3 +80,24 @@ def test_a_registration_whose_decoder_falls_silent_is_dropped_and_a_heartbeat_ke
     assert [kept.registration.request_id for kept in store] == ["kept-0123abcd"]
     store.expire(now=18.5, silence_s=10.0)
     assert list(store) == []
+
+
+def test_refused_registrations_count_towards_the_next_trim_as_expired_ones_do() -> None:
+    """A flood naming more blocks than this worker has is refused before it is stored; what its decoding
+    allocated is freed in the heap all the same, and stayed resident (96 MB grew to some 300, held) while
+    only expiries counted towards a trim."""
+    trims = Trims()
+    store = Registrations(LAYOUT, 1, trimmer=HeapTrimmer(after_bytes=20_000, interval_s=2.0, trim=trims))
+    for i in range(3):
+        with pytest.raises(InvalidRegistration, match="a request here has at most 1024"):
+            store.add(registration(f"r{i}", 1025), 1100, deadline=10.0, now=0.0)
+    store.expire(now=1.0, silence_s=100.0)
+    assert (trims.count, list(store), store.refused) == (1, [], 3)
+    # Refused by a cap, and refused at decoding (the producer's path for a notif it cannot read), too.
+    small = Registrations(LAYOUT, 1, max_count=1, trimmer=HeapTrimmer(after_bytes=20_000, trim=trims))
+    small.add(registration("kept", 10), 100, deadline=10.0, now=0.0)
+    with pytest.raises(InvalidRegistration, match="held unmatched already"):
+        small.add(registration("over", 1000), 1100, deadline=10.0, now=0.0)
+    small.refuse(20_000)
+    small.expire(now=1.0, silence_s=100.0)
+    assert (trims.count, small.refused) == (2, 2)

@@ -200,7 +200,7 @@ class PushProducer(PushSide[_DecodeEngine]):
                 if isinstance(notif, wire.PushRegistration):
                     self._registered(notif, len(message), now, events)
                 elif isinstance(notif, InvalidRegistration):
-                    self.registrations.refused += 1
+                    self.registrations.refuse(len(message))
                     self._refuse_registration(notif, events)
                 elif isinstance(notif, wire.HeartbeatNotif):
                     for request_id in notif.req_ids:

@@ -6,9 +6,10 @@ A registration comes from the network with no credentials, so it is checked agai
 kept, it is kept once (its block ids as arrays: a Python list of ints takes some five times the memory), and
 the store is capped by count and by the bytes it holds (the notif's size plus the arrays', which are up to
 8 times the notif's: msgpack writes a small id in one byte), and ages entries out. Once the registrations
-dropped at their deadline add up, the C heap's free pages go back to the system (`heap`): without that, a
-flood's memory stayed resident after it expired. A refusal is an `InvalidRegistration` naming the decoder's
-request, so the producer can fail the request it matches.
+dropped at their deadline, or refused, add up, the C heap's free pages go back to the system (`heap`):
+without that, a flood's memory stayed resident after it expired, or after it was refused (a flood naming more
+blocks than this worker has is refused before it is stored: 96 MB grew to 283-367 MB, and stayed). A refusal
+is an `InvalidRegistration` naming the decoder's request, so the producer can fail the request it matches.
 """
 
 from __future__ import annotations
@@ -92,13 +93,20 @@ class Registrations:
                     request_id=registration.request_id,
                 )
         except InvalidRegistration:
-            self.refused += 1
+            # What its decoding allocated (its block-id lists, about an array's worth) is freed with it.
+            self.refuse(notif_bytes + 8 * sum(len(ids) for ids in registration.local_block_ids))
             raise
         if old is not None:
             self.pop(registration.request_id)
         kept = msgspec.structs.replace(registration, local_block_ids=[])
         self._kept[registration.request_id] = Registration(kept, block_ids, deadline, nbytes, now)
         self.nbytes += nbytes
+
+    def refuse(self, nbytes: int) -> None:
+        """A registration of about `nbytes` decoded was refused: a flood of refusals leaves its memory in
+        the heap as one of expiries does, so it counts towards the next trim too."""
+        self.refused += 1
+        self.trimmer.freed(nbytes)
 
     def pop(self, request_id: str) -> Registration:
         kept = self._kept.pop(request_id)
