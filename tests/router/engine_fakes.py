@@ -77,6 +77,8 @@ class FakeEngine:
         self.behaviour: Behaviour | None = None
         self.wait_for_decode = False
         self.says_prompt_length = True
+        self.metrics_page: Callable[[], str] | None = None
+        """What `/metrics` answers (404 when None)."""
         self.port = 0
         self._runner: web.AppRunner | None = None
 
@@ -85,6 +87,7 @@ class FakeEngine:
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, HOST, 0)
@@ -94,6 +97,11 @@ class FakeEngine:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if self.metrics_page is None:
+            raise web.HTTPNotFound()
+        return web.Response(text=self.metrics_page())
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})

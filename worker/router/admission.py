@@ -1,9 +1,12 @@
 """Backpressure: how many decode legs a decoder may hold at once, and a bounded wait for room.
 
+A decoder's room is the least of the fixed cap (`max_per_decoder`) and what it can really take now, from its
+own metrics (`window`, see `decoder_load`).
+
 A decoder past its capacity queues a request inside vLLM while the prefill, which answered at once, holds the
 KV only for its lease: a decode that starts after the lease has nothing to read, and fails only at its
 registration timeout. So the router sends neither leg of a request until the decoder it goes to has room
-(fewer than `max_per_decoder` decode legs in flight, the balancer's count). A request that finds no room
+(fewer decode legs in flight, the balancer's count, than its room). A request that finds no room
 waits, first in first out, for at most `queue_timeout_s`, in a queue of at most `max_queued`; past either it
 is shed with 503 and a Retry-After, having cost no engine anything. A request that is admitted takes the
 least loaded pair with room, by the balancer's policy.
@@ -16,10 +19,11 @@ stream of arrivals cannot starve a waiter.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from disagg.worker.contracts.pairing import Pair
+from disagg.worker.contracts.pairing import DecodeTarget, Pair
 from disagg.worker.router.balance import Balancer
 from disagg.worker.router.protocol import Fault, RouterError
 
@@ -33,8 +37,10 @@ class Admission:
         max_queued: int,
         queue_timeout_s: float,
         retry_after_s: int,
+        window: Callable[[DecodeTarget], int | None] = lambda decode: None,
     ) -> None:
         self.balancer = balancer
+        self.window = window
         self.max_per_decoder = max_per_decoder
         self.max_queued = max_queued
         self.queue_timeout_s = queue_timeout_s
@@ -47,9 +53,13 @@ class Admission:
 
     def with_room(self, pairs: Sequence[Pair]) -> list[Pair]:
         """The pairs whose decoder can take one more decode leg (every pair without a bound)."""
-        if self.max_per_decoder <= 0:
-            return list(pairs)
-        return [p for p in pairs if self.balancer.decode_legs[p.decode.pod] < self.max_per_decoder]
+        return [p for p in pairs if self.balancer.decode_legs[p.decode.pod] < self.room(p.decode)]
+
+    def room(self, decode: DecodeTarget) -> float:
+        """The decode legs `decode` may hold: the fixed cap, lowered to what it can take now."""
+        room = float(self.max_per_decoder) if self.max_per_decoder > 0 else math.inf
+        window = self.window(decode)
+        return room if window is None else min(room, window)
 
     async def choose(
         self,
@@ -72,7 +82,7 @@ class Admission:
             raise RouterError(
                 Fault.UNAVAILABLE,
                 "QueueFull",
-                f"every decoder holds {self.max_per_decoder} requests and {self.max_queued} wait for room",
+                f"no decoder has room for another request and {self.max_queued} wait for room",
                 retry_after_s=self.retry_after_s,
             )
         wait_s = self.queue_timeout_s if timeout_s is None else min(self.queue_timeout_s, timeout_s)

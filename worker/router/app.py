@@ -33,12 +33,13 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from disagg.worker.contracts.pairing import Exclusion, Pair, Routing
+from disagg.worker.contracts.pairing import DecodeTarget, Exclusion, Pair, Routing
 from disagg.worker.router.admission import Admission
 from disagg.worker.router.balance import Balancer, Ticket
 from disagg.worker.router.canary import KvCanary
 from disagg.worker.router.client_body import ClientBodies
 from disagg.worker.router.config import RouterConfig
+from disagg.worker.router.decoder_load import DecoderLoad, parse_load, window
 from disagg.worker.router.metrics import DISCONNECTED, RequestClock, RouterMetrics, RouterState, fault_outcome
 from disagg.worker.router.outliers import EJECTED_REASON, Outliers
 from disagg.worker.router.protocol import (
@@ -68,6 +69,8 @@ log = logging.getLogger("disagg.worker.router")
 _BODY_UNREADABLE: Final = frozenset(
     {"RequestBodyTimeout", "RequestBodyTooSlow", "RequestBodyEvicted", "InvalidRequestBody"}
 )
+# A decoder's metrics page (vLLM's, histograms and all, is some hundreds of KiB).
+MAX_METRICS_BYTES: Final = 8 * 1024 * 1024
 # The canary's prompt: a few tokens of any tokenizer, so one block crosses the pair.
 CANARY_PROMPT: Final = "KV canary: does the cache cross this pair?"
 
@@ -85,7 +88,10 @@ class Router:
             max_queued=self.config.max_queued,
             queue_timeout_s=self.config.queue_timeout_s,
             retry_after_s=self.config.retry_after_s,
+            window=self._window,
         )
+        # The last sample of each decoder's load, by pod: its live engine id, when, and the load.
+        self.loads: dict[str, tuple[str, float, DecoderLoad]] = {}
         self.gate = ConnectionGate(self.config.max_connections, retry_after_s=self.config.retry_after_s)
         self.bodies = ClientBodies(self.config)
         self.metrics = RouterMetrics(
@@ -174,6 +180,55 @@ class Router:
     def _leg_served(self, engine_id: str) -> None:
         self.outliers.succeeded(engine_id, asyncio.get_running_loop().time())
 
+    def _window(self, decode: DecodeTarget) -> int | None:
+        """The decode legs `decode` can take now, by its last sample; None without a fresh one of it."""
+        sample = self.loads.get(decode.pod)
+        if sample is None or self.config.load_poll_s <= 0:
+            return None
+        engine_id, when, load = sample
+        if engine_id != decode.engine_id or time.monotonic() - when > 4 * self.config.load_poll_s + 2.0:
+            return None
+        return window(
+            load,
+            headroom=self.config.decoder_headroom,
+            headroom_fraction=self.config.decoder_headroom_fraction,
+            kv_full_usage=self.config.kv_full_usage,
+        )
+
+    async def _poll_loads(self) -> None:
+        """Every `load_poll_s`, each discovered decoder's load from its `/metrics`; a page that fails or
+        says nothing usable leaves that decoder without a sample (the fixed cap alone bounds it)."""
+        while True:
+            routing = self.discovered
+            decoders = (
+                {}
+                if routing is None
+                else {d.pod: d for d in (*routing.decodes, *(p.decode for p in routing.pairs))}
+            )
+            samples = await asyncio.gather(*(self._load_of(d) for d in decoders.values()))
+            now = time.monotonic()
+            self.loads = {
+                pod: (decode.engine_id, now, load)
+                for (pod, decode), load in zip(decoders.items(), samples, strict=True)
+                if load is not None
+            }
+            # Room may have grown.
+            self.admission.wake_all()
+            await asyncio.sleep(self.config.load_poll_s)
+
+    async def _load_of(self, decode: DecodeTarget) -> DecoderLoad | None:
+        url = f"http://{url_host(decode.host)}:{decode.http_port}/metrics"
+        try:
+            async with asyncio.timeout(max(1.0, 2 * self.config.load_poll_s)):
+                async with self.session.get(url) as response:
+                    raw = await read_bounded(response, MAX_METRICS_BYTES, "metrics")
+            if response.status != 200:
+                return None
+            return parse_load(raw.decode("utf-8", "replace"))
+        except Exception as exc:
+            log.debug("the load of the decoder %s: %s", decode.pod, describe(exc))
+            return None
+
     async def _canary_probe(self, pair: Pair) -> None:
         """One request of the router's own through `pair`, both legs as a client's go, one token long:
         raises unless the decoder answered a completion (so the KV crossed the pair)."""
@@ -240,9 +295,15 @@ class Router:
         self._session = aiohttp.ClientSession(
             connector=connector, timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False
         )
+        loop = asyncio.get_running_loop()
+        poller = loop.create_task(self._poll_loads()) if self.config.load_poll_s > 0 else None
         try:
             yield
         finally:
+            if poller is not None:
+                poller.cancel()
+                with contextlib.suppress(BaseException):
+                    await poller
             for handle in self._readmissions:
                 handle.cancel()
             if self.canary is not None:
