@@ -38,7 +38,6 @@ def test_every_bound_is_a_flag_that_reaches_the_config() -> None:
         "--load-poll-s": ("load_poll_s", "0.25"),
         "--decoder-headroom": ("decoder_headroom", "3"),
         "--decoder-headroom-fraction": ("decoder_headroom_fraction", "0.5"),
-        "--kv-full-usage": ("kv_full_usage", "0.8"),
         "--min-body-rate-bytes-s": ("min_body_rate_bytes_s", "100"),
         "--body-rate-grace-s": ("body_rate_grace_s", "0.25"),
         "--eject-after-failures": ("eject_after_failures", "5"),

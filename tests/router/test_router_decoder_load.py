@@ -132,10 +132,16 @@ vllm:num_requests_running_other 99
 def test_a_decoders_load_is_read_from_the_gauges_vllm_and_the_reference_engine_export() -> None:
     load = parse_load(PAGE)
     assert load == DecoderLoad(running=16, kv_usage=0.75)
-    assert window(load, headroom=8, headroom_fraction=0.125, kv_full_usage=0.95) == 24
-    assert window(load, headroom=1, headroom_fraction=1.0, kv_full_usage=0.95) == 32
-    # A full KV cache: no headroom, a leg beyond what runs would wait for blocks.
-    assert window(DecoderLoad(16, 0.97), headroom=8, headroom_fraction=0.125, kv_full_usage=0.95) == 16
+    free = DecoderLoad(16, 0.25)
+    assert window(free, headroom=8, headroom_fraction=0.125) == 16 + 8
+    assert window(free, headroom=1, headroom_fraction=1.0) == 16 + 16
+    # No more legs than its free blocks hold at what a running request holds: 0.25 free at 0.75 / 16 each.
+    assert window(load, headroom=8, headroom_fraction=0.125) == 16 + 5
+    assert window(DecoderLoad(16, 0.97), headroom=8, headroom_fraction=0.125) == 16
+    # Idle, or with blocks held by legs whose KV is on its way and nothing running yet.
+    assert window(DecoderLoad(0, 0.0), headroom=8, headroom_fraction=0.125) == 8
+    assert window(DecoderLoad(0, None), headroom=8, headroom_fraction=0.125) == 8
+    assert window(DecoderLoad(0, 0.5), headroom=8, headroom_fraction=0.125) == 1
     # What the page cannot vouch for is no sample: the fixed cap alone bounds that decoder.
     usage_only = "vllm:kv_cache_usage_perc 0.5\n"
     for page in ("", usage_only, PAGE.replace("10.0", "-1"), PAGE.replace("0.5", "1.5")):

@@ -142,3 +142,22 @@ def test_a_decoder_that_cannot_be_reached_fails_the_request_and_frees_the_prefil
 
         assert asyncio.run(go()) == 502
     wait_idle(engines)
+
+
+def test_at_concurrency_128_no_request_expires_in_a_decoder(
+    deployment: tuple[LocalEngines, LocalRouter],
+) -> None:
+    """Issue 45, finding 4: 256 requests at concurrency 128 against the two decoders. With a fixed cap of
+    256 legs per decoder the decoders queued some 60 legs each for KV blocks and their prefills' leases ran
+    out (`LeaseExpired`); with the decoders' own load bounding what the router sends them, every request is
+    served (a request the router cannot place in time is shed with 503 before either leg is sent)."""
+    engines, router = deployment
+    wait_idle(engines)
+    report = asyncio.run(
+        load_run(router.url, engines.decode_urls[0], engines.model_name, requests=256, concurrency=128)
+    )
+    expired = [f for f in report.failures if "LeaseExpired" in f or "RegistrationTimeout" in f]
+    assert expired == [], f"{report}: {expired[:3]}"
+    assert (report.failed, report.mismatched) == (0, 0), report.failures[:5]
+    wait_idle(engines)
+    engines.check_alive()

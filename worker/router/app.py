@@ -192,7 +192,6 @@ class Router:
             load,
             headroom=self.config.decoder_headroom,
             headroom_fraction=self.config.decoder_headroom_fraction,
-            kv_full_usage=self.config.kv_full_usage,
         )
 
     async def _poll_loads(self) -> None:

@@ -119,8 +119,8 @@ def register(subparsers: Any) -> None:
         type=float,
         default=defaults.load_poll_s,
         help="seconds between two reads of each decoder's /metrics (vllm:num_requests_running, "
-        "vllm:kv_cache_usage_perc), by which a decoder holds at most what it runs plus the headroom "
-        "(0: never read; the fixed bound alone; default %(default)s)",
+        "vllm:kv_cache_usage_perc), by which a decoder holds at most what it runs plus the headroom, "
+        "within what its free KV blocks hold (0: never read; the fixed bound alone; default %(default)s)",
     )
     load.add_argument(
         "--decoder-headroom",
@@ -133,13 +133,6 @@ def register(subparsers: Any) -> None:
         type=float,
         default=defaults.decoder_headroom_fraction,
         help="the headroom as a fraction of what the decoder runs, where that is more (default %(default)s)",
-    )
-    load.add_argument(
-        "--kv-full-usage",
-        type=float,
-        default=defaults.kv_full_usage,
-        help="the KV cache usage (0-1) at which a decoder gets no headroom: a leg beyond what it runs would "
-        "wait for blocks (default %(default)s)",
     )
     load.add_argument(
         "--max-queued",
@@ -294,7 +287,6 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         load_poll_s=args.load_poll_s,
         decoder_headroom=args.decoder_headroom,
         decoder_headroom_fraction=args.decoder_headroom_fraction,
-        kv_full_usage=args.kv_full_usage,
         max_queued=args.max_queued,
         queue_timeout_s=args.queue_timeout_s,
         retry_after_s=args.retry_after_s,

@@ -31,11 +31,10 @@ class RouterConfig:
     # --- backpressure (`admission`): decode legs one decoder may hold (0: no bound), and the wait for room
     max_in_flight_per_decoder: int = 256
     # What a decoder can take now, from its metrics (`decoder_load`): read every load_poll_s (0: never);
-    # what it runs plus the headroom, none once its KV cache is at kv_full_usage.
+    # what it runs plus the headroom, within what its free KV blocks hold.
     load_poll_s: float = 0.5
     decoder_headroom: int = 8
     decoder_headroom_fraction: float = 0.25
-    kv_full_usage: float = 0.95
     max_queued: int = 1024
     queue_timeout_s: float = 30.0
     retry_after_s: int = 1

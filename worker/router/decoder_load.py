@@ -9,12 +9,16 @@ for waits inside it, where the router cannot see it and its KV expires.
 So the router reads each decoder's `/metrics` (every `load_poll_s`) for the gauges vLLM exports and the
 reference engine exports under the same names, `vllm:num_requests_running` and `vllm:kv_cache_usage_perc`,
 and lets a decoder hold at most what it ran at the last sample plus a headroom: `decoder_headroom` legs or
-`decoder_headroom_fraction` of what it runs, whichever is more, for the legs whose KV is on its way (they hold
-blocks but do not run yet) and for the decoder to grow into. Where the KV cache is (nearly) full
-(`kv_full_usage`) there is no headroom: a leg beyond what runs would wait for blocks. A decoder therefore has
-at most the headroom waiting inside it, served as its running requests end, and the rest of a burst waits
-in the router's queue, neither leg sent, or is shed there with 503 and Retry-After. A decoder whose sample is
-missing or stale (its page failed, or it restarted under a new id) is bounded by the fixed cap alone.
+`decoder_headroom_fraction` of what it runs, whichever is more, for the legs whose KV is on its way and for
+the decoder to grow into; but never more legs than its free KV blocks hold, at what a running request holds
+on average (a fixed headroom alone let 8 legs wait for blocks at a decoder whose cache held 5, and they
+expired there). A decoder therefore has few or no legs waiting for blocks inside it, and the rest of a burst
+waits in the router's queue, neither leg sent, or is shed there with 503 and Retry-After. A decoder whose
+sample is missing or stale (its page failed, or it restarted under a new id) is bounded by the fixed cap
+alone.
+
+The cost: legs whose KV is still on its way hold blocks but do not run, and count against the headroom, so a
+decoder takes new legs at most at the headroom over the time a leg waits for its KV.
 """
 
 from __future__ import annotations
@@ -56,12 +60,16 @@ def parse_load(text: str) -> DecoderLoad | None:
     return DecoderLoad(int(running), usage)
 
 
-def window(load: DecoderLoad, *, headroom: int, headroom_fraction: float, kv_full_usage: float) -> int:
-    """The decode legs a decoder at `load` may hold: what it runs, plus the headroom unless its KV cache is
-    full."""
-    if load.kv_usage is not None and load.kv_usage >= kv_full_usage:
-        return load.running
-    return load.running + max(headroom, math.ceil(load.running * headroom_fraction))
+def window(load: DecoderLoad, *, headroom: int, headroom_fraction: float) -> int:
+    """The decode legs a decoder at `load` may hold: what it runs, plus the headroom, but no more legs than
+    its free KV blocks hold at what each running request holds on average (an overestimate while legs
+    waiting for their KV hold blocks too, so the bound errs towards sending fewer)."""
+    slack = max(headroom, math.ceil(load.running * headroom_fraction))
+    usage = load.kv_usage
+    if usage is None or usage <= 0.0:
+        return load.running + slack
+    fits = math.floor((1.0 - usage) * max(load.running, 1) / usage)
+    return load.running + min(slack, fits)
 
 
 def _sample(line: str) -> tuple[str, float | None]:
