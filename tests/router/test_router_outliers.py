@@ -16,6 +16,7 @@ from engine_fakes import Exchange, FakeEngine, engines, pair_of, routing_of
 from router_rig import Rig, run, until
 
 from disagg.worker.router.app import CANARY_PROMPT, Router, RouterConfig, start
+from disagg.worker.router.canary import KvCanary
 from disagg.worker.router.outliers import EJECTED_REASON, Outliers
 
 COMPLETION = {"model": "tiny", "prompt": "hello there", "max_tokens": 4}
@@ -142,3 +143,24 @@ def test_each_ejection_since_the_engine_last_served_doubles_its_hold_up_to_the_c
     outliers.succeeded("d", now)
     outliers.failed("d", "x", now)
     assert outliers.failed("d", "x", now) == 1.0  # served since: back to the first hold
+
+
+def test_an_ejection_makes_the_canary_forget_every_pair_of_that_engine_and_only_those() -> None:
+    async def go() -> None:
+        exchange = Exchange()
+        async with engines(exchange, ("prefill", "p@1", 1), ("decode", "d0@1", 1), ("decode", "d1@1", 1)) as (
+            prefill,
+            d0,
+            d1,
+        ):
+            pairs = [pair_of(prefill, d0, decode_pod="d0"), pair_of(prefill, d1, decode_pod="d1")]
+            canary = KvCanary(lambda pair: asyncio.sleep(0), lambda: None)
+            canary.admit(routing_of(*pairs))
+            await until(lambda: all(canary.verified(p) for p in pairs))
+            canary.forget("d1@1")
+            assert [canary.verified(p) for p in pairs] == [True, False]
+            # Its pairs are new to the canary: it crosses them again before they are admitted.
+            assert [p.decode.pod for p in canary.admit(routing_of(*pairs)).pairs] == ["d0"]
+            await canary.close()
+
+    run(go())

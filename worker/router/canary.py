@@ -42,6 +42,11 @@ def pair_key(pair: Pair) -> PairKey:
     return (prefill.engine_id, prefill.host, prefill.restarts, decode.engine_id, decode.host, decode.restarts)
 
 
+def _has_engine(key: PairKey, engine_id: str) -> bool:
+    prefill_engine, _, _, decode_engine, _, _ = key
+    return engine_id in (prefill_engine, decode_engine)
+
+
 @dataclass
 class _State:
     task: asyncio.Task[None] | None
@@ -117,11 +122,11 @@ class KvCanary:
     def forget(self, engine_id: str) -> None:
         """Every pair with the engine `engine_id` must pass a canary again before it is admitted (the engine
         was ejected for its failures)."""
-        for key in [key for key in self._pairs if engine_id in (key[0], key[2])]:
+        for key in [key for key in self._pairs if _has_engine(key, engine_id)]:
             state = self._pairs.pop(key)
             if state.task is not None:
                 state.task.cancel()
-        for key in [key for key in self._left if engine_id in (key[0], key[2])]:
+        for key in [key for key in self._left if _has_engine(key, engine_id)]:
             del self._left[key]
 
     def in_flight(self) -> bool:
