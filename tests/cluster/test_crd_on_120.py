@@ -77,6 +77,7 @@ def test_every_example_is_accepted_and_defaulted(installed_crd: ControlPlane, na
         "connector": "Push",
         "leaseSeconds": 30,
         "sideChannelPort": 5600,
+        "transport": "any",
     }
     assert stored["spec"]["decode"]["pipelineParallelSize"] == 1
 
@@ -84,7 +85,18 @@ def test_every_example_is_accepted_and_defaulted(installed_crd: ControlPlane, na
 def test_printer_columns_and_short_name(installed_crd: ControlPlane, namespace: str) -> None:
     must(_apply(installed_crd, namespace, _example("pp2-hma.yaml")))
     header = must(installed_crd.kubectl("get", "disagg", "-n", namespace)).splitlines()[0].split()
-    assert header == ["NAME", "COMPATIBLE", "KV", "READY", "PAIRS", "REVISION", "OLD", "ROLLOUT", "AGE"]
+    assert header == [
+        "NAME",
+        "COMPATIBLE",
+        "KV",
+        "READY",
+        "PAIRS",
+        "TRANSPORT",
+        "REVISION",
+        "OLD",
+        "ROLLOUT",
+        "AGE",
+    ]
     wide = must(installed_crd.kubectl("get", "disagg", "-n", namespace, "-o", "wide")).splitlines()[0].split()
     assert wide == [
         "NAME",
@@ -92,6 +104,7 @@ def test_printer_columns_and_short_name(installed_crd: ControlPlane, namespace: 
         "KV",
         "READY",
         "PAIRS",
+        "TRANSPORT",
         "REVISION",
         "OLD",
         "ROLLOUT",
