@@ -10,7 +10,7 @@ TORCH_PIN := torch==2.13.0
 export PYTHONSAFEPATH := 1
 
 .PHONY: all venv vllm-venv vllm-engine-venv image image-lock test test-unit test-vllm test-vllm-engine test-image fuzz \
-	demo demo-local demo-vllm bench lint crds check-crds vllm-release \
+	demo demo-local demo-vllm bench peer-venv lint crds check-crds vllm-release \
 	control-plane-up control-plane-down node cluster-up cluster-down test-node clean
 
 all: test
@@ -91,8 +91,17 @@ demo-local: $(STAMP)
 demo-vllm: $(STAMP) vllm-engine-venv
 	$(PY) -m disagg.rig.demo_vllm
 
-bench: $(STAMP)
+bench: $(STAMP) vllm-engine-venv peer-venv
 	$(VENV)/bin/disagg bench
+
+# The peer router `disagg bench vllm` measures disagg's router against: vLLM's vllm-router 0.1.17 from PyPI, in
+# its own venv (.venv-peers), pinned in hack/peer-requirements.txt. Returns at once when installed.
+peer-venv: .venv-peers/.installed
+
+.venv-peers/.installed: hack/peer-requirements.txt
+	$(PYTHON) -m venv .venv-peers
+	.venv-peers/bin/pip install --quiet -r hack/peer-requirements.txt
+	touch $@
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check operator worker rig tests
@@ -136,4 +145,4 @@ test-node: $(STAMP) image node
 	$(PY) -m pytest tests/node -m node
 
 clean:
-	rm -rf $(VENV) .venv-vllm .venv-vllm-engine build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-vllm .venv-vllm-engine .venv-peers build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -9,8 +9,8 @@ request's time hop by hop from disagg's router's histograms and the engines' own
 
     python -P -m disagg.rig.bench_vllm [--concurrency 1,8,32] [--rounds 2] [--subnet 127.31.0]
 
-A peer is found in `--peer-venv` (default `.venv-peers` in the repository, or $DISAGG_PEER_VENV):
-`python -m venv .venv-peers && .venv-peers/bin/pip install vllm-router==0.1.17`.
+A peer is found in `--peer-venv` (default `.venv-peers` in the repository, or $DISAGG_PEER_VENV), which
+`make peer-venv` (and so `make bench`) installs from `hack/peer-requirements.txt`.
 """
 
 from __future__ import annotations
