@@ -85,29 +85,11 @@ def test_every_example_is_accepted_and_defaulted(installed_crd: ControlPlane, na
 def test_printer_columns_and_short_name(installed_crd: ControlPlane, namespace: str) -> None:
     must(_apply(installed_crd, namespace, _example("pp2-hma.yaml")))
     header = must(installed_crd.kubectl("get", "disagg", "-n", namespace)).splitlines()[0].split()
-    assert header == [
-        "NAME",
-        "COMPATIBLE",
-        "KV",
-        "READY",
-        "PAIRS",
-        "TRANSPORT",
-        "REVISION",
-        "OLD",
-        "ROLLOUT",
-        "AGE",
-    ]
+    columns = ["NAME", "COMPATIBLE", "KV", "READY", "PAIRS", "TRANSPORT", "REVISION", "OLD", "ROLLOUT"]
+    assert header == [*columns, "AGE"]
     wide = must(installed_crd.kubectl("get", "disagg", "-n", namespace, "-o", "wide")).splitlines()[0].split()
     assert wide == [
-        "NAME",
-        "COMPATIBLE",
-        "KV",
-        "READY",
-        "PAIRS",
-        "TRANSPORT",
-        "REVISION",
-        "OLD",
-        "ROLLOUT",
+        *columns,
         "STAGES",
         "PREFILL",
         "DECODE",
