@@ -62,6 +62,7 @@ from disagg.operator.api.model import (
     LayerPattern,
     ModelDType,
     ModelSpec,
+    ModelVolume,
     NixlBackend,
 )
 from disagg.operator.api.spec import (
@@ -147,6 +148,7 @@ __all__ = [
     "LayerPattern",
     "ModelDType",
     "ModelSpec",
+    "ModelVolume",
     "NixlBackend",
     "ObjectMeta",
     "PairTransportStatus",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import posixpath
 from typing import Final, Literal
 
 from pydantic import (
@@ -118,6 +119,53 @@ class LayerPattern(ApiModel):
     )
 
 
+# A path as a pod spec takes it: absolute, no more than Kubernetes' own bound on a volume path.
+_ABSOLUTE_PATH: Final = r"^/.*$"
+_MAX_PATH: Final = 4096
+
+
+class HostPathModelSource(ApiModel):
+    """A folder of every node the engines run on."""
+
+    path: str = Field(
+        min_length=1, max_length=_MAX_PATH, pattern=_ABSOLUTE_PATH, description="The folder on the node."
+    )
+
+
+class ClaimModelSource(ApiModel):
+    """A PersistentVolumeClaim in the deployment's namespace, mounted read-only (ReadOnlyMany or
+    ReadWriteMany when the engines are spread over nodes)."""
+
+    claim_name: str = Field(min_length=1, max_length=253, description="The claim's name.")
+
+
+class ModelVolume(ApiModel):
+    """The volume that holds the model, mounted read-only in every engine container; exactly one source."""
+
+    host_path: HostPathModelSource | None = Field(default=None, description="A folder on the node.")
+    persistent_volume_claim: ClaimModelSource | None = Field(
+        default=None, description="A PersistentVolumeClaim of the deployment's namespace."
+    )
+    mount_path: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=_MAX_PATH,
+        pattern=_ABSOLUTE_PATH,
+        description="Where the engine containers see the volume; model.name must lie beneath it. Default: "
+        "the folder that holds model.name (/models for /models/llama-3-8b).",
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelVolume:
+        if (self.host_path is None) == (self.persistent_volume_claim is None):
+            raise ValueError("give model.volume exactly one of hostPath and persistentVolumeClaim")
+        return self
+
+    def mount_for(self, model_name: str) -> str:
+        """The mount path: the spec's, or the folder that holds the model."""
+        return self.mount_path or posixpath.dirname(model_name.rstrip("/")) or "/"
+
+
 class ModelSpec(ApiModel):
     """The served model's KV-cache geometry, identical on prefill and decode."""
 
@@ -167,6 +215,12 @@ class ModelSpec(ApiModel):
             "under the hybrid KV cache manager keeps that manager on: the router serves the prompt lengths "
             "that would lose a key on the decoder alone (docs/vllm-sliding-window-load.md)."
         ),
+    )
+    volume: ModelVolume | None = Field(
+        default=None,
+        description="The volume that holds the model, mounted read-only in every engine container (at "
+        "volume.mountPath, by default the folder that holds model.name, which must then be an absolute "
+        "path). Unset, the engine image holds the model or fetches it itself.",
     )
     layer_name_template: str = Field(
         default=layout.DEFAULT_LAYER_NAME_TEMPLATE,

@@ -69,6 +69,10 @@ KV_POOL_VOLUME: Final = "kv-pool"
 KV_POOL_DIR: Final = "/dev/hugepages"
 KV_POOL_FILE: Final = f"{KV_POOL_DIR}/kv-pool"
 ENGINE_CONTAINER: Final = "engine"
+MODEL_VOLUME: Final = "model"
+# What the pod mounts besides the model: a model volume at, under or over one of these would hide it or be
+# hidden (policies.pods refuses it, ModelVolumeInvalid). The API token's folder is only the sidecar's.
+RESERVED_MOUNTS: Final = ("/dev/shm", KV_POOL_DIR, TOPOLOGY_DIR)
 
 # RDMA memory registration pins pages (ibv_reg_mr, and NIXL/UCX through it) beyond RLIMIT_MEMLOCK, which
 # needs CAP_IPC_LOCK; Kubernetes grants a capability effectively only to a root process (it sets no ambient
@@ -139,6 +143,23 @@ def _pool_volumes(spec: DisaggDeploymentSpec) -> list[dict[str, Any]]:
     ]
 
 
+def _model_volume(spec: DisaggDeploymentSpec) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The model's volume and the engine container's read-only mount of it, or None without one."""
+    volume = spec.model.volume
+    if volume is None:
+        return None
+    if volume.host_path is not None:
+        source: dict[str, Any] = {"hostPath": {"path": volume.host_path.path, "type": "Directory"}}
+    elif volume.persistent_volume_claim is not None:
+        claim = volume.persistent_volume_claim.claim_name
+        source = {"persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+    else:
+        # The API refuses a volume without a source (ModelVolume._one_source); reaching this is a bug.
+        raise ValueError("spec.model.volume has neither hostPath nor persistentVolumeClaim")
+    mount = {"name": MODEL_VOLUME, "mountPath": volume.mount_for(spec.model.name), "readOnly": True}
+    return {"name": MODEL_VOLUME, **source}, mount
+
+
 def engine_pod_template(
     spec: DisaggDeploymentSpec,
     owner: Owner,
@@ -188,6 +209,7 @@ def engine_pod_template(
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "topology", "mountPath": TOPOLOGY_DIR, "readOnly": True},
     ] + ([{"name": KV_POOL_VOLUME, "mountPath": KV_POOL_DIR}] if huge_pages else [])
+    model = _model_volume(spec)
     engine_container_spec: dict[str, Any] = {
         "name": ENGINE_CONTAINER,
         "image": role_image(spec, role),
@@ -195,7 +217,8 @@ def engine_pod_template(
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}]
         + ([side_channel] if engine_moves_kv else []),
         "resources": container_resources(this.resources, rdma if engine_moves_kv else None, huge_pages),
-        "volumeMounts": mounts,
+        # Only the engine reads the model.
+        "volumeMounts": mounts + ([model[1]] if model else []),
     }
     if engine.command:
         engine_container_spec["command"] = list(engine.command)
@@ -254,6 +277,7 @@ def engine_pod_template(
             *_pool_volumes(spec),
             {"name": "topology", "configMap": {"name": topology_name(owner.name, slot)}},
             api_access_volume(),
+            *([model[0]] if model else []),
         ],
     }
     scheduling = this.scheduling

@@ -26,7 +26,12 @@ from disagg.operator.policies.engine_args import (
 )
 from disagg.operator.policies.engine_release import engine_release_is_supported, sliding_window_kv_loads_whole
 from disagg.operator.policies.handshake import handshake_factors_match
-from disagg.operator.policies.pods import kv_pool_is_valid, transport_has_devices, worker_image_is_named
+from disagg.operator.policies.pods import (
+    kv_pool_is_valid,
+    model_volume_is_valid,
+    transport_has_devices,
+    worker_image_is_named,
+)
 from disagg.operator.policies.policy import Policy, PolicyInput, evaluate_chain
 from disagg.operator.policies.reference_engine import reference_engine_can_run
 from disagg.operator.policies.topology import (
@@ -86,6 +91,7 @@ COMPATIBILITY_CHAIN: Final[tuple[Policy, ...]] = (
     kv_heads_divide_over_tp,
     handshake_factors_match,
     kv_pool_is_valid,
+    model_volume_is_valid,
 )
 """What the spec alone decides: `compat.evaluate(spec)` and the CRD's CEL rules."""
 

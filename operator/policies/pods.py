@@ -1,12 +1,14 @@
-"""The policies on what the pods need from the spec or the installation: a valid KV pool, a sidecar image,
-and the devices of the transport the spec demands. Pure.
+"""The policies on what the pods need from the spec or the installation: a valid KV pool, a model volume
+the model lies in, a sidecar image, and the devices of the transport the spec demands. Pure.
 """
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Sequence
 
 from disagg.operator.api import DisaggDeploymentSpec, KVTransport
+from disagg.operator.builders.pod_template import RESERVED_MOUNTS
 from disagg.operator.naming import TRANSFER_IMAGE_ENV, WORKER_IMAGE_ENV, Installation
 from disagg.operator.policies.policy import PolicyInput
 from disagg.worker.kv.errors import Violation
@@ -63,6 +65,41 @@ def kv_pool_violations(spec: DisaggDeploymentSpec) -> list[Violation]:
                 )
             )
     return found
+
+
+def model_volume_is_valid(given: PolicyInput) -> Sequence[Violation]:
+    return model_volume_violations(given.spec)
+
+
+def model_volume_violations(spec: DisaggDeploymentSpec) -> list[Violation]:
+    """A model volume must hold the model: `spec.model.name` an absolute path beneath the mount path, which
+    may not be `/` (it would hide the image) nor a folder the pod mounts something else at or under."""
+    volume, name = spec.model.volume, spec.model.name
+    if volume is None:
+        return []
+    mount = posixpath.normpath(volume.mount_for(name))
+    path = posixpath.normpath(name)
+    if not name.startswith("/") or not path.startswith(mount.rstrip("/") + "/"):
+        return [
+            Violation(
+                "ModelVolumeInvalid",
+                f"spec.model.name {name!r} does not lie beneath the model volume's mount path {mount!r}: "
+                "name the model by its absolute path in the volume (e.g. /models/llama-3-8b) or set "
+                "spec.model.volume.mountPath to a folder that holds it",
+            )
+        ]
+    clash = [m for m in RESERVED_MOUNTS if f"{m}/".startswith(f"{mount}/") or mount.startswith(f"{m}/")]
+    if mount == "/" or clash:
+        taken = "the root file system" if mount == "/" else clash[0]
+        return [
+            Violation(
+                "ModelVolumeInvalid",
+                f"spec.model.volume would be mounted at {mount!r}, which would hide or be hidden by {taken} "
+                "in the engine container: mount the volume at a folder of its own (e.g. /models) with "
+                "spec.model.volume.mountPath, and name the model beneath it",
+            )
+        ]
+    return []
 
 
 def worker_image_is_named(given: PolicyInput) -> Sequence[Violation]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from built import OWNER, container, env, objects, pod_spec
@@ -319,3 +319,73 @@ class TestPodSecurity:
             incluster_config.SERVICE_TOKEN_FILENAME,
             incluster_config.SERVICE_CERT_FILENAME,
         }
+
+
+class TestModelVolume:
+    """`spec.model.volume`: the model reaches every engine container read-only, and a volume that cannot
+    hold the model is refused before anything is built."""
+
+    MODELS: ClassVar[dict[str, Any]] = {"model": {"name": "/var/lib/disagg/models/gemma"}}
+
+    def test_a_host_path_is_mounted_read_only_at_the_models_folder_in_every_engine_container(self) -> None:
+        volume = {"model": {**self.MODELS["model"], "volume": {"hostPath": {"path": "/srv/models"}}}}
+        built = objects(spec(volume))
+        for key in (("StatefulSet", "gemma-pp2-prefill-0"), ("Deployment", "gemma-pp2-decode")):
+            volumes = {v["name"]: v for v in pod_spec(built[key])["volumes"]}
+            host_path = {"path": "/srv/models", "type": "Directory"}
+            assert volumes["model"] == {"name": "model", "hostPath": host_path}
+            engine = container(built[key], ENGINE_CONTAINER)
+            assert {"name": "model", "mountPath": "/var/lib/disagg/models", "readOnly": True} in engine[
+                "volumeMounts"
+            ]
+            # The engine is the only reader of the model.
+            sidecar = container(built[key], SIDECAR_CONTAINER)
+            assert all(m["name"] != "model" for m in sidecar["volumeMounts"])
+
+    def test_a_claim_is_mounted_read_only_at_the_mount_path_given(self) -> None:
+        claim = {"persistentVolumeClaim": {"claimName": "weights"}, "mountPath": "/var/lib/disagg"}
+        built = objects(spec({"model": {**self.MODELS["model"], "volume": claim}}))
+        decode = built["Deployment", "gemma-pp2-decode"]
+        volumes = {v["name"]: v for v in pod_spec(decode)["volumes"]}
+        assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+        mounts = container(decode, ENGINE_CONTAINER)["volumeMounts"]
+        assert {"name": "model", "mountPath": "/var/lib/disagg", "readOnly": True} in mounts
+
+    def test_without_a_volume_the_engine_gets_no_model_mount(self) -> None:
+        built = objects(spec(self.MODELS))
+        decode = built["Deployment", "gemma-pp2-decode"]
+        assert all(v["name"] != "model" for v in pod_spec(decode)["volumes"])
+
+    @pytest.mark.parametrize(
+        "volume",
+        [{}, {"hostPath": {"path": "/srv"}, "persistentVolumeClaim": {"claimName": "weights"}}],
+        ids=["no-source", "two-sources"],
+    )
+    def test_a_volume_needs_exactly_one_source(self, volume: dict[str, Any]) -> None:
+        with pytest.raises(ValueError, match="exactly one of hostPath and persistentVolumeClaim"):
+            spec({"model": {**self.MODELS["model"], "volume": volume}})
+
+    @pytest.mark.parametrize(
+        ("name", "mount_path", "says"),
+        [
+            ("google/gemma-3-1b", None, "does not lie beneath"),
+            ("/models/gemma", "/srv", "does not lie beneath"),
+            ("/models", "/models", "does not lie beneath"),
+            ("/gemma", None, "the root file system"),
+            ("/dev/models/gemma", "/dev", "/dev/shm"),
+            ("/etc/disagg/topology/m", "/etc/disagg/topology", "/etc/disagg/topology"),
+        ],
+    )
+    def test_a_volume_that_cannot_hold_the_model_is_refused(
+        self, name: str, mount_path: str | None, says: str
+    ) -> None:
+        volume: dict[str, Any] = {"hostPath": {"path": "/srv/models"}}
+        if mount_path is not None:
+            volume["mountPath"] = mount_path
+        report = evaluate(spec({"model": {"name": name, "volume": volume}}))
+        assert report.reasons == ["ModelVolumeInvalid"]
+        assert says in report.violations[0].message
+
+    def test_a_model_beneath_its_volume_is_accepted(self) -> None:
+        volume = {"hostPath": {"path": "/srv/models"}, "mountPath": "/models/"}
+        assert evaluate(spec({"model": {"name": "/models/gemma/", "volume": volume}})).compatible

@@ -24,6 +24,7 @@ def test_the_chain_reads_top_to_bottom() -> None:
         "kv_heads_divide_over_tp",
         "handshake_factors_match",
         "kv_pool_is_valid",
+        "model_volume_is_valid",
         "engine_release_is_supported",
         "sliding_window_kv_loads_whole",
         "kernel_blocks_match",
