@@ -11,7 +11,7 @@ export PYTHONSAFEPATH := 1
 
 .PHONY: all venv vllm-venv vllm-engine-venv image image-vllm image-lock test test-unit test-vllm test-vllm-engine \
 	test-image fuzz demo demo-local demo-vllm bench peer-venv lint crds check-crds vllm-release \
-	control-plane-up control-plane-down node cluster-up cluster-down test-node clean
+	control-plane-up control-plane-down node cluster-up cluster-down test-node test-node-vllm demo-vllm-node clean
 
 all: test
 
@@ -148,7 +148,17 @@ cluster-down:
 # both images to its registry, helm install, kubectl apply of the reference sample), then what only a kubelet
 # enforces. Brings the node up if it is down and takes it down again afterwards.
 test-node: $(STAMP) image node
-	$(PY) -m pytest tests/node -m node
+	$(PY) -m pytest tests/node -m "node and not node_vllm"
+
+# vLLM in containers on the node (marker node_vllm, not in make test nor make test-node: about 10 minutes): the
+# light and disagg-vllm images pushed, the chart installed, examples/vllm-cpu-pp2.yaml applied (PP2 prefill ->
+# PP1 decode by layer name), curl of the router's Service against the decoder alone. docs/real-node.md.
+test-node-vllm: $(STAMP) image image-vllm vllm-engine-venv node
+	$(PY) -m pytest tests/node -m node_vllm
+
+# The same as a demo that prints each step, what it shows and how long it took.
+demo-vllm-node: $(STAMP) image image-vllm vllm-engine-venv node
+	$(PY) -m disagg.rig.demo_vllm_node
 
 clean:
 	rm -rf $(VENV) .venv-vllm .venv-vllm-engine .venv-peers build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

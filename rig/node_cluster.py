@@ -162,13 +162,17 @@ def pod_ready(pod: Mapping[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
-def push_images(node: NodeCluster, version: str) -> list[str]:
-    """`skopeo copy` of both OCI layouts that `make image` wrote to the node's loopback registry."""
+def push_images(
+    node: NodeCluster, version: str, images: Sequence[str] = ("disagg", "disagg-transfer")
+) -> list[str]:
+    """`skopeo copy` of the OCI layouts that `make image` (and `make image-vllm`) wrote to the node's loopback
+    registry."""
     refs = []
-    for image in ("disagg", "disagg-transfer"):
+    for image in images:
         layout = IMAGES / image
         if not (layout / "index.json").is_file():
-            raise NodeError(f"{layout} is missing: run `make image` first")
+            target = "image-vllm" if image == "disagg-vllm" else "image"
+            raise NodeError(f"{layout} is missing: run `make {target}` first")
         ref = node.image_ref(image, version)
         node.run(
             "skopeo",
@@ -177,6 +181,8 @@ def push_images(node: NodeCluster, version: str) -> list[str]:
             "--dest-tls-verify=false",
             f"oci:{layout}:{version}",
             f"docker://{ref}",
+            # The vLLM image is about 1 GiB compressed.
+            timeout=900,
         )
         refs.append(ref)
     return refs

@@ -174,7 +174,11 @@ build_image() {
   if [ "$image" = vllm ]; then
     # No project wheel: the engine is vLLM's own. torch first pinned (transfer.lock's line), then the lock.
     { grep '^torch==' hack/image/transfer.lock; cat "$lock"; } >"$WORK/install/requirements.txt"
-    cp -l "$VLLM_WHEELS"/*.whl "$WORK/install/wheels/" 2>/dev/null || cp -f "$VLLM_WHEELS"/*.whl "$WORK/install/wheels/"
+    # The two caches share some wheels (the same file by name and hash): the one already there stays.
+    for wheel in "$VLLM_WHEELS"/*.whl; do
+      [ -e "$WORK/install/wheels/${wheel##*/}" ] || cp -l "$wheel" "$WORK/install/wheels/" 2>/dev/null ||
+        cp "$wheel" "$WORK/install/wheels/"
+    done
   else
     "$PY" hack/image/image.py requirements "$WORK/install/requirements.txt" "$lock" "$WHEEL" "$WHEELS_SEEN_AT"
   fi

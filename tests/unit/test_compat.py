@@ -234,6 +234,7 @@ EXPECTED_EXAMPLES = {
     "pp2-hma.yaml": [],
     "reference-pp2-hma.yaml": [],
     "vllm-cpu-pp1.yaml": [],
+    "vllm-cpu-pp2.yaml": [],
     "bad-decode-pp.yaml": ["DecodePipelineParallel"],
     "bad-pull-hma-pp.yaml": ["PullConnectorWithHybridPP"],
     "bad-block-size.yaml": ["BlockSizeMismatch"],
