@@ -172,8 +172,10 @@ build_image() {
   mkdir "$WORK/install/wheels"
   cp -l "$CACHE"/wheels/*.whl "$WORK/install/wheels/" 2>/dev/null || cp "$CACHE"/wheels/*.whl "$WORK/install/wheels/"
   if [ "$image" = vllm ]; then
-    # No project wheel: the engine is vLLM's own. torch first pinned (transfer.lock's line), then the lock.
-    { grep '^torch==' hack/image/transfer.lock; cat "$lock"; } >"$WORK/install/requirements.txt"
+    # No project wheel: the engine is vLLM's own. torch pinned as transfer.lock pins it, then the lock; and
+    # setuptools (transfer.lock's), which the engine venv's `python -m venv` brings along and the lock so
+    # never names: vLLM's command line imports torch.utils.cpp_extension, which imports it.
+    { grep -E '^(torch|setuptools)==' hack/image/transfer.lock; cat "$lock"; } >"$WORK/install/requirements.txt"
     # The two caches share some wheels (the same file by name and hash): the one already there stays.
     for wheel in "$VLLM_WHEELS"/*.whl; do
       [ -e "$WORK/install/wheels/${wheel##*/}" ] || cp -l "$wheel" "$WORK/install/wheels/" 2>/dev/null ||
@@ -203,9 +205,8 @@ build_image() {
     { echo "#!$VENV_DIR/bin/python"; cat hack/vllm/vllm_cli.py; } >"$bundle/rootfs$VENV_DIR/bin/vllm"
     chmod 0755 "$bundle/rootfs$VENV_DIR/bin/vllm"
     cp hack/vllm/site/sitecustomize.py "$bundle/rootfs$VENV_DIR/lib/python3.11/site-packages/"
-    in_root "$bundle/rootfs" env VLLM_TARGET_DEVICE=cpu "$VENV_DIR/bin/python" -c '
-import nixl._api, vllm
-assert vllm.__version__ == "0.32.0", vllm.__version__'
+    # The command's own start (it imports every subcommand), as the pods run it.
+    in_root "$bundle/rootfs" env VLLM_TARGET_DEVICE=cpu "$VENV_DIR/bin/vllm" --version
   fi
   # Hash-based bytecode (unchecked: the image never changes), the same bytes for the same sources; forced,
   # over any a .pth import (setuptools' _distutils_hack) may have written before. A file
