@@ -416,6 +416,10 @@ def _vllm_env(spec: DisaggDeploymentSpec, role: Role, plan: TopologyPlan) -> lis
     env: list[dict[str, Any]] = [
         # $(POD_IP) expands from the downward-API variable the identity env defines first.
         {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": f"$({POD_IP_ENV})"},
+        # The address vLLM gives its peers: a PP stage 0 publishes its scheduler queue to the other stages at
+        # it. Unset, vLLM takes the source address of a route to 8.8.8.8, and where pods have no default
+        # route (an isolated cluster) it falls back to 0.0.0.0, which the other stages cannot reach.
+        {"name": "VLLM_HOST_IP", "value": f"$({POD_IP_ENV})"},
         {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(spec.kv_transfer.side_channel_port)},
     ]
     if role == "prefill":

@@ -43,6 +43,10 @@ class TestVllmEngine:
         # $(POD_IP) expands only from a variable defined earlier in the list.
         assert variables["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "$(POD_IP)"
         assert names.index("POD_IP") < names.index("VLLM_NIXL_SIDE_CHANNEL_HOST")
+        # The address stage 0 publishes its scheduler queue at, for the other stages: the pod's own, not
+        # what a route to the internet would give (0.0.0.0 in a pod without a default route).
+        assert variables["VLLM_HOST_IP"] == "$(POD_IP)"
+        assert names.index("POD_IP") < names.index("VLLM_HOST_IP")
 
     def test_decode_is_consumer_without_pipeline_launcher(self) -> None:
         engine = container(objects(spec())["Deployment", "gemma-pp2-decode"], ENGINE_CONTAINER)
