@@ -124,7 +124,10 @@ def _pod_template(spec: DisaggDeploymentSpec, owner: Owner, installation: Instal
     if image is None:
         # The reconcile refuses such a spec (WorkerImageMissing) before building; reaching this is a bug.
         raise ValueError("no router image: spec.router.image, the installation's and the sidecar's are unset")
-    probe = {"periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 3}
+    ready = {"periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 3}
+    # A restart drops every stream in flight, so the kubelet restarts the router only after a minute without an
+    # answer: on a node whose engines hold every core, /healthz can take longer than readiness' 3 s.
+    alive = {"periodSeconds": 10, "timeoutSeconds": 10, "failureThreshold": 6}
     container: dict[str, Any] = {
         "name": ROUTER_CONTAINER,
         "image": image,
@@ -142,10 +145,10 @@ def _pod_template(spec: DisaggDeploymentSpec, owner: Owner, installation: Instal
         ],
         "ports": [{"name": ROUTER_PORT_NAME, "containerPort": router.port, "protocol": "TCP"}],
         # Ready once it has listed the pods (it routes nothing before); alive while its server answers.
-        "readinessProbe": {"httpGet": {"path": "/readyz", "port": ROUTER_PORT_NAME}, **probe},
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": ROUTER_PORT_NAME}, **ready},
         "livenessProbe": {
             "httpGet": {"path": "/healthz", "port": ROUTER_PORT_NAME},
-            **probe,
+            **alive,
             "initialDelaySeconds": 10,
         },
         "resources": container_resources(router.resources, None, None),

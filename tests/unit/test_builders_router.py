@@ -198,6 +198,9 @@ def test_the_router_deployment_runs_disagg_router_run_unprivileged_with_probes()
     ]
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    # A loaded node must not restart a serving router (and drop its streams) for one slow answer.
+    alive = container["livenessProbe"]
+    assert alive["periodSeconds"] * alive["failureThreshold"] >= 60 and alive["timeoutSeconds"] >= 10
     assert container["resources"] == {"requests": {"cpu": "1"}, "limits": {"memory": "256Mi"}}
     context = container["securityContext"]
     assert context["runAsNonRoot"] is True and context["runAsUser"] != 0
