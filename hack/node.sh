@@ -12,6 +12,7 @@
 #   bash hack/node.sh up           # install if needed, then start everything (a no-op when already up)
 #   eval "$(bash hack/node.sh env)"   # KUBECONFIG, PATH (kubectl, helm), DISAGG_REGISTRY
 #   bash hack/node.sh status | down | paths
+#   bash hack/node.sh restart-kubelet   # the kubelet stopped and started again; its containers keep running
 #
 # `down` stops every process `up` started, by PID, and puts back what the node changed on the host: sysctls (the
 # kubelet's kernel tunables, forwarding, bridge netfilter, route_localnet), the KUBE-* and CNI-* iptables chains
@@ -421,6 +422,26 @@ is_up() {
   bash "$CP" status >/dev/null 2>&1
 }
 
+start_kubelet() {
+  mkdir -p "$STATE/kubelet"
+  launch kubelet "$BIN/kubelet" --kubeconfig "$STATE/kubelet.kubeconfig" --hostname-override "$NODE_NAME" \
+    --node-ip "$NODE_IP" --address "$NODE_IP" --port "$KUBELET_PORT" --read-only-port 0 \
+    --healthz-bind-address 127.0.0.1 --healthz-port 30248 \
+    --container-runtime remote --container-runtime-endpoint "unix://$CONTAINERD_SOCK" \
+    --runtime-request-timeout 15m --cgroup-driver cgroupfs --fail-swap-on=false \
+    --root-dir "$STATE/kubelet" --cert-dir "$STATE/kubelet/pki" --volume-plugin-dir "$STATE/kubelet/plugins" \
+    --tls-cert-file "$PKI/kubelet-serving.crt" --tls-private-key-file "$PKI/kubelet-serving.key" \
+    --anonymous-auth=false --client-ca-file "$CA_CRT" --authorization-mode Webhook \
+    --cluster-dns "$DNS_IP" --cluster-domain "$CLUSTER_DOMAIN" --resolv-conf "$STATE/host-resolv.conf" \
+    --serialize-image-pulls=false --node-labels "disagg.io/node=$NODE_NAME" --v 1
+}
+
+wait_node_ready() {
+  wait_for "node $NODE_NAME Ready" 120 kubelet \
+    bash -c "'$BIN/kubectl' --kubeconfig '$KUBECONFIG_FILE' get node '$NODE_NAME' \
+      -o jsonpath='{.status.conditions[?(@.type==\"Ready\")].status}' | grep -qx True"
+}
+
 cmd_up() {
   if is_up; then
     log "already up (node $NODE_NAME, KUBECONFIG=$KUBECONFIG_FILE, registry $REGISTRY)"
@@ -466,17 +487,7 @@ cmd_up() {
   launch dns-watcher "$py" -m disagg.rig.node_dns --kubeconfig "$KUBECONFIG_FILE" \
     --hosts "$STATE/dns/cluster.hosts" --dnsmasq-pid "$STATE/dnsmasq.pid" --domain "$CLUSTER_DOMAIN"
 
-  mkdir -p "$STATE/kubelet"
-  launch kubelet "$BIN/kubelet" --kubeconfig "$STATE/kubelet.kubeconfig" --hostname-override "$NODE_NAME" \
-    --node-ip "$NODE_IP" --address "$NODE_IP" --port "$KUBELET_PORT" --read-only-port 0 \
-    --healthz-bind-address 127.0.0.1 --healthz-port 30248 \
-    --container-runtime remote --container-runtime-endpoint "unix://$CONTAINERD_SOCK" \
-    --runtime-request-timeout 15m --cgroup-driver cgroupfs --fail-swap-on=false \
-    --root-dir "$STATE/kubelet" --cert-dir "$STATE/kubelet/pki" --volume-plugin-dir "$STATE/kubelet/plugins" \
-    --tls-cert-file "$PKI/kubelet-serving.crt" --tls-private-key-file "$PKI/kubelet-serving.key" \
-    --anonymous-auth=false --client-ca-file "$CA_CRT" --authorization-mode Webhook \
-    --cluster-dns "$DNS_IP" --cluster-domain "$CLUSTER_DOMAIN" --resolv-conf "$STATE/host-resolv.conf" \
-    --serialize-image-pulls=false --node-labels "disagg.io/node=$NODE_NAME" --v 1
+  start_kubelet
   launch kube-scheduler "$BIN/kube-scheduler" --kubeconfig "$STATE/kube-scheduler.kubeconfig" \
     --leader-elect=false --port 0 --secure-port 0 --v 1
   # --conntrack-*=0: leave the host's conntrack table size and timeouts alone.
@@ -485,9 +496,7 @@ cmd_up() {
     --healthz-bind-address 127.0.0.1:30256 --metrics-bind-address 127.0.0.1:30249 \
     --conntrack-max-per-core 0 --conntrack-tcp-timeout-established 0 --conntrack-tcp-timeout-close-wait 0 --v 1
 
-  wait_for "node $NODE_NAME Ready" 120 kubelet \
-    bash -c "'$BIN/kubectl' --kubeconfig '$KUBECONFIG_FILE' get node '$NODE_NAME' \
-      -o jsonpath='{.status.conditions[?(@.type==\"Ready\")].status}' | grep -qx True"
+  wait_node_ready
   local d
   for d in "${DAEMONS[@]}"; do pid_alive "$d" || die "$d exited: $(tail -n 20 "$LOGS/$d.log")"; done
   trap - EXIT
@@ -550,6 +559,19 @@ cmd_status() {
   return $rc
 }
 
+# The kubelet stopped (SIGTERM) and started again with the same flags, as a node upgrade or a crash does; the
+# containers it ran keep running under containerd meanwhile.
+cmd_restart_kubelet() {
+  is_up || die "the node is not up"
+  local before
+  before=$(cat "$STATE/kubelet.pid")
+  stop_one kubelet
+  start_kubelet
+  wait_for "the new kubelet's health endpoint" 60 kubelet curl -fsS http://127.0.0.1:30248/healthz
+  wait_node_ready
+  log "kubelet restarted: pid $before -> $(cat "$STATE/kubelet.pid"); node $NODE_NAME Ready"
+}
+
 cmd_env() {
   printf 'export KUBECONFIG=%q\n' "$KUBECONFIG_FILE"
   # shellcheck disable=SC2016 # $PATH must expand in the caller's shell.
@@ -572,8 +594,9 @@ main() {
     status) cmd_status ;;
     env) cmd_env ;;
     paths) cmd_paths ;;
+    restart-kubelet) cmd_restart_kubelet ;;
     *)
-      echo "usage: $0 install|up|down|status|env|paths" >&2
+      echo "usage: $0 install|up|down|status|env|paths|restart-kubelet" >&2
       exit 2
       ;;
   esac

@@ -191,8 +191,9 @@ def external_prompt_tokens(node: NodeCluster, name: str) -> float:
 class Served:
     name: str
     through_router: str
+    again: str
     alone: str
-    # The prompt tokens the decoder took from the prefill engine for the request through the router.
+    # The prompt tokens the decoder took from the prefill engine for the second request through the router.
     external_tokens: float
     stage_1: str
     stage_0_dns: str
@@ -219,13 +220,18 @@ def run(node: NodeCluster, say: Say, timeout_s: float) -> Served:
     say("==> A request through the router's Service (the router canaries the new pair first)")
     with timed(say, "the first request"):
         through_router = completion(router_url(node, name), model)
-    external = external_prompt_tokens(node, name)
-    say(f"    decoder's vllm:prompt_tokens_by_source_total{{source=external_kv_transfer}}: {external:.0f}")
+    # The counter also holds the canary's prompt: the second request's share of it is this request's alone.
+    before = external_prompt_tokens(node, name)
+    again = completion(router_url(node, name), model)
+    external = external_prompt_tokens(node, name) - before
+    same = "the same text" if again == through_router else f"ANOTHER TEXT: {again!r}"
+    say(f"==> The same request again: {same}; the decoder's")
+    say(f"    vllm:prompt_tokens_by_source_total{{source=external_kv_transfer}} rose by {external:.0f}")
     say("==> The monolithic run: the same request to the decoder alone (no kv_transfer_params)")
     alone = completion(decoder_url(node, name), model)
     say(f"    through the router: {through_router!r}")
     say(f"    decoder alone:      {alone!r}")
-    return Served(name, through_router, alone, external, stage_1, master)
+    return Served(name, through_router, again, alone, external, stage_1, master)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -234,6 +240,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="Leave the node up with the sample applied.")
     args = parser.parse_args(argv)
 
+    with node_cluster.exclusive():
+        return _demo(timeout_s=args.timeout, keep=args.keep)
+
+
+def _demo(*, timeout_s: float, keep: bool) -> int:
     def say(line: str) -> None:
         print(line, flush=True)
 
@@ -247,8 +258,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.monotonic()
     try:
         node = NodeCluster.from_script()
-        served = run(node, say, args.timeout)
-        if served.through_router != served.alone:
+        served = run(node, say, timeout_s)
+        if not served.through_router or served.through_router != served.alone or served.again != served.alone:
             say("FAILED: the text through the router differs from the decoder alone")
             return 1
         if served.external_tokens <= 0:
@@ -260,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         say(f"FAILED: {exc}")
         return 1
     finally:
-        if not args.keep:
+        if not keep:
             node = NodeCluster.from_script()
             node.kubectl("delete", "-f", str(SAMPLE), "--ignore-not-found", "--wait=false", check=False)
             if started_here:

@@ -112,15 +112,18 @@ class NodeCluster:
     def run(
         self, *command: str, check: bool = True, timeout: float = 300, input: str | None = None
     ) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run(
-            list(command),
-            capture_output=True,
-            text=True,
-            env=self.env(),
-            timeout=timeout,
-            input=input,
-            check=False,
-        )
+        try:
+            proc = subprocess.run(
+                list(command),
+                capture_output=True,
+                text=True,
+                env=self.env(),
+                timeout=timeout,
+                input=input,
+                check=False,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise NodeError(f"{' '.join(command)}: no answer in {timeout:.0f} s") from exc
         if check and proc.returncode != 0:
             raise NodeError(failure(proc))
         return proc

@@ -1,6 +1,7 @@
 """What only a real kubelet shows: the security contexts as generated, the KV pool volume the engine and its
-sidecar share, requests and limits as cgroups, DNS names of StatefulSet pods, a container killed and restarted
-by the kubelet with its pair verified again, and a pod deleted and replaced."""
+sidecar share, requests and limits as cgroups, DNS names of StatefulSet pods, the readiness gate and probe as
+the kubelet runs them, a container killed and restarted by the kubelet with its pair verified again, and a pod
+deleted and replaced."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 from node_suite import curl_text
 
 from disagg.rig.node_cluster import OPERATOR_NAMESPACE, NodeCluster, pod_ready, wait_for
+from disagg.worker.contracts.pod_contract import POD_CONDITION
 
 
 def one_pod(node: NodeCluster, name: str, role: str) -> dict[str, Any]:
@@ -85,6 +87,63 @@ def test_statefulset_pods_resolve_by_their_dns_names(node: NodeCluster, referenc
             "exec", stages[0]["metadata"]["name"], "-c", "engine", "--", "python3", "-c", script
         ).stdout.strip()
         assert got == pod["status"]["podIP"], (host, got)
+
+
+def condition(pod: dict[str, Any], kind: str) -> dict[str, Any]:
+    [found] = [c for c in pod["status"].get("conditions") or [] if c["type"] == kind]
+    return found
+
+
+def engine_status(pod: dict[str, Any]) -> dict[str, Any]:
+    [status] = [s for s in pod["status"]["containerStatuses"] if s["name"] == "engine"]
+    return status
+
+
+def pod_if(node: NodeCluster, name: str, *, ready: bool) -> dict[str, Any] | None:
+    pod: dict[str, Any] = node.json("get", "pod", name)
+    return pod if pod_ready(pod) == ready else None
+
+
+def test_readiness_gate_and_probe_as_the_kubelet_runs_them(
+    node: NodeCluster, reference: str, expected_text: str
+) -> None:
+    model = node.json("get", "disagg", reference)["spec"]["model"]["name"]
+    pod = one_pod(node, reference, "decode")
+    name = pod["metadata"]["name"]
+    assert pod["spec"]["readinessGates"] == [{"conditionType": POD_CONDITION}]
+    gate, ready = condition(pod, POD_CONDITION), condition(pod, "Ready")
+    assert gate["status"] == ready["status"] == "True", (gate, ready)
+    # The kubelet counts the gate: the pod turned Ready no earlier than the sidecar's condition did.
+    assert ready["lastTransitionTime"] >= gate["lastTransitionTime"], (gate, ready)
+
+    # The engine frozen in its cgroup (still running, answering nothing): only the kubelet's own readiness
+    # probe, with its period, timeout and failure threshold, can take the pod out.
+    engine = engine_status(pod)
+    task = engine["containerID"].removeprefix("containerd://")
+    node.ctr("tasks", "pause", task)
+    try:
+        frozen = wait_for(
+            f"{name} unready by its engine's readiness probe", lambda: pod_if(node, name, ready=False), 120
+        )
+        assert condition(frozen, "Ready")["reason"] == "ContainersNotReady", condition(frozen, "Ready")
+        status = engine_status(frozen)
+        assert status["ready"] is False and "running" in status["state"], status
+        # The router takes the other decoder meanwhile.
+        for _ in range(4):
+            assert curl_text(node, reference, model) == expected_text
+    finally:
+        node.ctr("tasks", "resume", task)
+    thawed = wait_for(f"{name} Ready again once it answers", lambda: pod_if(node, name, ready=True), 120)
+    # A readiness probe never restarts a container: the same one, not restarted.
+    assert engine_status(thawed)["containerID"] == engine["containerID"]
+    assert engine_status(thawed)["restartCount"] == engine["restartCount"]
+    received = kv_received(node, name)
+    for _ in range(24):
+        assert curl_text(node, reference, model) == expected_text
+        if kv_received(node, name) > received:
+            break
+    else:
+        raise AssertionError(f"24 requests through the router, none crossed {name}'s pair once it was Ready")
 
 
 def ready_since(pod: dict[str, Any]) -> str | None:
