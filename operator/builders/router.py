@@ -125,8 +125,8 @@ def _pod_template(spec: DisaggDeploymentSpec, owner: Owner, installation: Instal
         # The reconcile refuses such a spec (WorkerImageMissing) before building; reaching this is a bug.
         raise ValueError("no router image: spec.router.image, the installation's and the sidecar's are unset")
     ready = {"periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 3}
-    # A restart drops every stream in flight, so the kubelet restarts the router only after a minute without an
-    # answer: on a node whose engines hold every core, /healthz can take longer than readiness' 3 s.
+    # A restart drops every stream in flight, so the kubelet restarts the router only after a minute without
+    # an answer: on a node whose engines hold every core, /healthz can take longer than readiness' 3 s.
     alive = {"periodSeconds": 10, "timeoutSeconds": 10, "failureThreshold": 6}
     container: dict[str, Any] = {
         "name": ROUTER_CONTAINER,
