@@ -1,23 +1,19 @@
 """charts/disagg installed, upgraded and uninstalled with the real helm against the real 1.20 API server.
 
 There is no kubelet, so the operator pod stays Pending: these tests check what the API server and the
-controller manager make of the chart, not the operator itself. The webhook is scoped to the test's namespace
-(webhook.namespaceSelector) so that other sessions sharing the control plane never meet it.
+controller manager make of the chart, not the operator itself. The operator running from the chart's
+Deployment, with its ServiceAccount's permissions alone and its webhook reached through its Service, is the
+node suite's (`tests/node/test_node.py`), where a kubelet runs it. The webhook is scoped to the test's
+namespace (webhook.namespaceSelector) so that other sessions sharing the control plane never meet it.
 """
 
 from __future__ import annotations
 
-import base64
-import http.client
 import json
 import re
 import secrets
-import signal
-import socket
-import ssl
 import subprocess
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,13 +23,10 @@ import yaml
 from local_cluster import ControlPlane
 
 from disagg.operator.permissions import grants, operator_rules
-from disagg.rig.local import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "disagg"
 EXAMPLE = REPO / "examples" / "pp2-hma.yaml"
-BAD_EXAMPLE = REPO / "examples" / "bad-decode-pp.yaml"
-DISAGG = REPO / ".venv" / "bin" / "disagg"
 CRD = "disaggdeployments.disagg.io"
 WEBHOOK = "validate.disaggdeployments.disagg.io"
 SCOPE_LABEL = "disagg.io/helm-chart-test"
@@ -313,203 +306,3 @@ def test_watch_namespaces_grant_the_workload_permissions_only_there(release: Rel
     release.must_get("rolebinding", f"{release.fullname}-workloads")
     assert granted(release, ns) == workload_grants(release) | OUTSIDE_WATCHED_NAMESPACES
     assert granted(release, "default") == OUTSIDE_WATCHED_NAMESPACES
-
-
-class ServiceNameHTTPS(http.client.HTTPSConnection):
-    """HTTPS to 127.0.0.1 that checks the certificate against the Service name the API server would dial."""
-
-    def __init__(self, service_host: str, port: int, context: ssl.SSLContext) -> None:
-        super().__init__(service_host, port, context=context, timeout=10)
-        self._tls = context
-
-    def connect(self) -> None:
-        raw = socket.create_connection(("127.0.0.1", self.port), timeout=10)
-        self.sock = self._tls.wrap_socket(raw, server_hostname=self.host)
-
-
-def admission_review(manifest: Obj, uid: str) -> Obj:
-    kind = {"group": "disagg.io", "version": "v1alpha1", "kind": "DisaggDeployment"}
-    resource = {"group": "disagg.io", "version": "v1alpha1", "resource": "disaggdeployments"}
-    return {
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": uid,
-            "kind": kind,
-            "resource": resource,
-            "requestKind": kind,
-            "requestResource": resource,
-            "name": manifest["metadata"]["name"],
-            "namespace": manifest["metadata"]["namespace"],
-            "operation": "CREATE",
-            "userInfo": {"username": "kubernetes-admin"},
-            "object": manifest,
-            "oldObject": None,
-            "dryRun": False,
-        },
-    }
-
-
-def service_account_kubeconfig(release: Release, path: Path) -> Path:
-    """A kubeconfig that authenticates as the chart's ServiceAccount, by the token 1.20 keeps in a Secret."""
-    token_secret: list[str] = []
-
-    def token_created() -> bool:
-        account = release.must_get("serviceaccount", release.fullname)
-        token_secret[:] = [s["name"] for s in account.get("secrets", [])]
-        return bool(token_secret)
-
-    poll(token_created, "the ServiceAccount's token Secret")
-    token = base64.b64decode(release.must_get("secret", token_secret[0])["data"]["token"]).decode()
-    admin = yaml.safe_load(release.cp.kubeconfig.read_text())
-    cluster = admin["clusters"][0]["cluster"]
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "local", "cluster": cluster}],
-        "users": [{"name": "operator", "user": {"token": token}}],
-        "contexts": [{"name": "operator", "context": {"cluster": "local", "user": "operator"}}],
-        "current-context": "operator",
-    }
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
-def test_operator_runs_on_the_charts_arguments_identity_and_certificate(
-    release: Release, tmp_path: Path
-) -> None:
-    """The real `disagg operator run`, outside the cluster but with everything the chart gives its pod: the
-    Deployment's command line, the ServiceAccount's token (so only the chart's RBAC applies) and the webhook
-    Secret's certificate. A missing permission or an unknown flag fails here, not in a cluster."""
-    ns = release.namespace
-    release.run_helm(
-        "install",
-        release.name,
-        str(CHART),
-        "--set-json",
-        f'watchNamespaces=["{ns}"]',
-        # No kube-proxy here: the API server could not reach the in-cluster webhook, so keep it out of this
-        # namespace; the test calls the operator's webhook server itself.
-        "--set-json",
-        f'webhook.namespaceSelector={{"matchLabels":{{"{SCOPE_LABEL}":"elsewhere"}}}}',
-    )
-    deployment = release.must_get("deployment", release.fullname)
-    [container] = deployment["spec"]["template"]["spec"]["containers"]
-    assert container["command"] == ["disagg"]
-    secret = release.must_get("secret", f"{release.fullname}-webhook-tls")
-    cert_dir = tmp_path / "webhook"
-    cert_dir.mkdir()
-    for key in ("tls.crt", "tls.key", "ca.crt"):
-        (cert_dir / key).write_bytes(base64.b64decode(secret["data"][key]))
-    health_port, webhook_port = free_port(), free_port()
-    replaced = {
-        "--health-port": str(health_port),
-        "--webhook-port": str(webhook_port),
-        "--webhook-cert-dir": str(cert_dir),
-    }
-    args = [
-        f"{flag}={replaced[flag]}" if flag in replaced else arg
-        for arg in container["args"]
-        for flag in [arg.split("=", 1)[0]]
-    ]
-    assert args[:3] == ["operator", "run", f"--namespace={ns}"]
-    env = dict(release.cp.env())
-    env["KUBECONFIG"] = str(service_account_kubeconfig(release, tmp_path / "operator.kubeconfig"))
-    env.update({e["name"]: e["value"] for e in container["env"] if "value" in e})
-    log = tmp_path / "operator.log"
-    with log.open("wb") as out:
-        operator = subprocess.Popen(
-            [str(DISAGG), *args], env=env, stdout=out, stderr=subprocess.STDOUT, cwd="/"
-        )
-    try:
-
-        def healthy() -> bool:
-            assert operator.poll() is None, f"the operator exited {operator.returncode}:\n{log.read_text()}"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{health_port}/healthz", timeout=2) as reply:
-                    return bool(reply.status == 200)
-            except OSError:
-                return False
-
-        poll(healthy, "the operator's /healthz")
-
-        def webhook_listening() -> bool:
-            # kopf starts its webhook server on its own task: /healthz can answer before the port is bound.
-            try:
-                socket.create_connection(("127.0.0.1", webhook_port), timeout=2).close()
-            except OSError:
-                return False
-            return True
-
-        poll(webhook_listening, "the operator's webhook port")
-
-        # The webhook: the chart's CA verifies the operator's server under the Service's DNS name, and the
-        # chart's path reaches the validation handler.
-        tls = ssl.create_default_context(cafile=str(cert_dir / "ca.crt"))
-        service_host = f"{release.fullname}-webhook.{ns}.svc"
-        config = release.must_get("validatingwebhookconfiguration", release.fullname, namespaced=False)
-        path = config["webhooks"][0]["clientConfig"]["service"]["path"]
-        verdicts = {}
-        for name, manifest in [("good", example_in(ns)), ("bad", example_in(ns, BAD_EXAMPLE))]:
-            connection = ServiceNameHTTPS(service_host, webhook_port, tls)
-            connection.request(
-                "POST",
-                path,
-                json.dumps(admission_review(manifest, name)),
-                {"Content-Type": "application/json"},
-            )
-            reply = connection.getresponse()
-            assert reply.status == 200
-            verdicts[name] = json.loads(reply.read())["response"]
-            connection.close()
-        assert verdicts["good"]["uid"] == "good" and verdicts["good"]["allowed"] is True
-        assert verdicts["bad"]["allowed"] is False
-        assert "pipelineParallelSize" in verdicts["bad"]["status"]["message"]
-
-        # Reconciliation with only the chart's permissions: children applied, status and Events written.
-        manifest = example_in(ns)
-        created = release.kubectl_stdin(manifest, "apply", "-f", "-")
-        assert created.returncode == 0, created.stderr
-        name = manifest["metadata"]["name"]
-
-        def compatible() -> bool:
-            obj = release.must_get("disaggdeployment", name)
-            conditions = {c["type"]: c["status"] for c in obj.get("status", {}).get("conditions", [])}
-            return conditions.get("Compatible") == "True"
-
-        poll(compatible, f"DisaggDeployment {name} Compatible=True")
-
-        def applied_statefulsets() -> list[dict[str, Any]]:
-            listed = release.cp.kubectl("get", "statefulsets", "-n", ns, "-o", "json").stdout
-            items: list[dict[str, Any]] = json.loads(listed)["items"]
-            return items
-
-        # The verdict is written before the children are applied (what `kubectl apply` waits to see).
-        poll(lambda: bool(applied_statefulsets()), "a StatefulSet applied")
-        statefulsets = applied_statefulsets()
-        assert all(s["metadata"]["ownerReferences"][0]["name"] == name for s in statefulsets)
-        # The router's Role grants pods get/list/watch, which the operator may only do holding them itself;
-        # its Deployment is applied last.
-        poll(lambda: release.get("deployment", f"{name}-router") is not None, f"{name}-router applied")
-        router_role = release.must_get("role", f"{name}-router")
-        assert router_role["rules"] == [
-            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
-        ]
-        [router] = release.must_get("deployment", f"{name}-router")["spec"]["template"]["spec"]["containers"]
-        assert router["image"] == env["DISAGG_ROUTER_IMAGE"]
-
-        def applied_event_posted() -> bool:  # kopf posts Events from a queue, after the handler returns
-            events = json.loads(release.cp.kubectl("get", "events", "-n", ns, "-o", "json").stdout)["items"]
-            return any(e["reason"] == "Applied" and e["involvedObject"]["name"] == name for e in events)
-
-        poll(applied_event_posted, f"an Applied Event for {name}")
-    finally:
-        operator.send_signal(signal.SIGTERM)
-        try:
-            operator.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            operator.kill()
-            operator.wait()
-    text = log.read_text()
-    # A 403 anywhere but in a timestamp's milliseconds (",403").
-    assert "Forbidden" not in text and not re.search(r"(?<![,\d])403(?!\d)", text), text
