@@ -11,7 +11,7 @@ export PYTHONSAFEPATH := 1
 
 .PHONY: all venv vllm-venv vllm-engine-venv image image-lock test test-unit test-vllm test-vllm-engine test-image fuzz \
 	demo demo-local demo-vllm bench peer-venv lint crds check-crds vllm-release \
-	control-plane-up control-plane-down node cluster-up cluster-down test-node clean
+	control-plane-up control-plane-down node cluster-up cluster-down test-node test-node2 clean
 
 all: test
 
@@ -54,12 +54,13 @@ image-lock: $(STAMP)
 	$(PY) hack/image/image.py lock
 
 # `make test` builds the images and the node and runs their tests with the rest: an image build takes about 7
-# minutes here, the node's about 15 the first time (then both return at once).
+# minutes here, the node's about 15 the first time (then both return at once). Two nodes are not part of it
+# (`make test-node2`).
 test: $(STAMP) vllm-venv vllm-engine-venv image node
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -m "not node2"
 
 test-unit: $(STAMP)
-	$(PY) -m pytest tests -m "not nixl and not cluster and not helm and not vllm and not vllm_engine and not image and not node"
+	$(PY) -m pytest tests -m "not nixl and not cluster and not helm and not vllm and not vllm_engine and not image and not node and not node2"
 
 test-image: image
 	$(PY) -m pytest tests -m image
@@ -143,6 +144,11 @@ cluster-down:
 # enforces. Brings the node up if it is down and takes it down again afterwards.
 test-node: $(STAMP) image node
 	$(PY) -m pytest tests/node -m node
+
+# The two-node suite (marker node2, tests/node2; docs/real-node.md#two-nodes): `hack/node.sh up --nodes 2`, the
+# reference sample with its PP stages kept apart by anti-affinity, a stage on each node, curl of the Service.
+test-node2: $(STAMP) image node
+	$(PY) -m pytest tests/node2 -m node2
 
 clean:
 	rm -rf $(VENV) .venv-vllm .venv-vllm-engine .venv-peers build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
