@@ -1,7 +1,7 @@
 """Two nodes: the second kubelet in its own network namespace with its own node address. The PP stages of the
 reference sample, kept apart by the prefill role's anti-affinity on the label each kubelet registered, run on
 different nodes, reach each other by their StatefulSet DNS names across them, and the router's Service serves
-what the monolithic run writes."""
+what the monolithic run writes. With a stage's node cordoned, its replacement is refused the head's node."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 from node2_suite import MAX_TOKENS, NODE_LABEL, PROMPT
 
 from disagg.rig import node_cluster
-from disagg.rig.node_cluster import NodeCluster, pod_ready
+from disagg.rig.node_cluster import NodeCluster, pod_ready, wait_for
 
 
 def pod_cidrs(node: NodeCluster, paths: dict[str, str]) -> dict[str, ipaddress.IPv4Network]:
@@ -99,3 +99,44 @@ def test_curl_of_the_router_service_equals_monolithic(
         got = node_cluster.curl_text(node, spread, model, PROMPT, MAX_TOKENS)
         print(f"through the router's Service: {got!r}\nmonolithic run:              {expected_text!r}")
         assert got == expected_text
+
+
+def test_anti_affinity_keeps_a_replaced_stage_off_its_peers_node(
+    node: NodeCluster, spread: str, expected_text: str
+) -> None:
+    """With its own node cordoned, a deleted stage's replacement could only go to the head's node, which the
+    anti-affinity refuses: it stays Pending with the scheduler's reason until its node is back."""
+    head, stage = stages(node, spread)
+    name, home, old_uid = stage["metadata"]["name"], stage["spec"]["nodeName"], stage["metadata"]["uid"]
+    node.kubectl("cordon", home)
+    try:
+        node.kubectl("delete", "pod", name, "--wait=false")
+
+        def refused() -> str | None:
+            got = node.kubectl("get", "pod", name, "-o", "json", check=False)
+            if got.returncode != 0:
+                return None
+            pod = json.loads(got.stdout)
+            if pod["metadata"]["uid"] == old_uid:
+                return None
+            for cond in pod["status"].get("conditions") or []:
+                if cond["type"] == "PodScheduled" and cond.get("reason") == "Unschedulable":
+                    return str(cond["message"])
+            return None
+
+        message = wait_for(f"{name}'s replacement refused by the scheduler", refused, timeout_s=180)
+        print(f"{name}: {message}")
+        assert "anti-affinity" in message and "unschedulable" in message, message
+        assert not node.json("get", "pod", name)["spec"].get("nodeName")
+    finally:
+        node.kubectl("uncordon", home)
+    back = wait_for(
+        f"{name} Ready on {home} again",
+        lambda: [p for p in stages(node, spread) if p["metadata"]["name"] == name and pod_ready(p)],
+        timeout_s=300,
+        interval_s=2,
+    )
+    assert back[0]["spec"]["nodeName"] == home != head["spec"]["nodeName"]
+    wait_for(f"{spread} serving, its 5 pods Ready", lambda: node_cluster.serving(node, spread, 5), 300)
+    model = str(node.json("get", "disagg", spread)["spec"]["model"]["name"])
+    assert node_cluster.curl_text(node, spread, model, PROMPT, MAX_TOKENS) == expected_text
