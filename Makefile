@@ -11,7 +11,8 @@ export PYTHONSAFEPATH := 1
 
 .PHONY: all venv vllm-venv vllm-engine-venv image image-vllm image-lock test test-unit test-vllm test-vllm-engine \
 	test-image fuzz demo demo-local demo-vllm bench peer-venv lint crds check-crds vllm-release \
-	control-plane-up control-plane-down node cluster-up cluster-down test-node test-node-vllm demo-vllm-node clean
+	control-plane-up control-plane-down node cluster-up cluster-down test-node test-node-vllm test-node2 \
+	demo-vllm-node clean
 
 all: test
 
@@ -61,11 +62,12 @@ image-lock: $(STAMP)
 
 # `make test` builds the images (the vLLM engine image too) and the node and runs their tests with the rest: an
 # image build takes about 3 to 7 minutes here, the node's about 15 the first time (then both return at once).
+# Two nodes are not part of it (`make test-node2`).
 test: $(STAMP) vllm-venv vllm-engine-venv image image-vllm node
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -m "not node2"
 
 test-unit: $(STAMP)
-	$(PY) -m pytest tests -m "not nixl and not cluster and not helm and not vllm and not vllm_engine and not image and not node"
+	$(PY) -m pytest tests -m "not nixl and not cluster and not helm and not vllm and not vllm_engine and not image and not node and not node2"
 
 test-image: image
 	$(PY) -m pytest tests -m image
@@ -159,6 +161,11 @@ test-node-vllm: $(STAMP) image image-vllm vllm-engine-venv node
 # The same as a demo that prints each step, what it shows and how long it took.
 demo-vllm-node: $(STAMP) image image-vllm vllm-engine-venv node
 	$(PY) -m disagg.rig.demo_vllm_node
+
+# The two-node suite (marker node2, tests/node2; docs/real-node.md#two-nodes): `hack/node.sh up --nodes 2`, the
+# reference sample with its PP stages kept apart by anti-affinity, a stage on each node, curl of the Service.
+test-node2: $(STAMP) image node
+	$(PY) -m pytest tests/node2 -m node2
 
 clean:
 	rm -rf $(VENV) .venv-vllm .venv-vllm-engine .venv-peers build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

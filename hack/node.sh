@@ -10,6 +10,7 @@
 #
 #   bash hack/node.sh install      # idempotent: apt packages, node binaries (cached), containerd, registry, pause
 #   bash hack/node.sh up           # install if needed, then start everything (a no-op when already up)
+#   bash hack/node.sh up --nodes 2 # the same, and a second node (disagg-node-2) in its own network namespace
 #   eval "$(bash hack/node.sh env)"   # KUBECONFIG, PATH (kubectl, helm), DISAGG_REGISTRY
 #   bash hack/node.sh status | down | paths
 #   bash hack/node.sh restart-kubelet   # the kubelet stopped and started again; its containers keep running
@@ -20,6 +21,13 @@
 # the kubepods cgroups, and the folders the kubelet creates outside its root. Settings (environment):
 # DISAGG_NODE_STATE (default /tmp/disagg-node), DISAGG_NODE_ETCD_PORT, DISAGG_NODE_ETCD_PEER_PORT,
 # DISAGG_NODE_APISERVER_PORT, DISAGG_REGISTRY_PORT, DISAGG_CACHE.
+#
+# A second node (`up --nodes 2`) gets its own network namespace with its own node address behind a veth pair,
+# its own containerd (two kubelets on one containerd would remove each other's sandboxes), kubelet (its own
+# cgroup root: a kubelet kills the processes of pod cgroups it does not know under its root) and kube-proxy,
+# and a mount namespace shared by its kubelet and containerd in which /var/log/pods, /var/log/containers and
+# /var/lib/kubelet are its own (a kubelet's log GC removes the log folders of pods it does not know, and the
+# paths are fixed). The registry then listens on the first node's address, which both nodes reach.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -52,8 +60,41 @@ CLUSTER_DOMAIN=cluster.local
 # Every port below the ephemeral range (32768-60999 here): a registry on 35000 once failed with "bind: address
 # already in use", the API server's own connection to etcd holding 127.0.0.1:35000 as its source port.
 REGISTRY_PORT=${DISAGG_REGISTRY_PORT:-30500}
-REGISTRY=127.0.0.1:$REGISTRY_PORT
 KUBELET_PORT=10250
+
+# How many nodes: `up --nodes N` says; every other command reads what `up` recorded.
+NODES=1
+if [[ ${1:-} == up ]]; then
+  if [[ ${2:-} == --nodes ]]; then
+    [[ ${3:-} =~ ^[12]$ ]] || { echo "[node] --nodes takes 1 or 2" >&2; exit 2; }
+    NODES=$3
+  fi
+elif [[ -f $STATE/nodes ]]; then
+  NODES=$(cat "$STATE/nodes")
+fi
+# One node: the registry on loopback, as it always was. Two: on the first node's address, which the second
+# node's containerd reaches from its own network namespace (its loopback is its own).
+if ((NODES == 2)); then REGISTRY=$NODE_IP:$REGISTRY_PORT; else REGISTRY=127.0.0.1:$REGISTRY_PORT; fi
+# The cluster's pod range: each node routes its own /24; kube-proxy leaves traffic from inside it unmasqueraded.
+CLUSTER_CIDR=$POD_CIDR
+((NODES == 2)) && CLUSTER_CIDR=10.244.0.0/16
+
+# The second node: a network namespace joined to this one by a veth pair (a /30 of its own), its pod bridge
+# inside it with the node address as the gateway, as the first node's.
+NODE2_NAME=disagg-node-2
+NODE2_NETNS=disagg-node-2
+NODE2_IP=10.244.1.1
+NODE2_POD_CIDR=10.244.1.0/24
+NODE2_BRIDGE=disagg1
+NODE2_LINK=disagg-n2
+NODE2_LINK_HOST_IP=10.244.255.1
+NODE2_LINK_NODE_IP=10.244.255.2
+NODE2_CGROUP=disagg-node-2
+N2=$STATE/node2
+NODE2_MNTNS=$N2/ns/mnt
+NODE2_CONTAINERD_SOCK=$N2/containerd/containerd.sock
+# The folders a kubelet uses whatever its flags say, private to the second node's mount namespace.
+NODE2_PRIVATE_DIRS=(/var/log/pods /var/log/containers /var/lib/kubelet)
 
 export DISAGG_STATE=$STATE/control-plane
 export DISAGG_ETCD_PORT=${DISAGG_NODE_ETCD_PORT:-32379}
@@ -80,6 +121,10 @@ SYSCTLS=(net.ipv4.ip_forward net.bridge.bridge-nf-call-iptables net.bridge.bridg
 # Folders the kubelet creates whatever its --root-dir says; removed by `down` only when `up` made them.
 HOST_DIRS=(/var/log/pods /var/log/containers /var/lib/kubelet /run/containerd /run/netns /var/lib/cni)
 DAEMONS=(containerd registry kubelet kube-scheduler kube-proxy dnsmasq dns-watcher)
+NODE2_DAEMONS=(containerd-2 kubelet-2 kube-proxy-2)
+((NODES == 2)) && DAEMONS+=("${NODE2_DAEMONS[@]}")
+# Prepended to a daemon's command by `launch`: the second node's daemons run inside its namespaces.
+LAUNCH_PREFIX=()
 
 log() { printf '[node] %s\n' "$*" >&2; }
 die() {
@@ -175,11 +220,11 @@ pid_alive() {
 launch() {
   local name=$1
   shift
-  nohup setsid "$@" >"$LOGS/$name.log" 2>&1 </dev/null &
+  nohup setsid "${LAUNCH_PREFIX[@]}" "$@" >"$LOGS/$name.log" 2>&1 </dev/null &
   local pid=$!
   echo "$pid" >"$STATE/$name.pid"
   readlink -f "$(command -v "$1")" >"$STATE/$name.exe"
-  # $! names the forked shell until nohup and setsid have exec'd the daemon.
+  # $! names the forked shell until nohup, setsid (and nsenter) have exec'd the daemon.
   local i
   for ((i = 0; i < 100; i++)); do
     [[ $(readlink "/proc/$pid/exe" 2>/dev/null) == "$(cat "$STATE/$name.exe")" ]] && return 0
@@ -250,6 +295,8 @@ restore_host() {
     done
   fi
   ip link del "$BRIDGE" 2>/dev/null || true
+  # The second node's namespace takes its veth, bridge, routes, iptables and sysctls with it.
+  ip netns del "$NODE2_NETNS" 2>/dev/null || true
   # Every chain kube-proxy, the kubelet and the CNI plugins made: first the rules that jump to them from the
   # built-in chains, then the chains themselves.
   for t in filter nat mangle; do
@@ -266,7 +313,7 @@ restore_host() {
     done
   done
   # The kubelet's QoS cgroups, in every v1 hierarchy and the unified one (they outlive the kubelet).
-  for d in /sys/fs/cgroup/*/kubepods /sys/fs/cgroup/kubepods; do
+  for d in /sys/fs/cgroup/*/kubepods /sys/fs/cgroup/kubepods /sys/fs/cgroup/*/"$NODE2_CGROUP"; do
     [[ -d $d ]] && find "$d" -depth -type d -exec rmdir {} + 2>/dev/null || true
   done
   while IFS='=' read -r line t; do
@@ -319,17 +366,19 @@ current-context: disagg-node
 EOF
 }
 
-write_configs() {
-  mkdir -p "$STATE/containerd/certs.d/$REGISTRY" "$STATE/containerd/certs.d/ghcr.io" "$STATE/cni/net.d" \
-    "$STATE/registry" "$STATE/dns" "$PKI"
-  cat >"$STATE/containerd/config.toml" <<EOF
+# containerd's configuration for one node: its root, state and socket under `dir`, its CNI configuration in
+# `cni_dir`, the registry (and ghcr.io mirrored from it) in `dir/certs.d`.
+write_containerd_config() {
+  local dir=$1 cni_dir=$2
+  mkdir -p "$dir/certs.d/$REGISTRY" "$dir/certs.d/ghcr.io" "$cni_dir"
+  cat >"$dir/config.toml" <<EOF
 version = 2
-root = "$STATE/containerd/root"
-state = "$STATE/containerd/state"
+root = "$dir/root"
+state = "$dir/state"
 [grpc]
-  address = "$CONTAINERD_SOCK"
+  address = "$dir/containerd.sock"
 [ttrpc]
-  address = "$STATE/containerd/containerd.sock.ttrpc"
+  address = "$dir/containerd.sock.ttrpc"
 [metrics]
   address = ""
 [plugins."io.containerd.grpc.v1.cri"]
@@ -349,36 +398,61 @@ state = "$STATE/containerd/state"
         BinaryName = "$(command -v runc)"
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "/usr/lib/cni"
-    conf_dir = "$STATE/cni/net.d"
+    conf_dir = "$cni_dir"
   [plugins."io.containerd.grpc.v1.cri".registry]
-    config_path = "$STATE/containerd/certs.d"
+    config_path = "$dir/certs.d"
 EOF
-  # The loopback registry speaks plain HTTP. ghcr.io, where the chart's and examples' images live by default,
+  # The registry speaks plain HTTP. ghcr.io, where the chart's and examples' images live by default,
   # is mirrored from it, the way a cluster with a pull-through mirror resolves them: examples apply as written.
-  cat >"$STATE/containerd/certs.d/$REGISTRY/hosts.toml" <<EOF
+  cat >"$dir/certs.d/$REGISTRY/hosts.toml" <<EOF
 server = "http://$REGISTRY"
 [host."http://$REGISTRY"]
   capabilities = ["pull", "resolve"]
 EOF
-  cat >"$STATE/containerd/certs.d/ghcr.io/hosts.toml" <<EOF
+  cat >"$dir/certs.d/ghcr.io/hosts.toml" <<EOF
 server = "https://ghcr.io"
 [host."http://$REGISTRY"]
   capabilities = ["pull", "resolve"]
 EOF
-  # Pods get a route to the Services' range only, no default route: nothing they send can leave this machine.
-  cat >"$STATE/cni/net.d/10-disagg.conflist" <<EOF
+}
+
+# One node's pod network. Pods get routes to the Services' range (and with two nodes, to the cluster's pod
+# range) only, no default route: nothing they send can leave this machine.
+write_cni_config() {
+  local file=$1 bridge=$2 subnet=$3 gateway=$4 ipam=$5 routes
+  routes="{\"dst\": \"$SERVICE_CIDR\"}"
+  ((NODES == 2)) && routes="$routes, {\"dst\": \"$CLUSTER_CIDR\"}"
+  cat >"$file" <<EOF
 {
   "cniVersion": "0.4.0",
   "name": "disagg",
   "plugins": [
-    {"type": "bridge", "bridge": "$BRIDGE", "isGateway": true, "ipMasq": false, "hairpinMode": true,
-     "ipam": {"type": "host-local", "dataDir": "$STATE/cni/ipam",
-              "ranges": [[{"subnet": "$POD_CIDR", "gateway": "$NODE_IP"}]],
-              "routes": [{"dst": "$SERVICE_CIDR"}]}},
+    {"type": "bridge", "bridge": "$bridge", "isGateway": true, "ipMasq": false, "hairpinMode": true,
+     "ipam": {"type": "host-local", "dataDir": "$ipam",
+              "ranges": [[{"subnet": "$subnet", "gateway": "$gateway"}]],
+              "routes": [$routes]}},
     {"type": "portmap", "capabilities": {"portMappings": true}}
   ]
 }
 EOF
+}
+
+# A kubelet's serving certificate, for the API server's logs/exec calls (which do not verify it).
+sign_serving_cert() {
+  local name=$1 node=$2 ip=$3
+  [[ -f $PKI/$name-serving.crt ]] && return 0
+  printf 'keyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\nsubjectAltName=IP:%s,DNS:%s\n' \
+    "$ip" "$node" >"$PKI/serving.ext"
+  openssl req -newkey rsa:2048 -nodes -keyout "$PKI/$name-serving.key" -out "$PKI/$name-serving.csr" \
+    -subj "/CN=$node" 2>/dev/null
+  openssl x509 -req -in "$PKI/$name-serving.csr" -CA "$CA_CRT" -CAkey "$CA_KEY" -CAcreateserial -days 3650 \
+    -extfile "$PKI/serving.ext" -out "$PKI/$name-serving.crt" 2>/dev/null
+}
+
+write_configs() {
+  mkdir -p "$STATE/registry" "$STATE/dns" "$PKI"
+  write_containerd_config "$STATE/containerd" "$STATE/cni/net.d"
+  write_cni_config "$STATE/cni/net.d/10-disagg.conflist" "$BRIDGE" "$POD_CIDR" "$NODE_IP" "$STATE/cni/ipam"
   cat >"$STATE/registry.yml" <<EOF
 version: 0.1
 log:
@@ -398,14 +472,14 @@ EOF
   write_kubeconfig kubelet
   write_kubeconfig kube-proxy
   write_kubeconfig kube-scheduler
-  # The kubelet's serving certificate, for the API server's logs/exec calls (which do not verify it).
-  if [[ ! -f $PKI/kubelet-serving.crt ]]; then
-    printf 'keyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\nsubjectAltName=IP:%s,DNS:%s\n' \
-      "$NODE_IP" "$NODE_NAME" >"$PKI/serving.ext"
-    openssl req -newkey rsa:2048 -nodes -keyout "$PKI/kubelet-serving.key" -out "$PKI/kubelet-serving.csr" \
-      -subj "/CN=$NODE_NAME" 2>/dev/null
-    openssl x509 -req -in "$PKI/kubelet-serving.csr" -CA "$CA_CRT" -CAkey "$CA_KEY" -CAcreateserial -days 3650 \
-      -extfile "$PKI/serving.ext" -out "$PKI/kubelet-serving.crt" 2>/dev/null
+  sign_serving_cert kubelet "$NODE_NAME" "$NODE_IP"
+  if ((NODES == 2)); then
+    write_containerd_config "$N2/containerd" "$N2/cni/net.d"
+    write_cni_config "$N2/cni/net.d/10-disagg.conflist" "$NODE2_BRIDGE" "$NODE2_POD_CIDR" "$NODE2_IP" \
+      "$N2/cni/ipam"
+    sign_client_cert kubelet-2 "/O=system:nodes/CN=system:node:$NODE2_NAME"
+    write_kubeconfig kubelet-2
+    sign_serving_cert kubelet-2 "$NODE2_NAME" "$NODE2_IP"
   fi
 }
 
@@ -418,28 +492,102 @@ venv_python() {
 
 is_up() {
   local d
+  [[ $(cat "$STATE/nodes" 2>/dev/null || echo 1) == "$NODES" ]] || return 1
   for d in "${DAEMONS[@]}"; do pid_alive "$d" || return 1; done
   bash "$CP" status >/dev/null 2>&1
 }
 
-start_kubelet() {
-  mkdir -p "$STATE/kubelet"
-  launch kubelet "$BIN/kubelet" --kubeconfig "$STATE/kubelet.kubeconfig" --hostname-override "$NODE_NAME" \
-    --node-ip "$NODE_IP" --address "$NODE_IP" --port "$KUBELET_PORT" --read-only-port 0 \
+launch_kubelet() {
+  local name=$1 node=$2 ip=$3 sock=$4 root=$5
+  shift 5
+  mkdir -p "$root"
+  launch "$name" "$BIN/kubelet" --kubeconfig "$STATE/$name.kubeconfig" --hostname-override "$node" \
+    --node-ip "$ip" --address "$ip" --port "$KUBELET_PORT" --read-only-port 0 \
     --healthz-bind-address 127.0.0.1 --healthz-port 30248 \
-    --container-runtime remote --container-runtime-endpoint "unix://$CONTAINERD_SOCK" \
+    --container-runtime remote --container-runtime-endpoint "unix://$sock" \
     --runtime-request-timeout 15m --cgroup-driver cgroupfs --fail-swap-on=false \
-    --root-dir "$STATE/kubelet" --cert-dir "$STATE/kubelet/pki" --volume-plugin-dir "$STATE/kubelet/plugins" \
-    --tls-cert-file "$PKI/kubelet-serving.crt" --tls-private-key-file "$PKI/kubelet-serving.key" \
+    --root-dir "$root" --cert-dir "$root/pki" --volume-plugin-dir "$root/plugins" \
+    --tls-cert-file "$PKI/$name-serving.crt" --tls-private-key-file "$PKI/$name-serving.key" \
     --anonymous-auth=false --client-ca-file "$CA_CRT" --authorization-mode Webhook \
     --cluster-dns "$DNS_IP" --cluster-domain "$CLUSTER_DOMAIN" --resolv-conf "$STATE/host-resolv.conf" \
-    --serialize-image-pulls=false --node-labels "disagg.io/node=$NODE_NAME" --v 1
+    --serialize-image-pulls=false --node-labels "disagg.io/node=$node" --v 1 "$@"
 }
 
-wait_node_ready() {
-  wait_for "node $NODE_NAME Ready" 120 kubelet \
-    bash -c "'$BIN/kubectl' --kubeconfig '$KUBECONFIG_FILE' get node '$NODE_NAME' \
-      -o jsonpath='{.status.conditions[?(@.type==\"Ready\")].status}' | grep -qx True"
+# --conntrack-*=0: leave the host's conntrack table size and timeouts alone.
+launch_kube_proxy() {
+  local name=$1 node=$2 ip=$3
+  launch "$name" "$BIN/kube-proxy" --kubeconfig "$STATE/kube-proxy.kubeconfig" --hostname-override "$node" \
+    --bind-address "$ip" --proxy-mode iptables --cluster-cidr "$CLUSTER_CIDR" \
+    --healthz-bind-address 127.0.0.1:30256 --metrics-bind-address 127.0.0.1:30249 \
+    --conntrack-max-per-core 0 --conntrack-tcp-timeout-established 0 --conntrack-tcp-timeout-close-wait 0 --v 1
+}
+
+launch_containerd() {
+  local name=$1 dir=$2
+  # containerd finds its shim (containerd-shim-runc-v2) on its PATH.
+  (
+    PATH=$NODE_ROOT/usr/bin:$PATH
+    launch "$name" "$NODE_ROOT/usr/bin/containerd" --config "$dir/config.toml"
+  )
+  wait_for "$name's socket" 30 "$name" "$NODE_ROOT/usr/bin/ctr" --address "$dir/containerd.sock" version
+}
+
+node_ready() {
+  "$BIN/kubectl" --kubeconfig "$KUBECONFIG_FILE" get node "$1" \
+    -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' | grep -qx True
+}
+
+in_node2_net() { nsenter --net="/run/netns/$NODE2_NETNS" -- "$@"; }
+
+# The second node's host side: its network namespace joined to this one by a veth pair, its pod bridge inside
+# it, routes both ways; its cgroup root; and a mount namespace for its kubelet and containerd, held by a bind
+# mount of its nsfs file (on a private mount: a namespace file cannot be bound under a shared one).
+node2_host_up() {
+  ip netns add "$NODE2_NETNS"
+  ip link add "$NODE2_LINK" type veth peer name eth0 netns "$NODE2_NETNS"
+  ip addr replace "$NODE2_LINK_HOST_IP/30" dev "$NODE2_LINK"
+  ip link set "$NODE2_LINK" up
+  ip -n "$NODE2_NETNS" link set lo up
+  ip -n "$NODE2_NETNS" addr replace "$NODE2_LINK_NODE_IP/30" dev eth0
+  ip -n "$NODE2_NETNS" link set eth0 up
+  ip -n "$NODE2_NETNS" link add "$NODE2_BRIDGE" type bridge
+  ip -n "$NODE2_NETNS" addr replace "$NODE2_IP/24" dev "$NODE2_BRIDGE"
+  ip -n "$NODE2_NETNS" link set "$NODE2_BRIDGE" up
+  # The first node's pods and address (the API server, DNS, the registry) through the host; the Services'
+  # range to the bridge, as on the first node, until kube-proxy's rules take it; no default route.
+  ip -n "$NODE2_NETNS" route replace "$CLUSTER_CIDR" via "$NODE2_LINK_HOST_IP" dev eth0
+  ip -n "$NODE2_NETNS" route replace "$SERVICE_CIDR" dev "$NODE2_BRIDGE" src "$NODE2_IP"
+  ip route replace "$NODE2_POD_CIDR" via "$NODE2_LINK_NODE_IP" dev "$NODE2_LINK"
+  # Both are the namespace's own (they go with it).
+  in_node2_net sh -c 'echo 1 >/proc/sys/net/ipv4/ip_forward; echo 1 >/proc/sys/net/bridge/bridge-nf-call-iptables'
+
+  # A kubelet refuses a --cgroup-root that does not exist; cpuset's must hold CPUs and memory nodes to be used.
+  local h d
+  for h in /sys/fs/cgroup/*/; do mkdir -p "$h$NODE2_CGROUP"; done
+  for h in cpus mems; do
+    cat "/sys/fs/cgroup/cpuset/cpuset.$h" >"/sys/fs/cgroup/cpuset/$NODE2_CGROUP/cpuset.$h"
+  done
+
+  mkdir -p "$N2/ns"
+  mount --bind "$N2/ns" "$N2/ns"
+  mount --make-private "$N2/ns"
+  touch "$NODE2_MNTNS"
+  for d in "${NODE2_PRIVATE_DIRS[@]}"; do mkdir -p "$d" "$N2/private$d"; done
+  # Slave: the host's mounts reach it, its own (the pods' volumes, containerd's rootfs) stay in it.
+  unshare --mount="$NODE2_MNTNS" --propagation slave bash -c '
+    n2=$1
+    shift
+    for d in "$@"; do mount --bind "$n2/private$d" "$d"; done' _ "$N2" "${NODE2_PRIVATE_DIRS[@]}"
+}
+
+node2_up() {
+  LAUNCH_PREFIX=(nsenter "--net=/run/netns/$NODE2_NETNS" "--mount=$NODE2_MNTNS" --)
+  launch_containerd containerd-2 "$N2/containerd"
+  launch_kubelet kubelet-2 "$NODE2_NAME" "$NODE2_IP" "$NODE2_CONTAINERD_SOCK" "$N2/kubelet" \
+    --cgroup-root "/$NODE2_CGROUP"
+  LAUNCH_PREFIX=(nsenter "--net=/run/netns/$NODE2_NETNS" --)
+  launch_kube_proxy kube-proxy-2 "$NODE2_NAME" "$NODE2_IP"
+  LAUNCH_PREFIX=()
 }
 
 cmd_up() {
@@ -454,6 +602,7 @@ cmd_up() {
   if [[ -d $STATE ]]; then cmd_down; fi
   trap 'log "up failed; taking down what it started"; cmd_down' EXIT
   mkdir -p "$STATE" "$LOGS"
+  echo "$NODES" >"$STATE/nodes"
   save_host
 
   # The bridge exists before the API server, which binds the node address on it.
@@ -465,6 +614,7 @@ cmd_up() {
   echo 1 >/proc/sys/net/ipv4/ip_forward
   # Pod -> Service -> pod on the same bridge: the reply must pass netfilter to be un-DNATed.
   echo 1 >/proc/sys/net/bridge/bridge-nf-call-iptables
+  ((NODES == 2)) && node2_host_up
 
   bash "$CP" start
   write_configs
@@ -473,12 +623,7 @@ cmd_up() {
   wait_for "the registry" 30 registry curl -fsS "http://$REGISTRY/v2/"
   skopeo copy --quiet --dest-tls-verify=false "oci:$PAUSE_LAYOUT:$PAUSE_TAG" "docker://$REGISTRY/pause:$PAUSE_TAG"
 
-  # containerd finds its shim (containerd-shim-runc-v2) on its PATH.
-  (
-    PATH=$NODE_ROOT/usr/bin:$PATH
-    launch containerd "$NODE_ROOT/usr/bin/containerd" --config "$STATE/containerd/config.toml"
-  )
-  wait_for "containerd's socket" 30 containerd "$NODE_ROOT/usr/bin/ctr" --address "$CONTAINERD_SOCK" version
+  launch_containerd containerd "$STATE/containerd"
 
   launch dnsmasq "$(command -v dnsmasq)" --keep-in-foreground --log-facility=- --conf-file=/dev/null \
     --no-resolv --no-hosts --no-negcache --bind-interfaces --listen-address="$DNS_IP" --port=53 \
@@ -487,51 +632,63 @@ cmd_up() {
   launch dns-watcher "$py" -m disagg.rig.node_dns --kubeconfig "$KUBECONFIG_FILE" \
     --hosts "$STATE/dns/cluster.hosts" --dnsmasq-pid "$STATE/dnsmasq.pid" --domain "$CLUSTER_DOMAIN"
 
-  start_kubelet
+  launch_kubelet kubelet "$NODE_NAME" "$NODE_IP" "$CONTAINERD_SOCK" "$STATE/kubelet"
   launch kube-scheduler "$BIN/kube-scheduler" --kubeconfig "$STATE/kube-scheduler.kubeconfig" \
     --leader-elect=false --port 0 --secure-port 0 --v 1
-  # --conntrack-*=0: leave the host's conntrack table size and timeouts alone.
-  launch kube-proxy "$BIN/kube-proxy" --kubeconfig "$STATE/kube-proxy.kubeconfig" --hostname-override "$NODE_NAME" \
-    --bind-address "$NODE_IP" --proxy-mode iptables --cluster-cidr "$POD_CIDR" \
-    --healthz-bind-address 127.0.0.1:30256 --metrics-bind-address 127.0.0.1:30249 \
-    --conntrack-max-per-core 0 --conntrack-tcp-timeout-established 0 --conntrack-tcp-timeout-close-wait 0 --v 1
+  launch_kube_proxy kube-proxy "$NODE_NAME" "$NODE_IP"
+  ((NODES == 2)) && node2_up
 
-  wait_node_ready
-  local d
+  wait_for "node $NODE_NAME Ready" 120 kubelet node_ready "$NODE_NAME"
+  local d nodes="node $NODE_NAME ($NODE_IP)"
+  if ((NODES == 2)); then
+    wait_for "node $NODE2_NAME Ready" 120 kubelet-2 node_ready "$NODE2_NAME"
+    nodes="nodes $NODE_NAME ($NODE_IP) and $NODE2_NAME ($NODE2_IP, network namespace $NODE2_NETNS)"
+  fi
   for d in "${DAEMONS[@]}"; do pid_alive "$d" || die "$d exited: $(tail -n 20 "$LOGS/$d.log")"; done
   trap - EXIT
-  log "up in $((SECONDS - t0)) s: node $NODE_NAME ($NODE_IP), registry $REGISTRY, KUBECONFIG=$KUBECONFIG_FILE"
+  log "up in $((SECONDS - t0)) s: $nodes, registry $REGISTRY, KUBECONFIG=$KUBECONFIG_FILE"
 }
 
 ctr_k8s() { "$NODE_ROOT/usr/bin/ctr" --address "$CONTAINERD_SOCK" -n k8s.io "$@"; }
+ctr2_k8s() { "$NODE_ROOT/usr/bin/ctr" --address "$NODE2_CONTAINERD_SOCK" -n k8s.io "$@"; }
+
+tasks_left() { [[ -n $(ctr_k8s tasks ls -q 2>/dev/null) || -n $(ctr2_k8s tasks ls -q 2>/dev/null) ]]; }
+
+# Kill the tasks a containerd still has (a kubelet that died first), so that its shims exit.
+kill_tasks() {
+  local ctr=$1 c
+  for c in $($ctr tasks ls -q 2>/dev/null); do $ctr tasks kill -s KILL "$c" >/dev/null 2>&1 || true; done
+  sleep 1
+  for c in $($ctr tasks ls -q 2>/dev/null); do $ctr tasks delete -f "$c" >/dev/null 2>&1 || true; done
+}
 
 cmd_down() {
   local t0=$SECONDS
-  # No new pods: the scheduler and the controllers go first. Then every pod is deleted while the kubelet and
-  # containerd still run, so that containerd tears down each sandbox's network (CNI DEL) and mounts.
+  # No new pods: the scheduler and the controllers go first. Then every pod is deleted while the kubelets and
+  # containerds still run, so that containerd tears down each sandbox's network (CNI DEL) and mounts.
   # (The controllers recreate some, but with no scheduler they stay Pending, bound to no node.)
   stop_one kube-scheduler
   if pid_alive kubelet && pid_alive containerd && bash "$CP" status >/dev/null 2>&1; then
     kubectl_admin delete pods --all --all-namespaces --grace-period 0 --force --wait=false >/dev/null 2>&1 || true
     local deadline=$((SECONDS + 60))
-    while ((SECONDS < deadline)) && [[ -n $(ctr_k8s tasks ls -q 2>/dev/null) ]]; do sleep 0.5; done
+    while ((SECONDS < deadline)) && tasks_left; do sleep 0.5; done
   fi
+  # The second node's daemons whatever NODES says: `up` takes down what an earlier run left.
   stop_one kubelet
+  stop_one kubelet-2
   stop_one kube-proxy
+  stop_one kube-proxy-2
   stop_one dns-watcher
   stop_one dnsmasq
-  if pid_alive containerd; then
-    # Anything left (a kubelet that died first): kill the tasks, so the shims exit.
-    local c
-    for c in $(ctr_k8s tasks ls -q 2>/dev/null); do ctr_k8s tasks kill -s KILL "$c" >/dev/null 2>&1 || true; done
-    sleep 1
-    for c in $(ctr_k8s tasks ls -q 2>/dev/null); do ctr_k8s tasks delete -f "$c" >/dev/null 2>&1 || true; done
-  fi
+  pid_alive containerd && kill_tasks ctr_k8s
+  pid_alive containerd-2 && kill_tasks ctr2_k8s
   stop_one containerd
+  stop_one containerd-2
   stop_one registry
   # Shims that outlived containerd (they are started detached from it): only ours, found by their socket path.
   local p
-  for p in $(pgrep -f "containerd-shim-runc-v2 .*-address $CONTAINERD_SOCK" 2>/dev/null || true); do
+  for p in $(pgrep -f "containerd-shim-runc-v2 .*-address ($CONTAINERD_SOCK|$NODE2_CONTAINERD_SOCK)( |$)" \
+    2>/dev/null || true); do
     kill -KILL "$p" 2>/dev/null || true
   done
   bash "$CP" teardown >/dev/null 2>&1 || true
@@ -566,9 +723,9 @@ cmd_restart_kubelet() {
   local before
   before=$(cat "$STATE/kubelet.pid")
   stop_one kubelet
-  start_kubelet
+  launch_kubelet kubelet "$NODE_NAME" "$NODE_IP" "$CONTAINERD_SOCK" "$STATE/kubelet"
   wait_for "the new kubelet's health endpoint" 60 kubelet curl -fsS http://127.0.0.1:30248/healthz
-  wait_node_ready
+  wait_for "node $NODE_NAME Ready" 120 kubelet node_ready "$NODE_NAME"
   log "kubelet restarted: pid $before -> $(cat "$STATE/kubelet.pid"); node $NODE_NAME Ready"
 }
 
@@ -583,6 +740,10 @@ cmd_paths() {
   printf 'kubeconfig=%s\nbin=%s\nstate=%s\nregistry=%s\nnode=%s\nnode_ip=%s\ncontainerd=%s\nctr=%s\n' \
     "$KUBECONFIG_FILE" "$BIN" "$STATE" "$REGISTRY" "$NODE_NAME" "$NODE_IP" "$CONTAINERD_SOCK" \
     "$NODE_ROOT/usr/bin/ctr"
+  if ((NODES == 2)); then
+    printf 'node2=%s\nnode2_ip=%s\nnode2_netns=%s\ncontainerd2=%s\n' "$NODE2_NAME" "$NODE2_IP" "$NODE2_NETNS" \
+      "$NODE2_CONTAINERD_SOCK"
+  fi
 }
 
 main() {
@@ -596,7 +757,7 @@ main() {
     paths) cmd_paths ;;
     restart-kubelet) cmd_restart_kubelet ;;
     *)
-      echo "usage: $0 install|up|down|status|env|paths|restart-kubelet" >&2
+      echo "usage: $0 install|up [--nodes 1|2]|down|status|env|paths|restart-kubelet" >&2
       exit 2
       ;;
   esac

@@ -230,23 +230,24 @@ def wait_operator(node: NodeCluster) -> dict[str, Any]:
     return pod
 
 
+def serving(node: NodeCluster, name: str, pods: int) -> bool:
+    """The DisaggDeployment Routable and Available, and its `pods` pods (the router's too) Ready."""
+    # Routable (the READY column) holds with one pair; Available once every engine pod is ready.
+    status = node.json("get", "disagg", name).get("status") or {}
+    true = {c.get("type") for c in status.get("conditions") or [] if c.get("status") == "True"}
+    found = node.pods("default", f"disagg.io/deployment={name}")
+    return {ROUTABLE, "Available"} <= true and len(found) == pods and all(pod_ready(p) for p in found)
+
+
 def apply_sample(node: NodeCluster, sample: Path, pods: int, timeout_s: float = 420) -> str:
     """`kubectl apply -f sample`, then Routable, Available and its `pods` pods (the router's too) Ready;
     returns its name. A sample that does not get there fails with the pods and the latest events."""
     node.kubectl("apply", "-f", str(sample))
     name: str = yaml.safe_load(sample.read_text())["metadata"]["name"]
-
-    def ready() -> bool:
-        # Routable (the READY column) holds with one pair; Available once every engine pod is ready.
-        status = node.json("get", "disagg", name).get("status") or {}
-        true = {c.get("type") for c in status.get("conditions") or [] if c.get("status") == "True"}
-        found = node.pods("default", f"disagg.io/deployment={name}")
-        return {ROUTABLE, "Available"} <= true and len(found) == pods and all(pod_ready(p) for p in found)
-
     try:
         wait_for(
             f"DisaggDeployment {name} Routable and Available, its {pods} pods Ready",
-            ready,
+            lambda: serving(node, name, pods),
             timeout_s=timeout_s,
             interval_s=2,
         )
