@@ -117,14 +117,13 @@ def apply_sample(node: NodeCluster, timeout_s: float) -> str:
     name = str(sample()["metadata"]["name"])
     node.kubectl("apply", "-f", str(SAMPLE))
 
-    def ready() -> bool:
-        status = node.json("get", "disagg", name).get("status") or {}
-        true = {c.get("type") for c in status.get("conditions") or [] if c.get("status") == "True"}
-        pods = node.pods("default", f"disagg.io/deployment={name}")
-        return {"Routable", "Available"} <= true and len(pods) == PODS and all(pod_ready(p) for p in pods)
-
     try:
-        wait_for(f"{name} Routable and Available, its {PODS} pods Ready", ready, timeout_s, interval_s=3)
+        wait_for(
+            f"{name} Routable and Available, its {PODS} pods Ready",
+            lambda: node_cluster.serving(node, name, PODS),
+            timeout_s,
+            interval_s=3,
+        )
     except NodeError as exc:
         raise NodeError(f"{exc}\n{diagnosis(node, name)}") from exc
     return name

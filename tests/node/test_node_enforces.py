@@ -137,13 +137,7 @@ def test_readiness_gate_and_probe_as_the_kubelet_runs_them(
     # A readiness probe never restarts a container: the same one, not restarted.
     assert engine_status(thawed)["containerID"] == engine["containerID"]
     assert engine_status(thawed)["restartCount"] == engine["restartCount"]
-    received = kv_received(node, name)
-    for _ in range(24):
-        assert curl_text(node, reference, model) == expected_text
-        if kv_received(node, name) > received:
-            break
-    else:
-        raise AssertionError(f"24 requests through the router, none crossed {name}'s pair once it was Ready")
+    requests_until_one_crosses(node, reference, name, expected_text)
 
 
 def ready_since(pod: dict[str, Any]) -> str | None:
@@ -160,6 +154,20 @@ def kv_received(node: NodeCluster, decode_pod: str) -> int:
     return sum(1 for line in log.splitlines() if '"msg": "KV ready"' in line)
 
 
+def requests_until_one_crosses(
+    node: NodeCluster, reference: str, decode_pod: str, expected_text: str
+) -> None:
+    """Requests through the router until one has crossed `decode_pod`'s pair (its sidecar received the KV),
+    every text identical to the monolithic run."""
+    model = node.json("get", "disagg", reference)["spec"]["model"]["name"]
+    received = kv_received(node, decode_pod)
+    for _ in range(24):
+        assert curl_text(node, reference, model) == expected_text
+        if kv_received(node, decode_pod) > received:
+            return
+    raise AssertionError(f"24 requests through the router, none crossed {decode_pod}'s pair")
+
+
 def crossed_canaries(node: NodeCluster, deployment: str, decode_pod: str) -> int:
     """How many KV canaries the router logged as crossed into the decode pod."""
     [router] = node.pods("default", f"disagg.io/deployment={deployment},disagg.io/component=router")
@@ -170,7 +178,6 @@ def crossed_canaries(node: NodeCluster, deployment: str, decode_pod: str) -> int
 def test_container_killed_is_restarted_and_its_pair_serves_again(
     node: NodeCluster, reference: str, expected_text: str
 ) -> None:
-    model = node.json("get", "disagg", reference)["spec"]["model"]["name"]
     pod = one_pod(node, reference, "decode")
     name = pod["metadata"]["name"]
     [engine] = [s for s in pod["status"]["containerStatuses"] if s["name"] == "engine"]
@@ -194,15 +201,7 @@ def test_container_killed_is_restarted_and_its_pair_serves_again(
         lambda: crossed_canaries(node, reference, name) > canaries,
         120,
     )
-    # Requests until one has crossed the restarted engine's pair (its sidecar received the KV), every text
-    # identical to the monolithic run.
-    received = kv_received(node, name)
-    for _ in range(24):
-        assert curl_text(node, reference, model) == expected_text
-        if kv_received(node, name) > received:
-            break
-    else:
-        raise AssertionError(f"24 requests through the router, none crossed {name}'s pair")
+    requests_until_one_crosses(node, reference, name, expected_text)
 
 
 def test_pod_deleted_is_replaced_and_serves(node: NodeCluster, reference: str, expected_text: str) -> None:
