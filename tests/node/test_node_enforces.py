@@ -5,12 +5,14 @@ deleted and replaced."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from node_suite import curl_text
 
-from disagg.rig.node_cluster import OPERATOR_NAMESPACE, NodeCluster, pod_ready, wait_for
+from disagg.rig.node_cluster import OPERATOR_NAMESPACE, NodeCluster, NodeError, pod_ready, wait_for
 from disagg.worker.contracts.pod_contract import POD_CONDITION
+from disagg.worker.router.config import RouterConfig
 
 
 def one_pod(node: NodeCluster, name: str, role: str) -> dict[str, Any]:
@@ -175,6 +177,31 @@ def crossed_canaries(node: NodeCluster, deployment: str, decode_pod: str) -> int
     return sum(1 for line in log.splitlines() if "KV canary" in line and f"{decode_pod}: KV crossed" in line)
 
 
+class Load(threading.Thread):
+    """Requests through the router one after another until stopped, each answer counted right, wrong (a 200
+    whose text differs from the monolithic run's) or failed (an HTTP error or an error in the stream)."""
+
+    def __init__(self, node: NodeCluster, reference: str, model: str, expected_text: str) -> None:
+        super().__init__(daemon=True)
+        self.node, self.reference, self.model, self.expected = node, reference, model, expected_text
+        self.stop = threading.Event()
+        self.right = 0
+        self.wrong: list[str] = []
+        self.failed: list[str] = []
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                text = curl_text(self.node, self.reference, self.model)
+            except (NodeError, ValueError) as exc:
+                self.failed.append(str(exc)[-300:])
+                continue
+            if text == self.expected:
+                self.right += 1
+            else:
+                self.wrong.append(text)
+
+
 def test_container_killed_is_restarted_and_its_pair_serves_again(
     node: NodeCluster, reference: str, expected_text: str
 ) -> None:
@@ -183,6 +210,10 @@ def test_container_killed_is_restarted_and_its_pair_serves_again(
     [engine] = [s for s in pod["status"]["containerStatuses"] if s["name"] == "engine"]
     was_ready_since = ready_since(pod)
     assert was_ready_since is not None
+    model = node.json("get", "disagg", reference)["spec"]["model"]["name"]
+    load = Load(node, reference, model, expected_text)
+    load.start()
+    wait_for("the load's first answer", lambda: load.right, 60)
     node.ctr("tasks", "kill", "--signal", "SIGKILL", engine["containerID"].removeprefix("containerd://"))
 
     def restarted_and_ready() -> dict[str, Any] | None:
@@ -201,6 +232,13 @@ def test_container_killed_is_restarted_and_its_pair_serves_again(
         lambda: crossed_canaries(node, reference, name) > canaries,
         120,
     )
+    load.stop.set()
+    load.join(timeout=180)
+    # Through the kill, the restart and the canary: never a wrong answer, and no more failed requests than the
+    # router's bound, the legs an engine may fail in a row before it is ejected (each failure a clean error).
+    print(f"during the kill: {load.right} right, {len(load.failed)} failed: {load.failed}")
+    assert not load.wrong, load.wrong
+    assert len(load.failed) <= RouterConfig().eject_after_failures, load.failed
     requests_until_one_crosses(node, reference, name, expected_text)
 
 
