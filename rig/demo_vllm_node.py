@@ -29,7 +29,7 @@ from typing import Any, Final
 from disagg.rig import node_cluster
 from disagg.rig.demo_serving import curl_command, sse_text
 from disagg.rig.local import REPO
-from disagg.rig.node_cluster import NodeCluster, NodeError, pod_ready, wait_for
+from disagg.rig.node_cluster import NodeCluster, NodeError, wait_for
 
 SAMPLE: Final = REPO / "examples" / "vllm-cpu-pp2.yaml"
 # The sample's model: hack/vllm/tiny_model.py's hybrid of rig.vllm_engines.SHAPES["hybrid-5g"].
@@ -101,15 +101,7 @@ def install(node: NodeCluster, version: str, say: Say) -> None:
     namespace = node_cluster.OPERATOR_NAMESPACE
     say(f"$ helm upgrade --install {node_cluster.RELEASE} charts/disagg -n {namespace} --create-namespace")
     node_cluster.helm_install(node)
-    wait_for(
-        "the operator's pod Ready",
-        lambda: [
-            p
-            for p in node.pods(node_cluster.OPERATOR_NAMESPACE, "app.kubernetes.io/component=operator")
-            if pod_ready(p)
-        ],
-        timeout_s=180,
-    )
+    node_cluster.wait_operator(node)
 
 
 def apply_sample(node: NodeCluster, timeout_s: float) -> str:
@@ -163,11 +155,6 @@ def completion(url: str, model: str) -> str:
     return sse_text(proc.stdout)
 
 
-def router_url(node: NodeCluster, name: str) -> str:
-    svc = node.json("get", "service", f"{name}-router")
-    return f"http://{svc['spec']['clusterIP']}:{svc['spec']['ports'][0]['port']}/v1/completions"
-
-
 def decoder_url(node: NodeCluster, name: str) -> str:
     decoder = pods_of(node, name, "decode")[0]
     return f"http://{decoder['status']['podIP']}:8000/v1/completions"
@@ -218,10 +205,10 @@ def run(node: NodeCluster, say: Say, timeout_s: float) -> Served:
     say(f"==> Stage 1 ({stage_1}) joins stage 0 by its DNS name: --master-addr {master} --headless")
     say("==> A request through the router's Service (the router canaries the new pair first)")
     with timed(say, "the first request"):
-        through_router = completion(router_url(node, name), model)
+        through_router = completion(node_cluster.router_url(node, name), model)
     # The counter also holds the canary's prompt: the second request's share of it is this request's alone.
     before = external_prompt_tokens(node, name)
-    again = completion(router_url(node, name), model)
+    again = completion(node_cluster.router_url(node, name), model)
     external = external_prompt_tokens(node, name) - before
     same = "the same text" if again == through_router else f"ANOTHER TEXT: {again!r}"
     say(f"==> The same request again: {same}; the decoder's")

@@ -61,6 +61,35 @@ def failure(proc: subprocess.CompletedProcess[str]) -> str:
     return f"{command} exited {proc.returncode}\n--- stdout\n{out}\n--- stderr\n{err}"
 
 
+def script_paths() -> dict[str, str]:
+    """What `hack/node.sh paths` prints: the kubeconfig, binaries, state, registry and node(s)."""
+    proc = call_script("paths")
+    if proc.returncode != 0:
+        raise NodeError(failure(proc))
+    return dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
+
+
+@contextmanager
+def held(*up_args: str, running: Callable[[], bool] = lambda: True) -> Iterator[NodeCluster]:
+    """The node to this process alone, brought up (`hack/node.sh up *up_args`) unless it already runs as
+    `running` wants it, and taken down at the end only when it was brought up here. A failed `up` or `down`
+    raises NodeError with the script's output."""
+    with exclusive():
+        started_here = call_script("status").returncode != 0 or not running()
+        if started_here:
+            up = call_script("up", *up_args)
+            if up.returncode != 0:
+                raise NodeError(failure(up))
+            print(up.stderr.strip().splitlines()[-1] if up.stderr.strip() else up.stdout.strip())
+        try:
+            yield NodeCluster.from_script()
+        finally:
+            if started_here:
+                down = call_script("down")
+                if down.returncode != 0:
+                    raise NodeError(failure(down))
+
+
 def image_version() -> str:
     """The images' tag: pyproject.toml's version (= the chart's appVersion)."""
     proc = subprocess.run(
@@ -85,10 +114,7 @@ class NodeCluster:
 
     @classmethod
     def from_script(cls) -> NodeCluster:
-        proc = call_script("paths")
-        if proc.returncode != 0:
-            raise NodeError(failure(proc))
-        f = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
+        f = script_paths()
         return cls(
             Path(f["kubeconfig"]),
             Path(f["bin"]),

@@ -18,7 +18,7 @@ from node_suite import MAX_TOKENS, PROMPT
 
 from disagg.rig import node_cluster
 from disagg.rig.demo_serving import REFERENCE_SAMPLE, monolithic_text
-from disagg.rig.node_cluster import NodeCluster, failure
+from disagg.rig.node_cluster import NodeCluster, NodeError
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -29,19 +29,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="package")
 def node() -> Iterator[NodeCluster]:
-    with node_cluster.exclusive():
-        started_here = node_cluster.call_script("status").returncode != 0
-        if started_here:
-            up = node_cluster.call_script("up")
-            if up.returncode != 0:
-                pytest.fail(failure(up), pytrace=False)
-        try:
-            yield NodeCluster.from_script()
-        finally:
-            if started_here:
-                down = node_cluster.call_script("down")
-                if down.returncode != 0:
-                    pytest.fail(failure(down), pytrace=False)
+    try:
+        with node_cluster.held() as cluster:
+            yield cluster
+    except NodeError as exc:
+        pytest.fail(str(exc), pytrace=False)
 
 
 @pytest.fixture(scope="package")

@@ -19,7 +19,7 @@ from node2_suite import MAX_TOKENS, NODE_LABEL, PROMPT
 
 from disagg.rig import node_cluster
 from disagg.rig.demo_serving import REFERENCE_SAMPLE, monolithic_text
-from disagg.rig.node_cluster import NodeCluster, NodeError, failure
+from disagg.rig.node_cluster import NodeCluster, NodeError
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -28,34 +28,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.node2)
 
 
-def script_paths() -> dict[str, str]:
-    proc = node_cluster.call_script("paths")
-    if proc.returncode != 0:
-        raise NodeError(failure(proc))
-    return dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
-
-
 @pytest.fixture(scope="package")
 def node() -> Iterator[NodeCluster]:
-    with node_cluster.exclusive():
-        started_here = node_cluster.call_script("status").returncode != 0 or "node2" not in script_paths()
-        if started_here:
-            up = node_cluster.call_script("up", "--nodes", "2")
-            if up.returncode != 0:
-                pytest.fail(failure(up), pytrace=False)
-            print(up.stderr.strip().splitlines()[-1])
-        try:
-            yield NodeCluster.from_script()
-        finally:
-            if started_here:
-                down = node_cluster.call_script("down")
-                if down.returncode != 0:
-                    pytest.fail(failure(down), pytrace=False)
+    def two_nodes() -> bool:
+        return "node2" in node_cluster.script_paths()
+
+    try:
+        with node_cluster.held("--nodes", "2", running=two_nodes) as cluster:
+            yield cluster
+    except NodeError as exc:
+        pytest.fail(str(exc), pytrace=False)
 
 
 @pytest.fixture(scope="package")
 def paths(node: NodeCluster) -> dict[str, str]:
-    return script_paths()
+    return node_cluster.script_paths()
 
 
 @pytest.fixture(scope="package")
