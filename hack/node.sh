@@ -20,7 +20,8 @@
 # and the rules that jump to them, the mounts under the state folder, the pods' network namespaces, the bridge,
 # the kubepods cgroups, and the folders the kubelet creates outside its root. Settings (environment):
 # DISAGG_NODE_STATE (default /tmp/disagg-node), DISAGG_NODE_ETCD_PORT, DISAGG_NODE_ETCD_PEER_PORT,
-# DISAGG_NODE_APISERVER_PORT, DISAGG_REGISTRY_PORT, DISAGG_CACHE.
+# DISAGG_NODE_APISERVER_PORT, DISAGG_REGISTRY_PORT, DISAGG_CACHE, DISAGG_NODE_DISK_GIB (the free disk `up`
+# asks for, default 10).
 #
 # A second node (`up --nodes 2`) gets its own network namespace with its own node address behind a veth pair,
 # its own containerd (two kubelets on one containerd would remove each other's sandboxes), kubelet (its own
@@ -46,6 +47,12 @@ STATE=${DISAGG_NODE_STATE:-/tmp/disagg-node}
 LOGS=$STATE/logs
 PKI=$STATE/pki
 SAVED=$STATE/host-saved
+
+# The kubelet evicts pods below EVICTION_DISK free; `up` refuses to start with less than DISK_NEEDED_GIB free on
+# the state folder's disk (the registry's copy of the images, containerd's content and unpacked layers, the
+# pods' logs: about 7 GB with the vLLM image).
+EVICTION_DISK=2Gi
+DISK_NEEDED_GIB=${DISAGG_NODE_DISK_GIB:-10}
 
 NODE_NAME=disagg-node
 BRIDGE=disagg0
@@ -497,6 +504,11 @@ is_up() {
   bash "$CP" status >/dev/null 2>&1
 }
 
+# Disk thresholds in bytes, not the kubelet's default percentages: the node's images and pods share this
+# machine's disk with everything else on it, so "imagefs.available<15%" (38 GB of a 252 GB disk that is 80 %
+# full of caches) evicted the vLLM pods and deleted their images as soon as the engine image was unpacked,
+# and the pods never stayed up. The same reason turns off image GC by percentage; under real pressure the
+# eviction manager still deletes unused images first.
 launch_kubelet() {
   local name=$1 node=$2 ip=$3 sock=$4 root=$5
   shift 5
@@ -510,7 +522,9 @@ launch_kubelet() {
     --tls-cert-file "$PKI/$name-serving.crt" --tls-private-key-file "$PKI/$name-serving.key" \
     --anonymous-auth=false --client-ca-file "$CA_CRT" --authorization-mode Webhook \
     --cluster-dns "$DNS_IP" --cluster-domain "$CLUSTER_DOMAIN" --resolv-conf "$STATE/host-resolv.conf" \
-    --serialize-image-pulls=false --node-labels "disagg.io/node=$node" --v 1 "$@"
+    --serialize-image-pulls=false --node-labels "disagg.io/node=$node" \
+    --eviction-hard "memory.available<100Mi,nodefs.available<$EVICTION_DISK,imagefs.available<$EVICTION_DISK" \
+    --image-gc-high-threshold 100 --image-gc-low-threshold 99 --v 1 "$@"
 }
 
 # --conntrack-*=0: leave the host's conntrack table size and timeouts alone.
@@ -596,7 +610,10 @@ cmd_up() {
     return 0
   fi
   is_installed || cmd_install
-  local t0=$SECONDS py
+  local t0=$SECONDS py free_gib
+  free_gib=$(($(df --output=avail -k "$(dirname "$STATE")" | tail -n 1) / 1024 / 1024))
+  ((free_gib >= DISK_NEEDED_GIB)) ||
+    die "$(dirname "$STATE") has $free_gib GiB free; the node needs $DISK_NEEDED_GIB GiB (its registry, containerd's images, the pods' logs; DISAGG_NODE_DISK_GIB)"
   py=$(venv_python)
   # Whatever a half-done earlier run left is stopped and put back first, so `up` always starts clean.
   if [[ -d $STATE ]]; then cmd_down; fi

@@ -29,7 +29,7 @@ from typing import Any, Final
 from disagg.rig import node_cluster
 from disagg.rig.demo_serving import curl_command, sse_text
 from disagg.rig.local import REPO
-from disagg.rig.node_cluster import NodeCluster, NodeError, wait_for
+from disagg.rig.node_cluster import NodeCluster, NodeError
 
 SAMPLE: Final = REPO / "examples" / "vllm-cpu-pp2.yaml"
 # The sample's model: hack/vllm/tiny_model.py's hybrid of rig.vllm_engines.SHAPES["hybrid-5g"].
@@ -104,36 +104,6 @@ def install(node: NodeCluster, version: str, say: Say) -> None:
     node_cluster.wait_operator(node)
 
 
-def apply_sample(node: NodeCluster, timeout_s: float) -> str:
-    """`kubectl apply` of the sample, then Routable and Available and every pod Ready; returns its name."""
-    name = str(sample()["metadata"]["name"])
-    node.kubectl("apply", "-f", str(SAMPLE))
-
-    try:
-        wait_for(
-            f"{name} Routable and Available, its {PODS} pods Ready",
-            lambda: node_cluster.serving(node, name, PODS),
-            timeout_s,
-            interval_s=3,
-        )
-    except NodeError as exc:
-        raise NodeError(f"{exc}\n{diagnosis(node, name)}") from exc
-    return name
-
-
-def diagnosis(node: NodeCluster, name: str) -> str:
-    """What the pods and their engines said, for a failure's message."""
-    parts = [node.kubectl("get", "pods", "-o", "wide", check=False).stdout]
-    parts.append(node.kubectl("get", "disagg", name, "-o", "yaml", check=False).stdout[-3000:])
-    for pod in node.pods("default", f"disagg.io/deployment={name}"):
-        pod_name = pod["metadata"]["name"]
-        for container in ("engine", "disagg-worker"):
-            log = node.kubectl("logs", pod_name, "-c", container, "--tail", "40", check=False)
-            parts.append(f"--- {pod_name}/{container}\n{log.stdout[-3000:]}{log.stderr[-500:]}")
-    parts.append(node.kubectl("get", "events", "--sort-by=.lastTimestamp", check=False).stdout[-4000:])
-    return "\n".join(parts)
-
-
 def pods_of(node: NodeCluster, name: str, role: str) -> list[dict[str, Any]]:
     pods = node.pods("default", f"disagg.io/deployment={name},disagg.io/role={role}")
     return sorted(pods, key=lambda p: str(p["metadata"]["name"]))
@@ -198,7 +168,7 @@ def run(node: NodeCluster, say: Say, timeout_s: float) -> Served:
     say(f"==> Applying {SAMPLE.relative_to(REPO)}: vLLM 0.32.0 in containers, PP2 prefill -> PP1 decode")
     say(f"$ kubectl apply -f {SAMPLE.relative_to(REPO)}")
     with timed(say, "apply to Routable, Available, every pod Ready"):
-        name = apply_sample(node, timeout_s)
+        name = node_cluster.apply_sample(node, SAMPLE, PODS, timeout_s)
     show(node, say, "get", "disagg", name)
     show(node, say, "get", "pods", "-l", f"disagg.io/deployment={name}", "-o", "wide")
     stage_1, master = stage_peer(node, name)

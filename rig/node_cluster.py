@@ -257,17 +257,36 @@ def wait_operator(node: NodeCluster) -> dict[str, Any]:
 
 
 def serving(node: NodeCluster, name: str, pods: int) -> bool:
-    """The DisaggDeployment Routable and Available, and its `pods` pods (the router's too) Ready."""
+    """The DisaggDeployment Routable and Available, and its `pods` pods (the router's too) Ready. A node under
+    pressure or an evicted pod raises at once: the kubelet would go on evicting what it starts."""
     # Routable (the READY column) holds with one pair; Available once every engine pod is ready.
     status = node.json("get", "disagg", name).get("status") or {}
     true = {c.get("type") for c in status.get("conditions") or [] if c.get("status") == "True"}
     found = node.pods("default", f"disagg.io/deployment={name}")
+    trouble = pressure(node) + [
+        f"pod {p['metadata']['name']} evicted: {p['status'].get('message', '')}"
+        for p in found
+        if (p.get("status") or {}).get("reason") == "Evicted"
+    ]
+    if trouble:
+        raise NodeError("; ".join(trouble))
     return {ROUTABLE, "Available"} <= true and len(found) == pods and all(pod_ready(p) for p in found)
+
+
+def pressure(node: NodeCluster) -> list[str]:
+    """The node's pressure conditions that hold (DiskPressure, MemoryPressure, PIDPressure), with the
+    kubelet's message."""
+    conditions = node.json("get", "node", node.node)["status"].get("conditions") or []
+    return [
+        f"node {node.node} {c['type']}: {c.get('message', '')}"
+        for c in conditions
+        if c.get("type", "").endswith("Pressure") and c.get("status") == "True"
+    ]
 
 
 def apply_sample(node: NodeCluster, sample: Path, pods: int, timeout_s: float = 420) -> str:
     """`kubectl apply -f sample`, then Routable, Available and its `pods` pods (the router's too) Ready;
-    returns its name. A sample that does not get there fails with the pods and the latest events."""
+    returns its name. A sample that does not get there fails with `diagnosis`."""
     node.kubectl("apply", "-f", str(sample))
     name: str = yaml.safe_load(sample.read_text())["metadata"]["name"]
     try:
@@ -278,10 +297,32 @@ def apply_sample(node: NodeCluster, sample: Path, pods: int, timeout_s: float = 
             interval_s=2,
         )
     except NodeError as exc:
-        listed = node.kubectl("get", "pods", "-o", "wide", check=False).stdout
-        events = node.kubectl("get", "events", "--sort-by=.lastTimestamp", check=False).stdout[-4000:]
-        raise NodeError(f"{exc}\n{listed}\n{events}") from exc
+        raise NodeError(f"{exc}\n{diagnosis(node, name)}") from exc
     return name
+
+
+def diagnosis(node: NodeCluster, name: str) -> str:
+    """What a failure's message needs: the pods, the deployment's status, the node's conditions and free disk,
+    the tail of every container's log, and the latest events."""
+    parts = [node.kubectl("get", "pods", "-A", "-o", "wide", check=False).stdout]
+    parts.append(node.kubectl("get", "disagg", name, "-o", "yaml", check=False).stdout[-3000:])
+    conditions = node.kubectl(
+        "get",
+        "node",
+        node.node,
+        "-o",
+        "jsonpath={range .status.conditions[*]}{.type}={.status} {.message}{'\\n'}{end}",
+        check=False,
+    )
+    parts.append(conditions.stdout)
+    parts.append(subprocess.run(["df", "-h", str(node.state)], capture_output=True, text=True).stdout)
+    for pod in node.pods("default", f"disagg.io/deployment={name}"):
+        pod_name = pod["metadata"]["name"]
+        for container in pod["spec"]["containers"]:
+            log = node.kubectl("logs", pod_name, "-c", container["name"], "--tail", "40", check=False)
+            parts.append(f"--- {pod_name}/{container['name']}\n{log.stdout[-3000:]}{log.stderr[-500:]}")
+    parts.append(node.kubectl("get", "events", "-A", "--sort-by=.lastTimestamp", check=False).stdout[-4000:])
+    return "\n".join(parts)
 
 
 def router_url(node: NodeCluster, name: str) -> str:

@@ -13,7 +13,9 @@ from disagg.rig import demo_vllm_node, node_cluster
 from disagg.rig.demo_serving import REFERENCE_SAMPLE
 from disagg.rig.node_cluster import NodeCluster, pod_ready
 
-pytestmark = pytest.mark.node_vllm
+# The first test's clock covers the fixture: the push of a 1.2 GB image, the chart and the sample (about 4
+# minutes here). Its own wait ends first, so a sample that never serves fails with the node's diagnosis.
+pytestmark = [pytest.mark.node_vllm, pytest.mark.timeout(1200)]
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +23,7 @@ def served(node: NodeCluster) -> Iterator[demo_vllm_node.Served]:
     # The node's two cores to the vLLM engines: the reference sample of the tests before goes first.
     node.kubectl("delete", "-f", str(REFERENCE_SAMPLE), "--ignore-not-found", "--wait=true", timeout=300)
     try:
-        yield demo_vllm_node.run(node, print, timeout_s=900)
+        yield demo_vllm_node.run(node, print, timeout_s=600)
     finally:
         node.kubectl("delete", "-f", str(demo_vllm_node.SAMPLE), "--ignore-not-found", check=False)
 
