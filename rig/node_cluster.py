@@ -274,12 +274,12 @@ def serving(node: NodeCluster, name: str, pods: int) -> bool:
 
 
 def pressure(node: NodeCluster) -> list[str]:
-    """The node's pressure conditions that hold (DiskPressure, MemoryPressure, PIDPressure), with the
-    kubelet's message."""
-    conditions = node.json("get", "node", node.node)["status"].get("conditions") or []
+    """The pressure conditions that hold on any node of the cluster (DiskPressure, MemoryPressure,
+    PIDPressure), with the kubelet's message."""
     return [
-        f"node {node.node} {c['type']}: {c.get('message', '')}"
-        for c in conditions
+        f"node {n['metadata']['name']} {c['type']}: {c.get('message', '')}"
+        for n in node.json("get", "nodes")["items"]
+        for c in n["status"].get("conditions") or []
         if c.get("type", "").endswith("Pressure") and c.get("status") == "True"
     ]
 
@@ -302,20 +302,16 @@ def apply_sample(node: NodeCluster, sample: Path, pods: int, timeout_s: float = 
 
 
 def diagnosis(node: NodeCluster, name: str) -> str:
-    """What a failure's message needs: the pods, the deployment's status, the node's conditions and free disk,
+    """What a failure's message needs: the pods, the deployment's status, the nodes' conditions and free disk,
     the tail of every container's log, and the latest events."""
     parts = [node.kubectl("get", "pods", "-A", "-o", "wide", check=False).stdout]
     parts.append(node.kubectl("get", "disagg", name, "-o", "yaml", check=False).stdout[-3000:])
-    conditions = node.kubectl(
-        "get",
-        "node",
-        node.node,
-        "-o",
-        "jsonpath={range .status.conditions[*]}{.type}={.status} {.message}{'\\n'}{end}",
-        check=False,
+    conditions = (
+        "{range .items[*]}{.metadata.name}{'\\n'}"
+        "{range .status.conditions[*]}  {.type}={.status} {.message}{'\\n'}{end}{end}"
     )
-    parts.append(conditions.stdout)
-    parts.append(subprocess.run(["df", "-h", str(node.state)], capture_output=True, text=True).stdout)
+    parts.append(node.kubectl("get", "nodes", "-o", f"jsonpath={conditions}", check=False).stdout)
+    parts.append(node.run("df", "-h", str(node.state), check=False).stdout)
     for pod in node.pods("default", f"disagg.io/deployment={name}"):
         pod_name = pod["metadata"]["name"]
         for container in pod["spec"]["containers"]:
